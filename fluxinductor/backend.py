@@ -1,0 +1,45 @@
+"""``torch.compile(model, backend="flux")``: inductor plus fluxinductor's passes.
+
+Registered through the ``torch_dynamo_backends`` entry point, so ``backend="flux"`` works without
+importing fluxinductor first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from fluxinductor import config
+from fluxinductor.log import logger
+
+
+def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[Dict[str, Any]] = None):
+    """Compile ``gm`` with inductor, with fluxinductor's pass manager as the post-grad custom pass.
+
+    ``options`` (from ``torch.compile(..., options=...)``): ``"tp_group"`` (a group name, ProcessGroup,
+    1-D DeviceMesh or a list of them) restricts fusion to that group, overriding
+    :func:`fluxinductor.set_tp_group`; every other key is an inductor config patch.  Forward and backward
+    graphs are both rewritten: inductor applies the same config patches to the backward compile.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    # Registering the ops here makes graphs from the entry point (no `import fluxinductor`) work too.
+    import fluxinductor.ops  # noqa: F401
+    from fluxinductor.passes import FluxPassManager
+
+    patches = dict(options or {})
+    tp_group = patches.pop("tp_group", None)
+    if config.disabled():
+        logger.info("FLUXINDUCTOR_DISABLE is set: compiling with plain inductor")
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+    if tp_group is not None:
+        config.set_tp_group(tp_group)
+    user_pass = patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
+    if user_pass is not None:
+        raise ValueError(
+            "backend='flux' installs inductor's post_grad_custom_post_pass itself; another one is already set"
+        )
+    patches["post_grad_custom_post_pass"] = FluxPassManager(config.tp_group_names())
+    return compile_fx(gm, example_inputs, config_patches=patches)

@@ -1,0 +1,62 @@
+"""Settings that change what the passes do.
+
+Everything here that a pass reads is folded into the pass manager's ``uuid()`` (see
+``fluxinductor.passes.manager``), so inductor's FX graph cache never serves a graph rewritten under
+other settings.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional, Union
+
+import torch.distributed as dist
+
+_tp_group_names: Optional[frozenset] = None
+
+
+def disabled() -> bool:
+    """``FLUXINDUCTOR_DISABLE=1``: ``backend="flux"`` compiles exactly as ``backend="inductor"``."""
+    return os.environ.get("FLUXINDUCTOR_DISABLE", "0") not in ("", "0")
+
+
+def _group_name(group: Union[str, "dist.ProcessGroup", object]) -> str:
+    if isinstance(group, str):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    # A one-dimensional DeviceMesh (e.g. mesh["tp"]).
+    get_group = getattr(group, "get_group", None)
+    if get_group is not None:
+        return get_group().group_name
+    raise TypeError(f"expected a group name, ProcessGroup or 1-D DeviceMesh, got {type(group).__name__}")
+
+
+def set_tp_group(groups: Union[None, str, object, Iterable]) -> None:
+    """Restrict fusion to the collectives of these process groups (the tensor-parallel group).
+
+    ``None`` (the default) lets every group's collectives be fused.  Accepts group names,
+    ``ProcessGroup`` objects, 1-D ``DeviceMesh`` objects, or an iterable of them.
+    """
+    global _tp_group_names
+    if groups is None:
+        _tp_group_names = None
+        return
+    if isinstance(groups, (str, dist.ProcessGroup)) or hasattr(groups, "get_group"):
+        groups = [groups]
+    _tp_group_names = frozenset(_group_name(g) for g in groups)
+
+
+def tp_group_names() -> Optional[frozenset]:
+    """The group names fusion is restricted to, or ``None`` for all groups."""
+    return _tp_group_names
+
+
+def group_allowed(group_name: str) -> bool:
+    return _tp_group_names is None or group_name in _tp_group_names
+
+
+def cache_key() -> str:
+    """The settings the passes read, as a string for the pass manager's uuid."""
+    names = "*" if _tp_group_names is None else ",".join(sorted(_tp_group_names))
+    return f"disabled={disabled()};tp_groups={names}"

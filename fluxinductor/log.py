@@ -1,0 +1,81 @@
+"""Logging and rewrite statistics.
+
+Every match a pass looks at ends in exactly one of two places: ``fused`` (rewritten) or ``skipped``
+(left alone, with the reason).  ``FLUXINDUCTOR_LOG=1`` prints each decision as it is made.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+
+logger = logging.getLogger("fluxinductor")
+
+
+def _configure_from_env() -> None:
+    if os.environ.get("FLUXINDUCTOR_LOG", "0") not in ("", "0"):
+        if not any(getattr(h, "_fluxinductor", False) for h in logger.handlers):
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[fluxinductor] %(message)s"))
+            handler._fluxinductor = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+_configure_from_env()
+
+_lock = threading.Lock()
+_fused: collections.Counter = collections.Counter()
+_skipped: collections.Counter = collections.Counter()
+_fallbacks: collections.Counter = collections.Counter()
+
+
+def record_fused(pattern: str, detail: str = "") -> None:
+    """Count one rewrite of ``pattern`` (e.g. ``"all_gather_matmul"``)."""
+    with _lock:
+        _fused[pattern] += 1
+    logger.info("fused %s%s", pattern, f": {detail}" if detail else "")
+
+
+def record_skip(pattern: str, reason: str, detail: str = "") -> None:
+    """Count one match of ``pattern`` that was left unfused, and why."""
+    with _lock:
+        _skipped[(pattern, reason)] += 1
+    logger.info("skipped %s: %s%s", pattern, reason, f" ({detail})" if detail else "")
+
+
+def record_fallback(op: str, reason: str) -> None:
+    """Count one run time call of a fused op that took the decomposed path instead of a fused kernel."""
+    with _lock:
+        first = _fallbacks[(op, reason)] == 0
+        _fallbacks[(op, reason)] += 1
+    # Logged once per (op, reason): the same fallback repeats every step.
+    if first:
+        logger.info("%s runs decomposed: %s", op, reason)
+
+
+def rewrite_stats() -> dict:
+    """Counts since the last :func:`reset_rewrite_stats`.
+
+    Returns ``{"fused": {pattern: n}, "skipped": {pattern: {reason: n}}, "fallbacks": {op: {reason: n}}}``.
+    A compile served from inductor's FX graph cache runs no pass and adds nothing here.
+    """
+    with _lock:
+        skipped: dict = {}
+        for (pattern, reason), n in _skipped.items():
+            skipped.setdefault(pattern, {})[reason] = n
+        fallbacks: dict = {}
+        for (op, reason), n in _fallbacks.items():
+            fallbacks.setdefault(op, {})[reason] = n
+        return {"fused": dict(_fused), "skipped": skipped, "fallbacks": fallbacks}
+
+
+def reset_rewrite_stats() -> None:
+    """Zero the counts that :func:`rewrite_stats` reports."""
+    with _lock:
+        _fused.clear()
+        _skipped.clear()
+        _fallbacks.clear()

@@ -1,0 +1,197 @@
+"""The fused custom ops the passes put into graphs.
+
+``torch.ops.fluxinductor.all_gather_matmul`` and ``torch.ops.fluxinductor.matmul_reduce_scatter`` mean
+exactly what the unfused graph meant.  At run time :mod:`fluxinductor.dispatch` may run a fused kernel;
+when it declines (CPU tensors, no extension, unsupported dtype or shape, a shape where the cost model
+says fusion loses) the op runs the reference decomposition below over the process group, so a rewritten
+graph runs anywhere: gloo on CPU, NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from fluxinductor import dispatch
+
+REDUCE_OPS = ("sum", "avg")
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(group_name)
+
+
+def _check_dim(dim: int, ndim: int, what: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{what}={dim} is out of range for a {ndim}-D tensor")
+    return dim % ndim
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reference decompositions (also the oracles of the kernel tests).
+# ---------------------------------------------------------------------------------------------------
+
+
+def all_gather(shard: Tensor, gather_dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Concatenate every rank's ``shard`` along ``gather_dim`` (rank order)."""
+    world = group.size()
+    gather_dim = _check_dim(gather_dim, shard.dim(), "gather_dim")
+    shard = shard.contiguous()
+    # shard: [S, ...] -> gathered_rows: [world * S, ...]
+    gathered_rows = shard.new_empty((world * shard.shape[0],) + tuple(shard.shape[1:]))
+    dist.all_gather_into_tensor(gathered_rows, shard, group=group)
+    if gather_dim == 0:
+        return gathered_rows
+    return torch.cat(gathered_rows.chunk(world, dim=0), dim=gather_dim)
+
+
+def reduce_scatter(partial: Tensor, reduce_op: str, scatter_dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Sum (or average) ``partial`` over the group and keep this rank's slice of ``scatter_dim``."""
+    world = group.size()
+    scatter_dim = _check_dim(scatter_dim, partial.dim(), "scatter_dim")
+    if partial.shape[scatter_dim] % world:
+        raise ValueError(f"dim {scatter_dim} of size {partial.shape[scatter_dim]} does not split over {world} ranks")
+    if scatter_dim != 0:
+        partial = torch.cat(partial.chunk(world, dim=scatter_dim), dim=0)
+    partial = partial.contiguous()
+    out = partial.new_empty((partial.shape[0] // world,) + tuple(partial.shape[1:]))
+    dist.reduce_scatter_tensor(out, partial, op=dist.ReduceOp.SUM, group=group)
+    # With scatter_dim > 0 the chunks were stacked on dim 0 above, so this rank's dim-0 slice already
+    # has the output's shape: [..., size(scatter_dim) / world, ...].
+    return out / world if reduce_op == "avg" else out
+
+
+def _linear(a: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    # a: [..., K], weight: [K, N] -> [..., N]
+    if a.dim() == 2:
+        return torch.mm(a, weight) if bias is None else torch.addmm(bias, a, weight)
+    out = torch.matmul(a, weight)
+    return out if bias is None else out + bias
+
+
+def all_gather_matmul_reference(
+    shard: Tensor,
+    weights: Sequence[Tensor],
+    biases: Sequence[Optional[Tensor]],
+    gather_dim: int,
+    group_name: str,
+) -> Tuple[List[Tensor], Tensor]:
+    """all_gather(shard, gather_dim) then ``gathered @ weights[i] + biases[i]`` for each i."""
+    gathered = all_gather(shard, gather_dim, _group(group_name))
+    return [_linear(gathered, w, b) for w, b in zip(weights, biases)], gathered
+
+
+def matmul_reduce_scatter_reference(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
+) -> Tensor:
+    """reduce_scatter(a @ weight + bias, reduce_op, scatter_dim); the bias is added on every rank."""
+    return reduce_scatter(_linear(a, weight, bias), reduce_op, scatter_dim, _group(group_name))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks shared by the real and fake implementations.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_all_gather_matmul(shard: Tensor, weights, biases, gather_dim: int) -> None:
+    if len(weights) == 0:
+        raise ValueError("all_gather_matmul needs at least one weight")
+    if len(biases) != len(weights):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases (use None for no bias)")
+    if shard.dim() < 2:
+        raise ValueError(f"shard must be at least 2-D, got {shard.dim()}-D")
+    gather_dim = _check_dim(gather_dim, shard.dim(), "gather_dim")
+    if gather_dim == shard.dim() - 1:
+        raise ValueError("gather_dim must not be the contraction (last) dim")
+    for w, b in zip(weights, biases):
+        if w.dim() != 2 or w.shape[0] != shard.shape[-1]:
+            raise ValueError(f"weight of shape {tuple(w.shape)} does not match shard {tuple(shard.shape)}")
+        if b is not None and b.shape[-1] != w.shape[1]:
+            raise ValueError(f"bias of shape {tuple(b.shape)} does not match weight {tuple(w.shape)}")
+
+
+def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int) -> None:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+    if a.dim() < 2 or weight.dim() != 2 or a.shape[-1] != weight.shape[0]:
+        raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(weight.shape)}")
+    _check_dim(scatter_dim, a.dim(), "scatter_dim")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ops.
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "fluxinductor::all_gather_matmul",
+    mutates_args=(),
+    schema="(Tensor shard, Tensor[] weights, Tensor?[] biases, int gather_dim, str group_name, "
+    "bool return_gathered) -> (Tensor[], Tensor)",
+)
+def all_gather_matmul(
+    shard: Tensor,
+    weights: List[Tensor],
+    biases: List[Optional[Tensor]],
+    gather_dim: int,
+    group_name: str,
+    return_gathered: bool,
+) -> Tuple[List[Tensor], Tensor]:
+    """``A = all_gather(shard, gather_dim)``; returns ``([A @ W_i + b_i for each i], A)``.
+
+    shard: [..., S, ..., K] (this rank's slice of ``gather_dim``), weights[i]: [K, N_i],
+    biases[i]: [N_i] or None.  outputs[i]: [..., world * S, ..., N_i].  The second result is the
+    gathered ``A`` when ``return_gathered``, else an empty tensor.
+    """
+    _check_all_gather_matmul(shard, weights, biases, gather_dim)
+    fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
+    if fused is not None:
+        return fused
+    outputs, gathered = all_gather_matmul_reference(shard, weights, biases, gather_dim, group_name)
+    return outputs, (gathered if return_gathered else shard.new_empty(0))
+
+
+@all_gather_matmul.register_fake
+def _(shard, weights, biases, gather_dim, group_name, return_gathered):
+    _check_all_gather_matmul(shard, weights, biases, gather_dim)
+    world = _group(group_name).size()
+    gather_dim = gather_dim % shard.dim()
+    gathered_shape = list(shard.shape)
+    gathered_shape[gather_dim] *= world
+    outputs = [shard.new_empty(gathered_shape[:-1] + [w.shape[1]]) for w in weights]
+    gathered = shard.new_empty(gathered_shape) if return_gathered else shard.new_empty(0)
+    return outputs, gathered
+
+
+@torch.library.custom_op(
+    "fluxinductor::matmul_reduce_scatter",
+    mutates_args=(),
+    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name) -> Tensor",
+)
+def matmul_reduce_scatter(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
+) -> Tensor:
+    """``reduce_scatter(a @ weight + bias, reduce_op, scatter_dim)`` over the group.
+
+    a: [..., K] (this rank's partial operand), weight: [K, N], bias: [N] or None, added on every rank
+    before the reduction, as the unfused graph did.  Returns [...] with ``scatter_dim`` divided by world.
+    """
+    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim)
+    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name)
+    if fused is not None:
+        return fused
+    return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name)
+
+
+@matmul_reduce_scatter.register_fake
+def _(a, weight, bias, reduce_op, scatter_dim, group_name):
+    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim)
+    world = _group(group_name).size()
+    shape = list(a.shape[:-1]) + [weight.shape[1]]
+    scatter_dim = scatter_dim % len(shape)
+    shape[scatter_dim] //= world
+    return a.new_empty(shape)
