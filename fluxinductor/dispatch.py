@@ -1,16 +1,79 @@
 """Run time choice between a fused kernel and the decomposition, for each call of a fused op.
 
-Each function returns the op's result when it ran a fused path, or ``None`` (after recording why with
-:func:`fluxinductor.log.record_fallback`) to make the op run its reference decomposition.
+Each function returns the op's result when it ran a fused kernel, or ``None`` (after recording why with
+:func:`fluxinductor.log.record_fallback`, shown under ``FLUXINDUCTOR_LOG=1``) so the op runs its
+reference decomposition: the collective through the process group, then the matmul (plain sequential).
+
+``FLUXINDUCTOR_DISPATCH`` (read at every call):
+  - ``auto`` (default): the fused kernel where it is eligible and the measured cost model
+    (:mod:`fluxinductor.cost_model`) says it wins for this device, world size and shape;
+  - ``fused``: the fused kernel wherever it is eligible (benchmarks and tests);
+  - ``decomposed``: never the fused kernel.
+
+The kernels take 2-D operands with the collective on dim 0.  Other layouts are brought to that form
+here: the gathered (or scattered) dim moves to the front, which is a free view when it is the leading
+non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from fluxinductor.log import record_fallback
+
+MODES = ("auto", "fused", "decomposed")
+
+
+def mode() -> str:
+    value = os.environ.get("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"FLUXINDUCTOR_DISPATCH must be one of {MODES}, got {value!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(op: str):
+    """The kernel module for ``op``, or the reason it cannot be used."""
+    try:
+        if op == "all_gather_matmul":
+            from fluxinductor.kernels import ag_gemm as module
+        else:
+            from fluxinductor.kernels import gemm_rs as module
+    except Exception as e:  # noqa: BLE001 - an absent or broken extension means "decompose"
+        return None, f"fused kernels unavailable ({type(e).__name__}: {e})"
+    return module, None
+
+
+def _world_size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype) -> Optional[str]:
+    """None when the cost model picks the fused kernel, else its reason for not doing so."""
+    try:
+        from fluxinductor import cost_model
+    except ImportError as e:
+        return f"no cost model ({e})"
+    choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype)
+    return None if choice == "fused" else f"cost model chose {choice}: {reason}"
+
+
+def _rows_first(t: Tensor, dim: int) -> Tensor:
+    """``t`` with ``dim`` moved to the front and flattened to 2-D: [t.size(dim) * rest, t.size(-1)]."""
+    return t.movedim(dim, 0).contiguous().reshape(-1, t.shape[-1])
+
+
+def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tensor:
+    """Inverse of :func:`_rows_first` for a result whose moved dim now has size ``lead``."""
+    out = out2d.view((lead,) + rest + (out2d.shape[-1],)).movedim(0, dim)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def all_gather_matmul(
@@ -21,18 +84,69 @@ def all_gather_matmul(
     group_name: str,
     return_gathered: bool,
 ) -> Optional[Tuple[List[Tensor], Tensor]]:
-    if not shard.is_cuda:
-        record_fallback("all_gather_matmul", f"{shard.device.type} tensors have no fused kernel")
+    op = "all_gather_matmul"
+    requested = mode()
+    if requested == "decomposed":
+        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
         return None
-    record_fallback("all_gather_matmul", "fused CUDA kernels are not built")
-    return None
+    if not shard.is_cuda:
+        record_fallback(op, f"{shard.device.type} tensors have no fused kernel")
+        return None
+    kernels, why = _kernels(op)
+    if kernels is None:
+        record_fallback(op, why)
+        return None
+    gather_dim %= shard.dim()
+    world = _world_size(group_name)
+    rest = tuple(shard.shape[d] for d in range(shard.dim() - 1) if d != gather_dim)
+    # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0.
+    shard2d = _rows_first(shard, gather_dim)
+    why = kernels.unsupported_reason(shard2d, weights, biases, group_name)
+    if why is None and requested == "auto":
+        n_global = world * sum(w.shape[1] for w in weights)
+        why = _cost_model_says(op, shard.device, world, world * shard2d.shape[0], shard2d.shape[1], n_global,
+                               shard.dtype)
+    if why is not None:
+        record_fallback(op, why)
+        return None
+    outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered)
+    lead = world * shard.shape[gather_dim]
+    outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
+    gathered = _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
+    return outputs, gathered
 
 
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
 ) -> Optional[Tensor]:
-    if not a.is_cuda:
-        record_fallback("matmul_reduce_scatter", f"{a.device.type} tensors have no fused kernel")
+    op = "matmul_reduce_scatter"
+    requested = mode()
+    if requested == "decomposed":
+        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
         return None
-    record_fallback("matmul_reduce_scatter", "fused CUDA kernels are not built")
-    return None
+    if not a.is_cuda:
+        record_fallback(op, f"{a.device.type} tensors have no fused kernel")
+        return None
+    kernels, why = _kernels(op)
+    if kernels is None:
+        record_fallback(op, why)
+        return None
+    scatter_dim %= a.dim()
+    if scatter_dim == a.dim() - 1:
+        record_fallback(op, "scatter over the output's last (N) dim has no fused kernel")
+        return None
+    world = _world_size(group_name)
+    if a.shape[scatter_dim] % world:
+        record_fallback(op, f"dim {scatter_dim} of size {a.shape[scatter_dim]} does not split over {world} ranks")
+        return None
+    rest = tuple(a.shape[d] for d in range(a.dim() - 1) if d != scatter_dim)
+    # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
+    a2d = _rows_first(a, scatter_dim)
+    why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
+    if why is None and requested == "auto":
+        why = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
+    if why is not None:
+        record_fallback(op, why)
+        return None
+    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name)
+    return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
