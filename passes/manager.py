@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-
-from fluxinductor import config
-from fluxinductor.log import logger
 
 
 class FluxPassManager(CustomGraphPass):
@@ -51,5 +48,3 @@ class FluxPassManager(CustomGraphPass):
         digest.update(f"tp_groups={groups}".encode())
         return digest.digest()
 
-
-GroupFilter = Callable[[str], bool]
