@@ -38,12 +38,16 @@ class FluxPassManager(CustomGraphPass):
         graph.lint()
 
     def uuid(self) -> bytes:
+        import fluxinductor.ops
+
         here = os.path.dirname(os.path.abspath(__file__))
+        # The passes, and the ops they emit (their schemas and fake implementations shape the graph).
+        sources = [os.path.join(here, name) for name in sorted(os.listdir(here)) if name.endswith(".py")]
+        sources.append(fluxinductor.ops.__file__)
         digest = hashlib.sha256()
-        for name in sorted(os.listdir(here)):
-            if name.endswith(".py"):
-                with open(os.path.join(here, name), "rb") as f:
-                    digest.update(name.encode() + b"\0" + f.read())
+        for path in sources:
+            with open(path, "rb") as f:
+                digest.update(os.path.basename(path).encode() + b"\0" + f.read())
         groups = "*" if self.tp_group_names is None else ",".join(sorted(self.tp_group_names))
         digest.update(f"tp_groups={groups}".encode())
         return digest.digest()
