@@ -1,0 +1,40 @@
+"""Shared test set-up.
+
+* Every test process gets its own empty ``TORCHINDUCTOR_CACHE_DIR``, so no test is served a graph an
+  earlier run compiled (the multi-rank jobs of ``tests/_dist.py`` get a fresh one per job as well).
+* ``tests/`` is on ``sys.path`` so spawned ranks can import the test modules and ``_dist`` by name.
+* Tests marked ``gpu`` skip, with the reason shown, where CUDA is not available.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+_CACHE_DIR = tempfile.mkdtemp(prefix="fluxinductor-pytest-cache-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE_DIR
+# The tests run several single-threaded ranks side by side on a small machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest hook signature
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is available on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
