@@ -1,0 +1,293 @@
+"""Measured cost model: run the fused kernel only where it was measured to beat NCCL-then-GEMM.
+
+The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json``, written by
+``benchmarks/bench_ops.py --emit-tuning`` from a real run on that device at that world size and kept
+under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
+fused kernel and of the sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL).
+
+Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
+
+- ``all_gather_matmul``: each rank holds A_shard [M/world, K] and B [K, N/world]; out [M, N/world].
+- ``matmul_reduce_scatter``: each rank holds A [M, K/world] and B [K/world, N]; out [M/world, N].
+
+Lookup rule of :func:`choose`, in order:
+
+1. No table for this device and world size, or a dtype the table does not cover
+   -> ``("sequential", "no tuning table for <device_key> tp<world>")``.
+2. Rows of the op with exactly this (K, N): sorted by M.
+   - M equal to a measured M: that row's gain.
+   - M between two measured Ms: the gain interpolated linearly in log(M) between the two neighbours.
+   - M outside the measured range: the gain of the nearest measured M (the end row).
+3. Otherwise, rows whose K*N is within a factor :data:`SIMILAR_KN` of this K*N: the row nearest in
+   log(flops) = log(2*M*K*N), if it is within a factor :data:`MAX_FLOPS_RATIO`; its gain.
+4. Otherwise ``("sequential", "no measured shape near ...")``.
+
+The gain of a row is ``(t_sequential - t_fused) / t_sequential``; a row whose fused time is missing
+(the kernel was unavailable, raised, or failed its correctness check) has gain -inf.  ``"fused"`` is
+returned only when the gain is above :data:`MIN_GAIN`, so a difference within timing noise, an
+unmeasured shape or an unmeasured device always means ``"sequential"``.  Forcing the fused kernel
+regardless of this table is the dispatcher's business (``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
+
+``FLUXINDUCTOR_TUNING_DIR`` replaces the packaged table folder (used by the tests, and to try a table
+before committing it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from typing import Dict, List, Optional, Tuple
+
+TABLE_FORMAT = 1
+# Fused must beat sequential by more than this fraction of the sequential time (medians of 20 runs
+# differ by ~1% between repeated runs on the same machine, so smaller gains are noise).
+MIN_GAIN = 0.01
+# Shapes with K*N within this factor of each other count as "similar" for the nearest-flops rule.
+SIMILAR_KN = 2.0
+# ... and the nearest row must be within this factor in flops.
+MAX_FLOPS_RATIO = 4.0
+
+ALL_GATHER_MATMUL = "all_gather_matmul"
+MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
+_OP_ALIASES = {
+    "all_gather_matmul": ALL_GATHER_MATMUL,
+    "ag_gemm": ALL_GATHER_MATMUL,
+    "ag+gemm": ALL_GATHER_MATMUL,
+    "matmul_reduce_scatter": MATMUL_REDUCE_SCATTER,
+    "gemm_rs": MATMUL_REDUCE_SCATTER,
+    "gemm+rs": MATMUL_REDUCE_SCATTER,
+}
+# dtypes whose tensor-core rate and element size match the bf16 the tables are measured in.
+_HALF_DTYPES = ("bfloat16", "float16")
+
+_lock = threading.Lock()
+_tables: Dict[str, Tuple[float, Optional[dict]]] = {}  # path -> (mtime, table or None)
+
+
+def canonical_op(op: str) -> str:
+    """``"all_gather_matmul"`` or ``"matmul_reduce_scatter"`` for any accepted alias (``"AG+GEMM"``, ...)."""
+    try:
+        return _OP_ALIASES[op.lower()]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; expected one of {sorted(set(_OP_ALIASES.values()))}") from None
+
+
+def device_key(device_name: str) -> str:
+    """File-name key of a device: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    key = re.sub(r"[^a-z0-9]+", "_", device_name.strip().lower()).strip("_")
+    return key or "unknown"
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"bf16"`` -> ``"bfloat16"``."""
+    name = str(dtype).replace("torch.", "")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name
+    )
+
+
+def global_mkn(op: str, world: int, a_rows: int, k_local: int, n_local: int) -> Tuple[int, int, int]:
+    """The global (M, K, N) of a per-rank problem, in the tables' convention.
+
+    all_gather_matmul: ``a_rows`` = rows of the shard (M/world), ``k_local`` = K, ``n_local`` = columns
+    of this rank's B (N/world) -> (a_rows*world, K, n_local*world).
+    matmul_reduce_scatter: ``a_rows`` = M, ``k_local`` = K/world, ``n_local`` = N
+    -> (M, k_local*world, N).
+    """
+    op = canonical_op(op)
+    if op == ALL_GATHER_MATMUL:
+        return a_rows * world, k_local, n_local * world
+    return a_rows, k_local * world, n_local
+
+
+def tuning_dir() -> str:
+    """The folder the tables are read from: ``$FLUXINDUCTOR_TUNING_DIR`` or the packaged ``tuning/``."""
+    return os.environ.get("FLUXINDUCTOR_TUNING_DIR") or os.path.join(os.path.dirname(__file__), "tuning")
+
+
+def table_path(device_name: str, world: int) -> str:
+    return os.path.join(tuning_dir(), f"{device_key(device_name)}_tp{int(world)}.json")
+
+
+def load_table(path: str) -> Optional[dict]:
+    """The table at ``path`` (re-read when the file changes), or ``None`` if there is none.
+
+    A file that exists but cannot be parsed raises: a broken committed table must not silently turn
+    every decision into "sequential".
+    """
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return None
+    with _lock:
+        cached = _tables.get(path)
+        if cached is not None and cached[0] == mtime:
+            return cached[1]
+    with open(path) as f:
+        table = json.load(f)
+    if table.get("format") != TABLE_FORMAT or not isinstance(table.get("entries"), list):
+        raise ValueError(f"{path}: not a fluxinductor tuning table of format {TABLE_FORMAT}")
+    with _lock:
+        _tables[path] = (mtime, table)
+    return table
+
+
+def clear_cache() -> None:
+    """Forget every loaded table (they are also re-read whenever their file's mtime changes)."""
+    with _lock:
+        _tables.clear()
+
+
+def _gain(row: dict) -> float:
+    fused, seq = row.get("fused_ms"), row.get("sequential_ms")
+    if row.get("fused_ok") is False or fused is None or seq is None or not fused > 0 or not seq > 0:
+        return -math.inf
+    return (seq - fused) / seq
+
+
+def _describe(row: dict) -> str:
+    fused = row.get("fused_ms")
+    fused_s = "unavailable" if fused is None else f"{fused:.3f} ms"
+    if row.get("fused_ok") is False:
+        fused_s += " (failed its check)"
+    seq = row.get("sequential_ms")
+    seq_s = "?" if seq is None else f"{seq:.3f} ms"
+    return f"M={row['m']} K={row['k']} N={row['n']}: fused {fused_s} vs sequential {seq_s}"
+
+
+def _decide(gain: float, basis: str) -> Tuple[str, str]:
+    gain_s = "-inf" if gain == -math.inf else f"{gain * 100:+.1f}%"
+    if gain > MIN_GAIN:
+        return "fused", f"{basis}; gain {gain_s} > {MIN_GAIN * 100:.0f}%"
+    return "sequential", f"{basis}; gain {gain_s} <= {MIN_GAIN * 100:.0f}%"
+
+
+def choose_from_table(table: dict, op: str, m: int, k: int, n: int) -> Tuple[str, str]:
+    """Apply the lookup rule (module docstring) to one loaded table."""
+    op = canonical_op(op)
+    rows = [r for r in table["entries"] if canonical_op(r["op"]) == op]
+    if not rows:
+        return "sequential", f"no {op} rows in the tuning table"
+
+    same_kn = sorted((r for r in rows if r["k"] == k and r["n"] == n), key=lambda r: r["m"])
+    if same_kn:
+        for r in same_kn:
+            if r["m"] == m:
+                return _decide(_gain(r), "measured " + _describe(r))
+        if m < same_kn[0]["m"]:
+            r = same_kn[0]
+            return _decide(_gain(r), f"nearest measured M (below the range) {_describe(r)}")
+        if m > same_kn[-1]["m"]:
+            r = same_kn[-1]
+            return _decide(_gain(r), f"nearest measured M (above the range) {_describe(r)}")
+        lo = max((r for r in same_kn if r["m"] < m), key=lambda r: r["m"])
+        hi = min((r for r in same_kn if r["m"] > m), key=lambda r: r["m"])
+        g_lo, g_hi = _gain(lo), _gain(hi)
+        if g_lo == -math.inf or g_hi == -math.inf:
+            gain = -math.inf  # never interpolate towards a shape where fused was not measured to work
+        else:
+            t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
+            gain = g_lo + t * (g_hi - g_lo)
+        basis = f"interpolated in log M between [{_describe(lo)}] and [{_describe(hi)}]"
+        return _decide(gain, basis)
+
+    kn = float(k) * float(n)
+    similar = [r for r in rows if abs(math.log(float(r["k"]) * r["n"] / kn)) <= math.log(SIMILAR_KN)]
+    if similar:
+        flops = 2.0 * m * kn
+        best = min(similar, key=lambda r: abs(math.log(2.0 * r["m"] * r["k"] * r["n"] / flops)))
+        ratio = abs(math.log(2.0 * best["m"] * best["k"] * best["n"] / flops))
+        if ratio <= math.log(MAX_FLOPS_RATIO):
+            return _decide(_gain(best), f"nearest measured shape by flops with similar K*N {_describe(best)}")
+    return "sequential", f"no measured {op} shape near M={m} K={k} N={n}"
+
+
+def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype) -> Tuple[str, str]:
+    """Choose the fused kernel or the sequential path for one call: ``("fused" | "sequential", reason)``.
+
+    ``op``: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"`` (aliases: ``"ag_gemm"``, ``"AG+GEMM"``,
+    ``"gemm_rs"``, ``"GEMM+RS"``).  ``device_name``: e.g. ``torch.cuda.get_device_name()``.
+    (m, k, n): the *global* GEMM shape (see :func:`global_mkn`).  ``dtype``: torch dtype or its name.
+    """
+    key = device_key(device_name)
+    table = load_table(table_path(device_name, world))
+    if table is None:
+        return "sequential", f"no tuning table for {key} tp{int(world)}"
+    want = dtype_name(dtype)
+    have = dtype_name(table.get("dtype", "bfloat16"))
+    if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
+        return "sequential", f"the tuning table for {key} tp{int(world)} was measured in {have}, not {want}"
+    return choose_from_table(table, op, int(m), int(k), int(n))
+
+
+def make_table(
+    device_name: str, world: int, dtype, entries: List[dict], source: Optional[dict] = None
+) -> dict:
+    """A table in the format :func:`choose` reads.
+
+    ``entries``: dicts with ``op, m, k, n, fused_ms, sequential_ms`` (``fused_ms`` None where the fused
+    kernel was unavailable) and optionally ``fused_ok`` (False when its output failed the check) and any
+    other measured numbers, which are kept for the record.
+    """
+    rows = []
+    for e in entries:
+        row = dict(e)
+        row["op"] = canonical_op(row["op"])
+        for field in ("m", "k", "n"):
+            row[field] = int(row[field])
+        row["choice"] = "fused" if _gain(row) > MIN_GAIN else "sequential"
+        rows.append(row)
+    rows.sort(key=lambda r: (r["op"], r["k"], r["n"], r["m"]))
+    return {
+        "format": TABLE_FORMAT,
+        "device": device_name,
+        "device_key": device_key(device_name),
+        "world": int(world),
+        "dtype": dtype_name(dtype),
+        "min_gain": MIN_GAIN,
+        "source": source or {},
+        "entries": rows,
+    }
+
+
+def merge_tables(old: Optional[dict], new: dict) -> dict:
+    """``new`` plus the rows of ``old`` (same device and world) for shapes ``new`` did not measure."""
+    if not old or old.get("device_key") != new["device_key"] or old.get("world") != new["world"]:
+        return new
+    if dtype_name(old.get("dtype", "")) != new["dtype"]:
+        return new
+    measured = {(r["op"], r["m"], r["k"], r["n"]) for r in new["entries"]}
+    kept = [r for r in old.get("entries", []) if (canonical_op(r["op"]), r["m"], r["k"], r["n"]) not in measured]
+    merged = dict(new)
+    merged["entries"] = sorted(kept + new["entries"], key=lambda r: (canonical_op(r["op"]), r["k"], r["n"], r["m"]))
+    return merged
+
+
+def write_table(path: str, table: dict, merge: bool = True) -> dict:
+    """Write ``table`` to ``path`` (merged with the rows already there when ``merge``); returns what was written."""
+    if merge and os.path.exists(path):
+        try:
+            with open(path) as f:
+                table = merge_tables(json.load(f), table)
+        except (OSError, ValueError):
+            pass
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    clear_cache()
+    return table
+
+
+def lookup_description() -> str:
+    """One line naming the rule, for logs."""
+    return (
+        f"exact (K,N) -> log-M interpolation/nearest M; else nearest log-flops with K*N within "
+        f"{SIMILAR_KN:g}x (flops within {MAX_FLOPS_RATIO:g}x); fused only if gain > {MIN_GAIN * 100:.0f}%"
+    )
+
