@@ -1,0 +1,244 @@
+"""Helpers shared by the two rewrites: op handles, shape facts from ``meta['val']``, chunk recognition,
+node placement and fake-mode evaluation of new nodes.
+
+Nothing here changes a graph except :func:`hoist_before` and :func:`erase_dead`, which are only called
+once a match has been accepted.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.fx import Graph, Node
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+ALL_GATHER = c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+WAIT = c10d.wait_tensor.default
+
+# Reshapes keep the row-major order of the elements, whatever the strides of their input.  A chain of
+# them ending in [M, K] is therefore the same tensor as ``x.reshape(M, K)``.
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
+SLICE = aten.slice.Tensor
+CAT = aten.cat.default
+MM = aten.mm.default
+ADDMM = aten.addmm.default
+
+
+class Skip(Exception):
+    """A match that must not be rewritten; ``str(self)`` is the reason recorded in the log."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def is_call(node: object, targets) -> bool:
+    if not isinstance(node, Node) or node.op != "call_function":
+        return False
+    if isinstance(targets, tuple):
+        return node.target in targets
+    return node.target == targets
+
+
+def val(node: Node) -> Optional[torch.Tensor]:
+    """The FakeTensor the graph recorded for ``node``, or None."""
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def static_shape(node: Node, what: str) -> Tuple[int, ...]:
+    """``node``'s shape as plain ints; raises :class:`Skip` for a missing val or a symbolic size."""
+    v = val(node)
+    if v is None:
+        raise Skip("no tensor metadata", f"{what} {node.name} has no meta['val']")
+    shape = []
+    for s in v.shape:
+        if not isinstance(s, int):
+            raise Skip("symbolic shape", f"{what} {node.name} has shape {tuple(v.shape)}")
+        shape.append(s)
+    return tuple(shape)
+
+
+def check_float(node: Node, what: str) -> torch.dtype:
+    v = val(node)
+    if v is None:
+        raise Skip("no tensor metadata", f"{what} {node.name} has no meta['val']")
+    if not v.dtype.is_floating_point:
+        raise Skip("non-floating dtype", f"{what} {node.name} is {v.dtype}")
+    return v.dtype
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def ordered_chunks(parts: Sequence[object], world: int) -> Optional[Tuple[Node, int, List[Node]]]:
+    """If ``parts`` are the ``world`` equal, in-order chunks of one tensor along one dim, return
+    ``(source, dim, chunk_nodes)``; else None.
+
+    Recognized chunk forms (what ``torch.chunk`` / ``torch.narrow`` become after decomposition):
+    ``getitem(split(source, size, dim), i)``, ``getitem(split_with_sizes(source, sizes, dim), i)`` and
+    ``slice(source, dim, i * size, (i + 1) * size)``.  ``chunk_nodes`` are the nodes between source and
+    the parts' consumer (split, getitems or slices), for erasing later.
+    """
+    if len(parts) != world or not all(isinstance(p, Node) for p in parts):
+        return None
+    first = parts[0]
+    if first.target is operator.getitem and is_call(first.args[0], SPLIT_OPS):
+        split = first.args[0]
+        source = split.args[0]
+        src_val = val(source)
+        if src_val is None:
+            return None
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        dim %= src_val.dim()
+        size = src_val.shape[dim]
+        if not isinstance(size, int) or size % world:
+            return None
+        chunk = size // world
+        sizes = split.args[1]
+        if split.target == aten.split.Tensor:
+            if sizes != chunk:
+                return None
+        elif list(sizes) != [chunk] * world:
+            return None
+        for i, p in enumerate(parts):
+            if p.target is not operator.getitem or p.args[0] is not split or p.args[1] != i:
+                return None
+        return source, dim, [split] + list(parts)
+    if is_call(first, SLICE):
+        source = first.args[0]
+        src_val = val(source)
+        if src_val is None:
+            return None
+        dim = first.args[1] % src_val.dim()
+        size = src_val.shape[dim]
+        if not isinstance(size, int) or size % world:
+            return None
+        chunk = size // world
+        for i, p in enumerate(parts):
+            if not is_call(p, SLICE) or p.args[0] is not source or len(p.args) < 4:
+                return None
+            step = p.args[4] if len(p.args) > 4 else 1
+            if p.args[1] % src_val.dim() != dim or step != 1:
+                return None
+            if p.args[2] != i * chunk or p.args[3] != (i + 1) * chunk:
+                return None
+        return source, dim, list(parts)
+    return None
+
+
+def cat_dim(cat: Node) -> int:
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return dim % val(cat).dim()
+
+
+def only_user(node: Node) -> Optional[Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def positions(graph: Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def ancestors_after(node: Node, limit: int, pos: dict) -> List[Node]:
+    """``node`` and its ancestors that sit at or after graph position ``limit``."""
+    seen, stack, found = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, Node) or pos[n] < limit:
+            continue
+        seen.add(n)
+        found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def hoist_before(anchor: Node, nodes: Iterable[Node], pos: dict) -> None:
+    """Move ``nodes`` (already closed under their inputs that sit after ``anchor``) before ``anchor``,
+    keeping their relative order."""
+    for n in sorted(set(nodes), key=pos.__getitem__):
+        anchor.prepend(n)
+
+
+def is_pure(node: Node) -> bool:
+    if node.op != "call_function":
+        return node.op == "get_attr"
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    if schema.is_mutable:
+        return False
+    return node.target.namespace == "aten" and not node.is_impure()
+
+
+def erase_dead(graph: Graph, nodes: Iterable[Node]) -> None:
+    """Erase those of ``nodes`` that have no users, latest first (so a chain goes in one call)."""
+    pos = positions(graph)
+    for n in sorted(set(nodes), key=lambda n: pos.get(n, -1), reverse=True):
+        if n in pos and not n.users:
+            graph.erase_node(n)
+
+
+def fake_mode_of(graph: Graph):
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    return detect_fake_mode(vals)
+
+
+def set_val(node: Node, fake_mode, fn: Callable[[], object]) -> None:
+    """Set ``node.meta['val']`` to ``fn()`` evaluated under the graph's fake mode."""
+    with fake_mode:
+        node.meta["val"] = fn()
+
+
+def copy_debug_meta(new: Node, old: Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+
+
+def matmul_operands(node: Node) -> Optional[Tuple[Node, Node, Optional[Node]]]:
+    """``(a, weight, bias)`` of ``mm(a, weight)`` or ``addmm(bias, a, weight)`` with alpha = beta = 1;
+    None for anything else (an addmm with scaling is not ``a @ weight + bias``)."""
+    if is_call(node, MM) and not node.kwargs:
+        return node.args[0], node.args[1], None
+    if is_call(node, ADDMM) and len(node.args) == 3:
+        if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+            return None
+        return node.args[1], node.args[2], node.args[0]
+    return None
+
+
+def check_weight_and_bias(weight: Node, bias: Optional[Node], k: int, dtype: torch.dtype, what: str) -> int:
+    """Checks a matmul's weight [K, N] and bias [N]; returns N.  Raises :class:`Skip`."""
+    w_shape = static_shape(weight, "weight")
+    if len(w_shape) != 2 or w_shape[0] != k:
+        raise Skip("unexpected weight shape", f"{what}: weight {w_shape}, K={k}")
+    if val(weight).dtype != dtype:
+        raise Skip("mixed dtypes", f"{what}: weight {val(weight).dtype}, activation {dtype}")
+    n = w_shape[1]
+    if bias is not None:
+        if not isinstance(bias, Node):
+            raise Skip("non-tensor bias", what)
+        b_shape = static_shape(bias, "bias")
+        # addmm broadcasts a [M, N] or [1, N] bias too; the fused op takes only a per-column bias.
+        if b_shape != (n,):
+            raise Skip("bias is not a [N] vector", f"{what}: bias {b_shape}")
+        if val(bias).dtype != dtype:
+            raise Skip("mixed dtypes", f"{what}: bias {val(bias).dtype}, activation {dtype}")
+    return n

@@ -1,0 +1,178 @@
+"""Rewrite ``matmul -> reduce_scatter`` into ``fluxinductor.matmul_reduce_scatter``.
+
+Fuses the pattern ``C = reduce_scatter(A @ W (+ b), reduce_op, scatter_dim)`` into
+``matmul_reduce_scatter(A, W, b, reduce_op, scatter_dim, group)``.
+
+Before (scatter_dim = 1, as funcol/DTensor write it for activations [B, S, N] scattered on S)::
+
+    y     = addmm(b, a2, W)                        # a2: [B*S, K] (often reshape(a, [B*S, K])), y: [B*S, N]
+    y3    = reshape(y, [B, S, N])
+    parts = split(y3, S/w, 1) ; p_i = getitem(parts, i)
+    z     = cat([p_0, ..., p_w-1])                 # [w*B, S/w, N]: the chunks stacked on dim 0
+    rs    = _c10d_functional.reduce_scatter_tensor(z, "sum", world, group)
+    out   = _c10d_functional.wait_tensor(rs)       # [B, S/w, N]; any number of users
+
+After::
+
+    a3    = reshape(a2, [B, S, K])                 # or a itself when a2 = reshape(a, [B, S, K])
+    out   = fluxinductor.matmul_reduce_scatter(a3, W, b, "sum", 1, group)
+
+With scatter_dim 0 the reduce_scatter reads the matmul output directly (2-D), or through a reshape
+chain to [..., N] (e.g. [S, B, N] for sequence-first activations); the op then gets ``a`` reshaped to
+[..., K] and scatter_dim 0.  The bias is added on every rank before the reduction, exactly as
+``addmm -> reduce_scatter`` does.  The matmul output (and the reshape/split/cat between) must have no
+other reader, else the matmul would have to run twice; such matches, ``reduce_op`` other than
+sum/avg, non-floating dtypes, sizes that do not split over the group, symbolic shapes and disallowed
+groups are left alone and recorded with :func:`fluxinductor.log.record_skip`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from fluxinductor.log import record_fused, record_skip
+from fluxinductor.passes import _match as m
+from fluxinductor.passes._match import Skip
+
+PATTERN = "matmul_reduce_scatter"
+
+
+@dataclass
+class _ReduceScatterMatch:
+    """One reduce-scatter of a matmul, normalized: ``out = reduce_scatter(reshape(a @ w + b, partial_shape))``."""
+
+    wait: Node
+    matmul: Node  # mm / addmm
+    a: Node  # [M, K]
+    weight: Node  # [K, N]
+    bias: Optional[Node]
+    reduce_op: str
+    scatter_dim: int
+    group_name: str
+    partial_shape: tuple  # the N-D tensor being reduced, [..., N]; scatter_dim indexes it
+    between: List[Node]  # matmul, reshapes, chunk nodes, cat, reduce_scatter, wait: erased once dead
+
+
+def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _ReduceScatterMatch:
+    if len(rs.args) < 4:
+        raise Skip("unexpected reduce_scatter signature", str(rs.args))
+    inp, reduce_op, group_size, group_name = rs.args[:4]
+    if not group_allowed(group_name):
+        raise Skip("group not allowed", f"group {group_name!r}")
+    if reduce_op not in ("sum", "avg"):
+        raise Skip("unsupported reduce_op", str(reduce_op))
+    if not isinstance(group_size, int) or group_size < 1:
+        raise Skip("symbolic group size", str(group_size))
+    wait = m.only_user(rs)
+    if not m.is_call(wait, m.WAIT):
+        raise Skip("reduce_scatter not followed by a single wait_tensor", rs.name)
+    m.check_float(inp, "reduce_scatter input")
+    inp_shape = m.static_shape(inp, "reduce_scatter input")
+
+    between: List[Node] = [rs, wait]
+    partial, scatter_dim = inp, 0
+    if m.is_call(inp, m.CAT) and m.cat_dim(inp) == 0:
+        chunks = m.ordered_chunks(inp.args[0], group_size)
+        if chunks is not None:
+            # The stacked-chunks form of scatter_dim > 0.
+            partial, scatter_dim, chunk_nodes = chunks
+            if any(len(p.users) != 1 for p in chunk_nodes if not m.is_call(p, m.SPLIT_OPS)):
+                raise Skip("matmul output has other users", f"chunks of {partial.name} are read elsewhere")
+            if m.is_call(chunk_nodes[0], m.SPLIT_OPS) and len(chunk_nodes[0].users) != group_size:
+                raise Skip("matmul output has other users", f"chunks of {partial.name} are read elsewhere")
+            between += chunk_nodes + [inp]
+    partial_shape = m.static_shape(partial, "reduce_scatter operand")
+    if partial is inp and len(inp.users) != 1:
+        raise Skip("matmul output has other users", inp.name)
+    elif partial is not inp and len(partial.users) != 1:
+        raise Skip("matmul output has other users", partial.name)
+    if partial_shape[scatter_dim] % group_size:
+        raise Skip("scatter dim does not split over the group",
+                   f"size {partial_shape[scatter_dim]} on dim {scatter_dim}, {group_size} ranks")
+    if inp_shape[0] % group_size:
+        raise Skip("scatter dim does not split over the group", f"input {inp_shape}, {group_size} ranks")
+
+    # Walk back through reshapes to the matmul; each must be read only by the next.
+    node = partial
+    while m.is_call(node, m.VIEW_OPS):
+        between.append(node)
+        node = node.args[0]
+        if len(node.users) != 1:
+            raise Skip("matmul output has other users", node.name)
+    operands = m.matmul_operands(node)
+    if operands is None:
+        raise Skip("reduce_scatter input is not a matmul", f"{node.name} = {node.target}")
+    a, weight, bias = operands
+    between.append(node)
+    a_shape = m.static_shape(a, "matmul operand")
+    mm_shape = m.static_shape(node, "matmul output")
+    if len(a_shape) != 2:
+        raise Skip("unexpected matmul operand shape", str(a_shape))
+    dtype = m.check_float(a, "matmul operand")
+    n = m.check_weight_and_bias(weight, bias, a_shape[1], dtype, node.name)
+    if partial_shape[-1] != n or m.numel(partial_shape) != m.numel(mm_shape):
+        raise Skip("reshape between matmul and reduce_scatter mixes the N dim",
+                   f"{mm_shape} -> {partial_shape}")
+    if len(partial_shape) == 1:
+        raise Skip("1-D reduce_scatter operand", str(partial_shape))
+    return _ReduceScatterMatch(wait, node, a, weight, bias, reduce_op, scatter_dim, group_name,
+                               partial_shape, between)
+
+
+def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
+    from fluxinductor import ops  # noqa: F401  (registers torch.ops.fluxinductor)
+
+    op = torch.ops.fluxinductor.matmul_reduce_scatter.default
+    k = m.val(match.a).shape[1]
+    a_nd_shape = tuple(match.partial_shape[:-1]) + (k,)
+    a_source = match.a
+    # a is usually reshape(x, [M, K]) of an N-D x already of the shape needed: use x itself.
+    if m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
+            and tuple(m.val(a_source.args[0]).shape) == a_nd_shape:
+        a_source = a_source.args[0]
+    try:
+        with fake_mode:
+            a_val = m.val(a_source)
+            if tuple(a_val.shape) != a_nd_shape:
+                a_val = a_val.reshape(a_nd_shape)
+            result = op(a_val, m.val(match.weight), None if match.bias is None else m.val(match.bias),
+                        match.reduce_op, match.scatter_dim, match.group_name)
+    except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
+        raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
+    if tuple(result.shape) != tuple(m.val(match.wait).shape):
+        raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(m.val(match.wait).shape)}")
+
+    rs = match.between[0]
+    with graph.inserting_before(rs):
+        a_arg = a_source
+        if tuple(m.val(a_source).shape) != a_nd_shape:
+            a_arg = graph.call_function(m.aten.reshape.default, (a_source, list(a_nd_shape)))
+            a_arg.meta["val"] = a_val
+        fused = graph.call_function(op, (a_arg, match.weight, match.bias, match.reduce_op, match.scatter_dim,
+                                         match.group_name))
+        fused.meta["val"] = result
+        m.copy_debug_meta(fused, match.matmul)
+    match.wait.replace_all_uses_with(fused)
+    m.erase_dead(graph, match.between)
+    record_fused(PATTERN, f"scatter_dim={match.scatter_dim}, reduce_op={match.reduce_op}, "
+                          f"bias={match.bias is not None}, group={match.group_name}")
+
+
+def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool]) -> None:
+    """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
+    ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone."""
+    scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
+    if not scatters:
+        return
+    fake_mode = m.fake_mode_of(graph)
+    for rs in scatters:
+        try:
+            if fake_mode is None:
+                raise Skip("no fake mode in graph metadata", rs.name)
+            _rewrite(graph, _match_reduce_scatter(rs, group_allowed), fake_mode)
+        except Skip as s:
+            record_skip(PATTERN, s.reason, s.detail or rs.name)
