@@ -1,0 +1,109 @@
+"""CPU smoke test of benchmarks/bench_ops.py: 2 gloo ranks under torchrun, tiny shapes, every output checked.
+
+The GPU-only contenders (async-TP, the fused kernel, the kernel without communication) must be recorded
+as unavailable with a reason, every measured contender must have positive times and a small error, the
+tuning table it emits must be readable by the cost model, and the table must be the last thing printed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fluxinductor import cost_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "bench_ops.py")
+MEASURED_ON_CPU = ("gemm", "comm", "nccl_seq", "auto")
+UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_nocomm")
+
+
+def _run(tmp_path, world: int, extra=()):
+    out = tmp_path / "ops_cpu"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLUXINDUCTOR_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUXINDUCTOR_GIT_SHA="test-sha",
+               FLUXINDUCTOR_TUNING_DIR=str(tmp_path / "tuning"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", SCRIPT,
+           "--device", "cpu", "--quick", "--warmup", "1", "--iters", "3", "--out", str(out),
+           "--emit-tuning", str(tmp_path / "tuning" / "{device_key}_tp{world}.json"), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"bench_ops failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    with open(str(out) + ".json") as f:
+        return json.load(f), proc.stdout, out
+
+
+def test_bench_ops_cpu_two_ranks(tmp_path, monkeypatch):
+    data, stdout, out = _run(tmp_path, 2)
+
+    env = data["environment"]
+    for field in ("device", "world", "torch", "cuda", "nccl", "git_sha", "timestamp", "dtype", "timer", "iters"):
+        assert field in env, field
+    assert env["world"] == 2 and env["backend"] == "gloo" and env["timer"] == "perf_counter"
+    assert env["git_sha"]  # from git, or FLUXINDUCTOR_GIT_SHA where there is no git
+    assert data["complete"] is True
+
+    ops = {(r["op"], r["M"], r["K"], r["N"]) for r in data["results"]}
+    assert len(ops) == 4 and {op for op, *_ in ops} == {"AG+GEMM", "GEMM+RS"}
+    tol = data["tolerance"]
+    for r in data["results"]:
+        c = r["contenders"]
+        assert set(c) == set(MEASURED_ON_CPU + UNAVAILABLE_ON_CPU)
+        for name in MEASURED_ON_CPU:
+            rec = c[name]
+            assert rec["error"] is None, (name, rec["error"])
+            assert rec["ms"] > 0 and len(rec["iter_ms"]) == 2 and all(len(t) == 3 for t in rec["iter_ms"])
+            assert all(t > 0 for ranks in rec["iter_ms"] for t in ranks)
+            assert rec["ms"] == pytest.approx(max(rec["rank_median_ms"]))
+            assert 0 <= rec["rel_err"] <= tol and rec["rel_ok"] is True
+        for name in UNAVAILABLE_ON_CPU:
+            assert c[name]["ms"] is None and "unavailable" in c[name]["error"], (name, c[name])
+        assert "fell back" in c["fused"]["error"]
+        assert c["auto"]["path"].startswith("decomposed")
+        assert r["E"]["auto"] is not None and r["speedup_vs_nccl_seq"]["auto"] > 0
+        assert r["E"]["fused"] is None and r["speedup_vs_asynctp"]["auto"] is None
+
+    # The table is printed last: its legend line ends stdout, and every result row is in it.
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    assert lines[-1].startswith("E = 1 - (T - T_gemm)")
+    table_rows = [ln for ln in lines if ln.startswith(("AG+GEMM", "GEMM+RS"))]
+    assert len(table_rows) == 4
+
+    # The emitted tuning table: one row per op and shape, never "fused" (nothing fused was measured).
+    path = tmp_path / "tuning" / "cpu_tp2.json"
+    table = cost_model.load_table(str(path))
+    assert table["world"] == 2 and table["device_key"] == "cpu" and len(table["entries"]) == 4
+    assert all(e["choice"] == "sequential" and e["sequential_ms"] > 0 for e in table["entries"])
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path / "tuning"))
+    choice, reason = cost_model.choose("all_gather_matmul", "cpu", 2, 64, 40, 48, "float32")
+    assert choice == "sequential" and "unavailable" in reason
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert os.path.getsize(str(out) + ".png") > 1000
+    else:
+        assert "plot skipped" in stdout
+
+
+def test_bench_ops_cli_rejects_unknown_contender(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), "--contenders", "nope"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "unknown contender" in proc.stderr
+
+
+def test_parse_shapes():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_ops
+    finally:
+        sys.path.pop(0)
+    default = bench_ops.DEFAULT_SHAPES
+    assert bench_ops.parse_shapes(None, default) == default
+    assert bench_ops.parse_shapes("*x8192x28672", default) == [
+        (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672), (512, 8192, 28672), (3072, 8192, 28672)]
+    assert bench_ops.parse_shapes("1024x8192x8192,6144x8192x28672", default) == [
+        (1024, 8192, 8192), (6144, 8192, 28672)]
+    assert (4096, 49152, 12288) in default and len(default) == 8

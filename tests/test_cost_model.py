@@ -1,0 +1,206 @@
+"""The measured cost model: table lookup, interpolation, nearest-shape rule and every "sequential" default."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fluxinductor import cost_model
+
+DEVICE = "NVIDIA H200"
+
+
+def _row(op, m, k, n, fused, seq, **extra):
+    return dict(op=op, m=m, k=k, n=n, fused_ms=fused, sequential_ms=seq, **extra)
+
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+
+ROWS = [
+    # K=8192, N=28672 AG: fused loses at small M, wins from M=2048 on.
+    _row(AG, 512, 8192, 28672, 0.30, 0.25),  # -20%
+    _row(AG, 1024, 8192, 28672, 0.45, 0.44),  # -2.3%
+    _row(AG, 2048, 8192, 28672, 0.70, 0.80),  # +12.5%
+    _row(AG, 4096, 8192, 28672, 1.30, 1.50),  # +13.3%
+    _row(AG, 16384, 8192, 28672, 5.70, 6.10),  # +6.6%
+    # A shape whose fused kernel failed its check: never chosen however fast.
+    _row(AG, 4096, 12288, 49152, 1.00, 3.70, fused_ok=False),
+    # A shape where the fused kernel was unavailable.
+    _row(AG, 1024, 8192, 8192, None, 0.20),
+    # GEMM+RS: wins by exactly the noise margin at M=2048 (not chosen), clearly at 8192.
+    _row(RS, 2048, 8192, 28672, 0.99, 1.00),
+    _row(RS, 8192, 8192, 28672, 3.00, 3.60),
+]
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    table = cost_model.make_table(DEVICE, 2, torch.bfloat16, ROWS, source={"test": True})
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)
+    yield tmp_path
+    cost_model.clear_cache()
+
+
+def choose(op, m, k, n, device=DEVICE, world=2, dtype=torch.bfloat16):
+    return cost_model.choose(op, device, world, m, k, n, dtype)
+
+
+def test_device_key_and_aliases():
+    assert cost_model.device_key("NVIDIA H200") == "nvidia_h200"
+    assert cost_model.device_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert cost_model.canonical_op("AG+GEMM") == AG
+    assert cost_model.canonical_op("gemm_rs") == RS
+    with pytest.raises(ValueError):
+        cost_model.canonical_op("all_reduce_matmul")
+
+
+def test_global_mkn_convention():
+    # AG: shard [M/w, K], B [K, N/w]; RS: A [M, K/w], B [K/w, N].
+    assert cost_model.global_mkn("all_gather_matmul", 2, 2048, 8192, 14336) == (4096, 8192, 28672)
+    assert cost_model.global_mkn("matmul_reduce_scatter", 4, 4096, 2048, 8192) == (4096, 8192, 8192)
+
+
+def test_no_table_means_sequential(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    choice, reason = choose(AG, 4096, 8192, 28672)
+    assert choice == "sequential"
+    assert reason == "no tuning table for nvidia_h200 tp2"
+
+
+def test_other_world_or_device_has_no_table(table_dir):
+    assert choose(AG, 4096, 8192, 28672, world=4) == ("sequential", "no tuning table for nvidia_h200 tp4")
+    choice, reason = choose(AG, 4096, 8192, 28672, device="NVIDIA H100 80GB HBM3")
+    assert choice == "sequential" and "nvidia_h100_80gb_hbm3 tp2" in reason
+
+
+def test_exact_rows(table_dir):
+    assert choose(AG, 4096, 8192, 28672)[0] == "fused"
+    assert choose(AG, 2048, 8192, 28672)[0] == "fused"
+    choice, reason = choose(AG, 512, 8192, 28672)
+    assert choice == "sequential" and "measured" in reason
+    assert choose(AG, 1024, 8192, 28672)[0] == "sequential"  # fused 2% slower
+
+
+def test_gain_must_exceed_noise_margin(table_dir):
+    # 1% gain == MIN_GAIN: not enough.
+    choice, reason = choose(RS, 2048, 8192, 28672)
+    assert choice == "sequential", reason
+    assert choose(RS, 8192, 8192, 28672)[0] == "fused"
+
+
+def test_failed_check_and_unavailable_never_fused(table_dir):
+    choice, reason = choose(AG, 4096, 12288, 49152)
+    assert choice == "sequential" and "failed its check" in reason
+    choice, reason = choose(AG, 1024, 8192, 8192)
+    assert choice == "sequential" and "unavailable" in reason
+
+
+def test_interpolation_in_log_m(table_dir):
+    # Between 2048 (+12.5%) and 4096 (+13.3%): fused.
+    choice, reason = choose(AG, 3072, 8192, 28672)
+    assert choice == "fused" and "interpolated" in reason
+    # Between 1024 (-2.3%) and 2048 (+12.5%): at the log-midpoint ~1448 the gain is ~+5%: fused;
+    # just above 1024 it is still negative: sequential.
+    assert choose(AG, 1448, 8192, 28672)[0] == "fused"
+    assert choose(AG, 1056, 8192, 28672)[0] == "sequential"
+    # Between 512 (-20%) and 1024 (-2.3%): sequential.
+    assert choose(AG, 768, 8192, 28672)[0] == "sequential"
+
+
+def test_interpolation_never_leans_on_a_failed_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    rows = [_row(AG, 1024, 4096, 4096, 0.1, 0.2), _row(AG, 4096, 4096, 4096, None, 0.5)]
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), cost_model.make_table(DEVICE, 2, "bf16", rows))
+    assert choose(AG, 1024, 4096, 4096)[0] == "fused"
+    assert choose(AG, 2048, 4096, 4096)[0] == "sequential"
+
+
+def test_outside_measured_m_range_uses_the_end_row(table_dir):
+    choice, reason = choose(AG, 256, 8192, 28672)
+    assert choice == "sequential" and "below the range" in reason
+    choice, reason = choose(AG, 65536, 8192, 28672)
+    assert choice == "fused" and "above the range" in reason
+
+
+def test_nearest_by_flops_with_similar_kn(table_dir):
+    # K*N = 8192*30720 is within 2x of 8192*28672 but not an exact (K, N): nearest flops row is M=4096.
+    choice, reason = choose(AG, 4096, 8192, 30720)
+    assert choice == "fused" and "nearest measured shape by flops" in reason
+    # Same K*N neighbourhood, but M so small the nearest row by flops is M=512 (fused loses).
+    assert choose(AG, 512, 8192, 30720)[0] == "sequential"
+    # Nothing with similar K*N at all.
+    choice, reason = choose(AG, 4096, 1024, 1024)
+    assert choice == "sequential" and "no measured" in reason
+    # Similar K*N but flops too far from every row (M = 64: 8x below the smallest row).
+    choice, reason = choose(AG, 64, 8192, 30720)
+    assert choice == "sequential" and "no measured" in reason
+
+
+def test_op_without_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    rows = [_row(AG, 4096, 8192, 28672, 1.0, 2.0)]
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), cost_model.make_table(DEVICE, 2, "bf16", rows))
+    choice, reason = choose(RS, 4096, 8192, 28672)
+    assert choice == "sequential" and "no matmul_reduce_scatter rows" in reason
+
+
+def test_dtype_rule(table_dir):
+    assert choose(AG, 4096, 8192, 28672, dtype=torch.float16)[0] == "fused"  # same rate as bf16
+    assert choose(AG, 4096, 8192, 28672, dtype="bfloat16")[0] == "fused"
+    choice, reason = choose(AG, 4096, 8192, 28672, dtype=torch.float32)
+    assert choice == "sequential" and "float32" in reason
+
+
+def test_table_reloads_when_the_file_changes(table_dir):
+    path = table_dir / "nvidia_h200_tp2.json"
+    assert choose(RS, 8192, 8192, 28672)[0] == "fused"
+    rows = [_row(RS, 8192, 8192, 28672, 4.0, 3.6)]
+    table = cost_model.make_table(DEVICE, 2, "bf16", rows)
+    with open(path, "w") as f:
+        json.dump(table, f)
+    import os
+
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a distinct mtime even on coarse clocks
+    assert choose(RS, 8192, 8192, 28672)[0] == "sequential"
+
+
+def test_broken_table_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    (tmp_path / "nvidia_h200_tp2.json").write_text('{"format": 99}')
+    with pytest.raises(ValueError, match="not a fluxinductor tuning table"):
+        choose(AG, 4096, 8192, 28672)
+
+
+def test_make_table_and_merge(tmp_path):
+    path = str(tmp_path / "t.json")
+    first = cost_model.make_table(DEVICE, 2, "bf16", [_row("AG+GEMM", 4096, 8192, 28672, 1.0, 2.0),
+                                                      _row("GEMM+RS", 4096, 8192, 28672, 3.0, 2.0)])
+    assert [r["choice"] for r in first["entries"]] == ["fused", "sequential"]
+    assert first["entries"][0]["op"] == AG
+    cost_model.write_table(path, first)
+    # A second run that measured only one shape replaces that row and keeps the other.
+    second = cost_model.make_table(DEVICE, 2, "bf16", [_row(RS, 4096, 8192, 28672, 1.5, 2.0)])
+    merged = cost_model.write_table(path, second)
+    by_op = {r["op"]: r for r in merged["entries"]}
+    assert by_op[RS]["fused_ms"] == 1.5 and by_op[RS]["choice"] == "fused"
+    assert by_op[AG]["fused_ms"] == 1.0
+    # Another world size is not merged into this one.
+    other = cost_model.make_table(DEVICE, 4, "bf16", [_row(RS, 4096, 8192, 28672, 1.5, 2.0)])
+    assert len(cost_model.merge_tables(merged, other)["entries"]) == 1
+    with open(path) as f:
+        assert json.load(f)["format"] == cost_model.TABLE_FORMAT
+
+
+def test_gain_values():
+    assert cost_model._gain(_row(AG, 1, 1, 1, 1.0, 2.0)) == pytest.approx(0.5)
+    assert cost_model._gain(_row(AG, 1, 1, 1, None, 2.0)) == -math.inf
+    assert cost_model._gain(_row(AG, 1, 1, 1, 1.0, None)) == -math.inf
+    assert cost_model._gain(_row(AG, 1, 1, 1, 1.0, 2.0, fused_ok=False)) == -math.inf
