@@ -6,13 +6,178 @@
 namespace py = pybind11;
 
 // ---- AG+GEMM (section owned by the AG+GEMM kernel work) -------------------------------------------
+#include <stdexcept>
+#include <string>
+
+#include "ag_gemm.h"
+
+namespace ag_gemm_bindings {
+
+namespace agg = fluxinductor::ag_gemm;
+
+void check_ok(const std::string& why) {
+  if (!why.empty()) {
+    throw std::runtime_error(why);
+  }
+}
+
+// Pointers and the stream travel as integers (tensor.data_ptr(), stream.cuda_stream): no torch headers here.
+agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, int64_t k, int64_t lda, int64_t b,
+                                             int64_t n, int64_t ldb, bool b_k_contiguous, int64_t bias, int64_t out,
+                                             int64_t ldo, int64_t flags, uint32_t epoch, int rank, int world,
+                                             int64_t shard_rows, int chunks_per_rank, int group_cluster_rows,
+                                             int sm_count, long long timeout_ns, int64_t error_word) {
+  agg::AllGatherGemmParams p;
+  if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
+    throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
+  }
+  p.dtype = agg::DType(dtype);
+  p.a = reinterpret_cast<const void*>(a);
+  p.m = m; p.k = k; p.lda = lda;
+  p.b = reinterpret_cast<const void*>(b);
+  p.n = n; p.ldb = ldb; p.b_k_contiguous = b_k_contiguous;
+  p.bias = reinterpret_cast<const void*>(bias);
+  p.out = reinterpret_cast<void*>(out);
+  p.ldo = ldo;
+  p.flags = reinterpret_cast<const uint32_t*>(flags);
+  p.epoch = epoch; p.rank = rank; p.world = world; p.shard_rows = shard_rows;
+  p.chunks_per_rank = chunks_per_rank; p.group_cluster_rows = group_cluster_rows; p.sm_count = sm_count;
+  p.timeout_ns = timeout_ns;
+  p.error_word = reinterpret_cast<int*>(error_word);
+  return p;
+}
+
+#define FLUXINDUCTOR_AG_GEMM_ARGS                                                                           \
+  py::arg("dtype"), py::arg("a"), py::arg("m"), py::arg("k"), py::arg("lda"), py::arg("b"), py::arg("n"),    \
+      py::arg("ldb"), py::arg("b_k_contiguous"), py::arg("bias"), py::arg("out"), py::arg("ldo"),           \
+      py::arg("flags") = 0, py::arg("epoch") = 0, py::arg("rank") = 0, py::arg("world") = 1,                 \
+      py::arg("shard_rows") = 0, py::arg("chunks_per_rank") = 1, py::arg("group_cluster_rows") = 8,          \
+      py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0
+
+void export_ag_gemm(py::module_& m) {
+  m.def(
+      "ag_gemm_run",
+      [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
+         bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
+         int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
+         long long timeout_ns, int64_t error_word, int64_t stream) {
+        check_ok(agg::all_gather_gemm(
+            make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
+                                world, shard_rows, chunks_per_rank, group_cluster_rows, sm_count, timeout_ns,
+                                error_word),
+            reinterpret_cast<void*>(stream)));
+      },
+      "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
+      FLUXINDUCTOR_AG_GEMM_ARGS, py::arg("stream"));
+  m.def(
+      "ag_gemm_unsupported",
+      [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
+         bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
+         int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
+         long long timeout_ns, int64_t error_word) {
+        return agg::all_gather_gemm_unsupported(make_ag_gemm_params(
+            dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
+            chunks_per_rank, group_cluster_rows, sm_count, timeout_ns, error_word));
+      },
+      "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
+  m.def(
+      "ag_stream_write_value32",
+      [](int64_t address, uint32_t value, int64_t stream) {
+        check_ok(agg::stream_write_value32(reinterpret_cast<void*>(address), value, reinterpret_cast<void*>(stream)));
+      },
+      "cuStreamWriteValue32: write `value` to device `address` when `stream` reaches this point",
+      py::arg("address"), py::arg("value"), py::arg("stream"));
+  m.def(
+      "ag_memcpy_async",
+      [](int64_t dst, int64_t src, int64_t bytes, int64_t stream) {
+        check_ok(agg::memcpy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                                   reinterpret_cast<void*>(stream)));
+      },
+      "cudaMemcpyAsync device-to-device (copy engine) on `stream`", py::arg("dst"), py::arg("src"),
+      py::arg("bytes"), py::arg("stream"));
+  m.def(
+      "ag_alloc_host_mapped_word",
+      []() {
+        int64_t host = 0, device = 0;
+        check_ok(agg::alloc_host_mapped_word(&host, &device));
+        return py::make_tuple(host, device);
+      },
+      "a zeroed host-mapped int32: (host address, device address); never freed");
+  m.def("ag_device_sm_count", &agg::device_sm_count, "SM count of the current device");
+}
+
+#undef FLUXINDUCTOR_AG_GEMM_ARGS
+
+}  // namespace ag_gemm_bindings
 // ---- end AG+GEMM -----------------------------------------------------------------------------------
 
 // ---- GEMM+RS (section owned by the GEMM+RS kernel work) -------------------------------------------
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "gemm_rs.h"
+
+namespace gemm_rs_bindings {
+
+// Pointers and the stream travel as integers (tensor.data_ptr(), stream.cuda_stream): no torch headers here.
+void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t lda, int64_t b, int64_t ldb,
+         bool b_k_major, int64_t bias, int64_t out, int64_t ldo, float out_scale, std::vector<int64_t> buffers,
+         int64_t flags_offset, int64_t data_offset, uint32_t epoch, uint64_t signature, int64_t error,
+         int64_t timeout_ns, int sm_count, int64_t stream) {
+  fluxinductor::GemmRsArgs args;
+  args.dtype = dtype;
+  args.m = m; args.n = n; args.k = k;
+  args.world = world; args.rank = rank;
+  args.a = reinterpret_cast<const void*>(a); args.lda = lda;
+  args.b = reinterpret_cast<const void*>(b); args.ldb = ldb; args.b_k_major = b_k_major;
+  args.bias = reinterpret_cast<const void*>(bias);
+  args.out = reinterpret_cast<void*>(out); args.ldo = ldo;
+  args.out_scale = out_scale;
+  if (buffers.size() > size_t(fluxinductor::kGemmRsMaxWorld)) {
+    throw std::invalid_argument("at most 8 buffers");
+  }
+  for (size_t r = 0; r < buffers.size(); ++r) {
+    args.buffers[r] = reinterpret_cast<void*>(buffers[r]);
+  }
+  args.flags_offset = flags_offset; args.data_offset = data_offset;
+  args.epoch = epoch; args.signature = signature;
+  args.error = reinterpret_cast<int32_t*>(error);
+  args.timeout_ns = timeout_ns;
+  args.sm_count = sm_count;
+  if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
+    throw std::runtime_error(fluxinductor::gemm_rs_last_error());
+  }
+}
+
+void export_gemm_rs(py::module_& m) {
+  m.def("gemm_rs_run", &run,
+        "One rank's fused GEMM + reduce-scatter on `stream` (see csrc/gemm_rs.h for the buffer layout)",
+        py::arg("dtype"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("world"), py::arg("rank"), py::arg("a"),
+        py::arg("lda"), py::arg("b"), py::arg("ldb"), py::arg("b_k_major"), py::arg("bias"), py::arg("out"),
+        py::arg("ldo"), py::arg("out_scale"), py::arg("buffers"), py::arg("flags_offset"), py::arg("data_offset"),
+        py::arg("epoch"), py::arg("signature"), py::arg("error"), py::arg("timeout_ns"), py::arg("sm_count"),
+        py::arg("stream"));
+  m.def("gemm_rs_tile_shape", [] {
+    return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),
+                          fluxinductor::gemm_rs_warps_per_tile());
+  }, "(tile_m, tile_n, warps_per_tile) of the GEMM+RS kernel: they fix its flag layout");
+  m.def("gemm_rs_alloc_host_word", [] {
+    int64_t host = 0, device = 0;
+    if (fluxinductor::gemm_rs_alloc_host_word(&host, &device) != 0) {
+      throw std::runtime_error(fluxinductor::gemm_rs_last_error());
+    }
+    return py::make_tuple(host, device);
+  }, "(host address, device address) of a new zeroed host-mapped int32 error word");
+}
+
+}  // namespace gemm_rs_bindings
 // ---- end GEMM+RS -----------------------------------------------------------------------------------
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a)";
   // AG+GEMM exports
+  ag_gemm_bindings::export_ag_gemm(m);
   // GEMM+RS exports
+  gemm_rs_bindings::export_gemm_rs(m);
 }

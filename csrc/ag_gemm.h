@@ -1,0 +1,54 @@
+// Launchers of the AG+GEMM kernel (csrc/ag_gemm.cu).  Torch-free: raw pointers, sizes, a stream.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fluxinductor::ag_gemm {
+
+enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
+
+// out[M, N] = A[M, K] @ B[K, N] (+ bias[N]), A read from the gathered buffer while it is being filled.
+struct AllGatherGemmParams {
+  DType dtype = DType::kBFloat16;
+  const void* a = nullptr;        // [M, K] row-major, row stride lda elements
+  int64_t m = 0, k = 0, lda = 0;
+  const void* b = nullptr;        // [K, N]: b_k_contiguous ? element (k, n) at b[n * ldb + k] : b[k * ldb + n]
+  int64_t n = 0, ldb = 0;
+  bool b_k_contiguous = true;     // true for the transposed view of an nn.Linear weight
+  const void* bias = nullptr;     // [N] or nullptr
+  void* out = nullptr;            // [M, N] row-major, row stride ldo elements
+  int64_t ldo = 0;
+  // Communication: flags == nullptr switches the waits off (a plain GEMM).
+  const uint32_t* flags = nullptr;  // [world * chunks_per_rank], device memory
+  uint32_t epoch = 0;
+  int rank = 0, world = 1;
+  int64_t shard_rows = 0;         // rows of A per rank (M = world * shard_rows when flags are given)
+  int chunks_per_rank = 1;
+  int group_cluster_rows = 8;     // tile-order group height, in cluster rows (see ag_gemm_scheduler.cuh)
+  int sm_count = 0;               // persistent grid size; 0 = all SMs of the device
+  long long timeout_ns = 5000000000LL;
+  int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
+};
+
+// Checks and launches on `stream` (a cudaStream_t).  Returns an empty string on success, else why not.
+std::string all_gather_gemm(AllGatherGemmParams const& params, void* stream);
+
+// Why the kernel cannot run this problem (alignment, sizes), or an empty string.
+std::string all_gather_gemm_unsupported(AllGatherGemmParams const& params);
+
+// cuStreamWriteValue32(stream, address, value) through the driver entry point (no libcuda link).
+std::string stream_write_value32(void* address, uint32_t value, void* stream);
+
+// cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
+std::string memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
+
+// A zeroed host-mapped int32 (cudaHostAllocMapped | Portable), for errors the host can read without a sync.
+// Sets its host and device addresses; returns an empty string or why it failed.  The caller keeps it for the
+// life of the process.
+std::string alloc_host_mapped_word(int64_t* host_address, int64_t* device_address);
+
+// The number of SMs of the current device.
+int device_sm_count();
+
+}  // namespace fluxinductor::ag_gemm

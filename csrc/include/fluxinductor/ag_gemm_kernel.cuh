@@ -1,0 +1,72 @@
+// The AG+GEMM kernel type (torch-free): one persistent CUTLASS 3.x sm90a GEMM,
+// out[M, N] = A[M, K] @ B[K, N] + bias[N], that waits per tile for the rows of A it reads
+// (AllGatherTileScheduler).  With no flags it is a plain GEMM (communication off).
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "fluxinductor/ag_gemm_scheduler.cuh"
+
+namespace fluxinductor::ag_gemm {
+
+// One kernel configuration per (element type, layout of B).  B: [K, N] as torch holds it; a transposed
+// nn.Linear weight ([N, K] row-major) is cutlass::layout::ColumnMajor here, a plain [K, N] row-major
+// weight is cutlass::layout::RowMajor.
+template <class Element, class LayoutB>
+struct AllGatherGemmConfig {
+  using ElementA = Element;                                   // gathered activations
+  using LayoutA = cutlass::layout::RowMajor;                  // A: [M, K], K contiguous
+  static constexpr int kAlignmentA = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA rows
+  using ElementB = Element;                                   // weight
+  static constexpr int kAlignmentB = kAlignmentA;
+  using ElementD = Element;                                   // output
+  using LayoutD = cutlass::layout::RowMajor;                  // out: [M, N]
+  static constexpr int kAlignmentD = kAlignmentA;
+  using ElementAccumulator = float;                           // fp32 accumulation
+  using ElementCompute = float;                               // epilogue math in fp32
+  using ElementBias = Element;                                // bias: [N]
+
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // CTA tile M x N x K
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;    // 2 CTAs along M share B (multicast)
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;   // 1 producer + 2 MMA WGs
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;  // TMA store epilogue
+  // out = acc + bias (per column); a null bias pointer reads as zeros, so one kernel serves both cases.
+  using FusionOperation = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, ElementCompute, ElementBias,
+                                                                        ElementD, ElementCompute>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,   // Hopper tensor cores
+      TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementCompute,
+      void, LayoutD, kAlignmentD,                            // no source C
+      ElementD, LayoutD, kAlignmentD,
+      EpilogueSchedule, FusionOperation>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      ElementA, LayoutA, kAlignmentA,
+      ElementB, LayoutB, kAlignmentB,
+      ElementAccumulator,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<     // as many stages as the epilogue leaves room for
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>,                       // M, N, K, L (L = 1)
+      CollectiveMainloop, CollectiveEpilogue,
+      AllGatherSchedulerTag>;                                // per-tile waits, local shard first
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kClusterM = cute::size<0>(ClusterShape{});
+};
+
+}  // namespace fluxinductor::ag_gemm

@@ -1,0 +1,9 @@
+"""Python side of the fused Hopper kernels (``fluxinductor._C``).
+
+``symm``: the extension loader and the symmetric-memory workspaces; ``ag_gemm``: all-gather + GEMM.
+Importing this package never needs CUDA or the extension: both are looked up on first use.
+"""
+
+from fluxinductor.kernels.symm import extension_available
+
+__all__ = ["extension_available"]

@@ -1,0 +1,277 @@
+"""All-gather + GEMM on Hopper: copy-engine pulls overlapped with one persistent CUTLASS GEMM.
+
+Per call, on rank r of W (shard: [S, K], M = W * S), with buffer = this call's symmetric buffer [M, K]:
+
+1. main stream: ``buffer[r*S:(r+1)*S] = shard``, then a symmetric-memory barrier (every rank's slot is
+   written; every rank finished reading the buffer we are about to reuse, two calls ago).
+2. side stream (copy engine, no SMs): for q = r+1, r+2, ... (mod W), pull peer q's slot out of peer q's
+   buffer into ours, chunk by chunk; after each chunk, cuStreamWriteValue32 sets that chunk's flag to the
+   call's epoch.  Then, if asked, copy the whole gathered buffer out (the ``gathered`` result).
+3. main stream: the fused GEMM (csrc/ag_gemm.cu) over ``buffer`` for each weight; its tile scheduler
+   walks this rank's rows first, then q = r+1, ... and waits per tile for the chunk flags its rows need.
+4. main stream waits for the side stream.
+
+A wait that times out writes an error code to a host-mapped word and the kernel goes on; the next call (or
+``check_errors``) raises.  Barriers time out inside torch symmetric memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fluxinductor.kernels import symm
+
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+
+# Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md).
+CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
+GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
+
+
+class AllGatherGemmError(RuntimeError):
+    """A fused all-gather + GEMM failed on the device (a peer never delivered its shard in time)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _weight_layout(weight: Tensor) -> Optional[Tuple[bool, int]]:
+    """(k_contiguous, leading stride) of weight [K, N], or None when neither dim is contiguous."""
+    k, n = weight.shape
+    s0, s1 = weight.stride()
+    if s0 == 1 and s1 >= k:  # the transposed view of an nn.Linear weight [N, K]
+        return True, s1
+    if s1 == 1 and s0 >= n:  # a row-major [K, N]
+        return False, s0
+    return None
+
+
+def _kernel_reason(m: int, k: int, lda: int, a_ptr: int, weight: Tensor, bias: Optional[Tensor], out_ptr: int,
+                   ldo: int) -> Optional[str]:
+    layout = _weight_layout(weight)
+    if layout is None:
+        return f"weight strides {tuple(weight.stride())} have no contiguous dim"
+    k_contiguous, ldb = layout
+    why = symm.extension().ag_gemm_unsupported(
+        dtype=_DTYPE_CODES[weight.dtype], a=a_ptr, m=m, k=k, lda=lda, b=weight.data_ptr(), n=weight.shape[1],
+        ldb=ldb, b_k_contiguous=k_contiguous, bias=0 if bias is None else bias.data_ptr(), out=out_ptr, ldo=ldo)
+    return why or None
+
+
+def _operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> Optional[str]:
+    reason = symm.extension_available()
+    if reason is not None:
+        return reason
+    if not a2d.is_cuda:
+        return "tensors are not on a CUDA device"
+    if torch.cuda.get_device_capability(a2d.device) != (9, 0):
+        return f"the kernel is built for sm_90a; device has capability {torch.cuda.get_device_capability(a2d.device)}"
+    if a2d.dtype not in _DTYPE_CODES:
+        return f"dtype {a2d.dtype} (the kernel supports bfloat16 and float16)"
+    if a2d.dim() != 2 or not a2d.is_contiguous():
+        return "the activation must be a contiguous 2-D tensor"
+    if len(weights) == 0 or len(weights) != len(biases):
+        return "need one bias entry (or None) per weight"
+    for weight, bias in zip(weights, biases):
+        if weight.dtype != a2d.dtype or weight.device != a2d.device:
+            return f"weight {weight.dtype} on {weight.device} does not match the activation"
+        if weight.dim() != 2 or weight.shape[0] != a2d.shape[1]:
+            return f"weight shape {tuple(weight.shape)} does not match K={a2d.shape[1]}"
+        if bias is not None and (bias.dtype != a2d.dtype or bias.device != a2d.device or bias.dim() != 1
+                                 or bias.shape[0] != weight.shape[1] or not bias.is_contiguous()):
+            return f"bias {tuple(bias.shape)} {bias.dtype} is not a contiguous [N] vector of the activation dtype"
+    return None
+
+
+def unsupported_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                       group_name: str) -> Optional[str]:
+    """None if the fused kernel can run ``all_gather_matmul`` on these arguments, else why not.
+
+    shard2d: [M/world, K]; weights[i]: [K, N_i]; biases[i]: [N_i] or None.  Cheap: no communication.
+    """
+    reason = _operand_reason(shard2d, weights, biases)
+    if reason is not None:
+        return reason
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        world = dist.get_world_size(_resolve_process_group(group_name))
+    except Exception as e:  # noqa: BLE001 - any failure to resolve the group means "not here"
+        return f"cannot resolve process group {group_name!r} ({e})"
+    if shard2d.shape[0] == 0:
+        return "empty shard"
+    m, k = world * shard2d.shape[0], shard2d.shape[1]
+    # The gathered buffer and the outputs are fresh allocations (16-byte aligned); check the shapes.
+    for weight, bias in zip(weights, biases):
+        why = _kernel_reason(m, k, k, 256, weight, bias, 256, weight.shape[1])
+        if why is not None:
+            return why
+    return None
+
+
+def check_errors(device: Optional[torch.device] = None, synchronize: bool = False) -> None:
+    """Raise AllGatherGemmError if a kernel on ``device`` reported a timed-out wait (then clear it)."""
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    if synchronize:
+        torch.cuda.synchronize(index)
+    code = symm.read_error(index)
+    if code:
+        symm.clear_error(index)
+        raise AllGatherGemmError(
+            f"all_gather_matmul on cuda:{index}: a wait for a peer's shard timed out after "
+            f"{symm.timeout_seconds()} s (error code {code}); its outputs were wrong")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Low-level pieces (also driven directly by the single-GPU N-rank tests).
+# ---------------------------------------------------------------------------------------------------
+
+
+def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *, flags: Optional[Tensor] = None,
+                epoch: int = 0, rank: int = 0, world: int = 1, shard_rows: int = 0,
+                chunks_per_rank: int = CHUNKS_PER_RANK, sm_count: int = 0,
+                group_cluster_rows: int = GROUP_CLUSTER_ROWS, timeout_s: Optional[float] = None,
+                stream: Optional[torch.cuda.Stream] = None) -> Tensor:
+    """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
+
+    With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
+    the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).
+    """
+    stream = torch.cuda.current_stream(a.device) if stream is None else stream
+    layout = _weight_layout(weight)
+    if layout is None:
+        raise ValueError(f"weight strides {tuple(weight.stride())} have no contiguous dim")
+    k_contiguous, ldb = layout
+    _, error_device = symm.error_word(a.device.index)
+    timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
+    symm.extension().ag_gemm_run(
+        dtype=_DTYPE_CODES[a.dtype], a=a.data_ptr(), m=a.shape[0], k=a.shape[1], lda=a.stride(0),
+        b=weight.data_ptr(), n=weight.shape[1], ldb=ldb, b_k_contiguous=k_contiguous,
+        bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(), ldo=out.stride(0),
+        flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
+        shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, group_cluster_rows=group_cluster_rows,
+        sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, stream=stream.cuda_stream)
+    return out
+
+
+def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:
+    """Row ranges [start, end) of the chunks of one shard (the kernel's split: ceil(S / chunks) rows each)."""
+    rows = -(-shard_rows // chunks_per_rank)
+    return [(min(c * rows, shard_rows), min((c + 1) * rows, shard_rows)) for c in range(chunks_per_rank)]
+
+
+def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
+                epoch: int, stream: torch.cuda.Stream, chunks_per_rank: int = CHUNKS_PER_RANK,
+                gathered_out: Optional[Tensor] = None) -> None:
+    """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
+
+    dst: [M, K] (this rank's gathered buffer); sources[q]: [M, K] view of rank q's buffer (only rows of q
+    are read; sources[rank] is not used).  Peers are pulled in the order r+1, r+2, ... (the kernel's tile
+    order); chunk c of rank q sets flags[q * chunks_per_rank + c].  Then copies dst into ``gathered_out``.
+    """
+    ext = symm.extension()
+    world = len(sources)
+    row_bytes = dst.stride(0) * dst.element_size()
+    handle = stream.cuda_stream
+    dst_ptr = dst.data_ptr()
+    flag_ptr = flags.data_ptr()
+    bounds = chunk_bounds(shard_rows, chunks_per_rank)
+    for step in range(1, world):
+        peer = (rank + step) % world
+        src_ptr = sources[peer].data_ptr()
+        for c, (start, end) in enumerate(bounds):
+            first = peer * shard_rows + start
+            if end > start:
+                ext.ag_memcpy_async(dst_ptr + first * row_bytes, src_ptr + first * row_bytes,
+                                    (end - start) * row_bytes, handle)
+            ext.ag_stream_write_value32(flag_ptr + 4 * (peer * chunks_per_rank + c), epoch, handle)
+    if gathered_out is not None and gathered_out.numel():
+        ext.ag_memcpy_async(gathered_out.data_ptr(), dst_ptr, dst.numel() * dst.element_size(), handle)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interface dispatch.py calls.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor) -> None:
+    """Once per (rows, K, dtype): make sure every rank calls with the same layout (else raise, not hang)."""
+    key = (shard2d.shape[0], shard2d.shape[1], shard2d.dtype)
+    if key in ws.checked_layouts:
+        return
+    import torch.distributed as dist
+
+    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype]], dtype=torch.int64,
+                        device=shard2d.device)
+    everyone = torch.empty(ws.world * 3, dtype=torch.int64, device=shard2d.device)
+    dist.all_gather_into_tensor(everyone, mine, group=ws.group)
+    rows = everyone.view(ws.world, 3).tolist()
+    if any(r != rows[0] for r in rows):
+        raise ValueError(f"all_gather_matmul: ranks disagree on (shard rows, K, dtype code): {rows}")
+    ws.checked_layouts.add(key)
+
+
+def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                      group_name: str, return_gathered: bool) -> Tuple[List[Tensor], Tensor]:
+    """Fused ``A = all_gather(shard2d, dim 0)``; ``outputs[i] = A @ weights[i] + biases[i]``.
+
+    shard2d: [M/world, K] contiguous bf16/fp16 CUDA; weights[i]: [K, N_i] (either dim contiguous, read in
+    place); biases[i]: [N_i] or None.  Returns (outputs [M, N_i], A [M, K] or an empty tensor).
+    Raises ValueError when unsupported (see ``unsupported_reason``) or when ranks disagree on the layout,
+    AllGatherGemmError when an earlier call's wait timed out.
+    """
+    reason = unsupported_reason(shard2d, weights, biases, group_name)
+    if reason is not None:
+        raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
+    device = shard2d.device
+    check_errors(device)
+    ws = symm.workspace(group_name, device)
+    _check_layout_agrees(ws, shard2d)
+    rank, world = ws.rank, ws.world
+    shard_rows, k = shard2d.shape
+    m = world * shard_rows
+    dtype = shard2d.dtype
+    ws.reserve(m * k * shard2d.element_size())
+    epoch = ws.next_epoch()
+    parity = epoch & 1
+    chunks = max(1, min(CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK))
+
+    main = torch.cuda.current_stream(device)
+    buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
+    buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
+    ws.barrier(parity)  # every slot written; every peer done with this buffer's previous use
+
+    gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
+    flags = ws.flags[parity]
+    side = ws.side_stream
+    side.wait_stream(main)
+    sources = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
+    pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered)
+
+    outputs = []
+    for weight, bias in zip(weights, biases):
+        out = shard2d.new_empty((m, weight.shape[1]))
+        launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
+                    shard_rows=shard_rows, chunks_per_rank=chunks, stream=main)
+        outputs.append(out)
+    main.wait_stream(side)
+    return outputs, gathered
+
+
+def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """The fused kernel with communication off: a2d [M, K] @ weight [K, N] (+ bias [N]) -> [M, N]."""
+    reason = _operand_reason(a2d, [weight], [bias])
+    if reason is None:
+        reason = _kernel_reason(a2d.shape[0], a2d.shape[1], a2d.stride(0), a2d.data_ptr(), weight, bias, 256,
+                                weight.shape[1])
+    if reason is not None:
+        raise ValueError(f"gemm_only cannot run: {reason}")
+    out = a2d.new_empty((a2d.shape[0], weight.shape[1]))
+    return launch_gemm(a2d, weight, bias, out)
