@@ -107,3 +107,78 @@ def test_parse_shapes():
     assert bench_ops.parse_shapes("1024x8192x8192,6144x8192x28672", default) == [
         (1024, 8192, 8192), (6144, 8192, 28672)]
     assert (4096, 49152, 12288) in default and len(default) == 8
+
+
+# ---------------------------------------------------------------------------------------------------
+# measure(): the error paths a GPU run can hit, exercised on 2 gloo ranks with fake contenders.
+# ---------------------------------------------------------------------------------------------------
+
+
+class _FakeProblem:
+    op = "ag_gemm"
+
+    def __init__(self, rank: int):
+        import torch
+
+        self.rank = rank
+        self.ref = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
+
+    def contender(self, name: str):
+        import torch
+
+        from fluxinductor.log import record_fallback
+
+        ref = self.ref
+        if name == "ok":
+            return (lambda: ref.clone()), ref
+        if name == "raises_on_rank1":
+            def fn():
+                if self.rank == 1:
+                    raise RuntimeError("kernel refused")
+                return ref.clone()
+            return fn, ref
+        if name == "wrong_shape":
+            return (lambda: ref[:4].clone()), ref
+        if name == "nan":
+            return (lambda: torch.full_like(ref, float("nan"))), ref
+        if name == "fused":  # a dispatch that ran the fused path: no fallback recorded
+            return (lambda: ref + 1e-6), ref
+        if name == "auto":  # a dispatch that fell back
+            def fn():
+                record_fallback("all_gather_matmul", "cost model: sequential")
+                return ref.clone()
+            return fn, ref
+        raise ValueError(name)
+
+
+def _measure_fake_contenders(rank, world):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_ops
+    import torch
+    import torch.distributed as dist
+
+    ctx = bench_ops.Ctx.__new__(bench_ops.Ctx)
+    ctx.rank, ctx.world, ctx.local_rank = rank, world, rank
+    ctx.is_cuda, ctx.device, ctx.dtype, ctx.backend = False, torch.device("cpu"), torch.float32, "gloo"
+    ctx.group, ctx.group_name = dist.group.WORLD, dist.group.WORLD.group_name
+    ctx.warmup, ctx.iters, ctx.b_layout, ctx.seed, ctx.broken = 1, 3, "t", 0, None
+    problem = _FakeProblem(rank)
+    return {name: bench_ops.measure(ctx, problem, name)
+            for name in ("ok", "raises_on_rank1", "wrong_shape", "nan", "fused", "auto", "ok")}
+
+
+def test_measure_error_paths_on_two_ranks():
+    from _dist import run_ranks
+
+    results = run_ranks(_measure_fake_contenders, 2, timeout=120)
+    for res in results:  # every rank returns the same agreed record
+        ok = res["ok"]
+        assert ok["error"] is None and ok["ms"] > 0 and ok["rel_err"] == 0.0
+        assert len(ok["iter_ms"]) == 2 and len(ok["iter_ms"][0]) == 3
+        assert res["raises_on_rank1"]["ms"] is None
+        assert res["raises_on_rank1"]["error"].startswith("rank(s) [1]:")
+        assert "kernel refused" in res["raises_on_rank1"]["error"]
+        assert "output shape (4, 6), expected (8, 6)" in res["wrong_shape"]["error"]
+        assert res["nan"]["rel_err"] == float("inf")
+        assert res["fused"]["error"] is None and res["fused"]["path"] == "fused" and res["fused"]["ms"] > 0
+        assert res["auto"]["error"] is None and res["auto"]["path"].startswith("decomposed: cost model")
