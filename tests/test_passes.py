@@ -1,0 +1,576 @@
+"""Unit tests of the graph passes (passes/all_gather_matmul.py, passes/matmul_reduce_scatter.py).
+
+As PyTorch's test/distributed/tensor/parallel/test_micro_pipeline_tp.py does, graphs are traced with
+``make_fx(tracing_mode="fake")`` on a fake process group of 2 ranks, so no communication happens.  The
+traced functions call the same aten / _c10d_functional ops, in the same forms, as the post-grad graphs
+inductor produced for DTensor sequence-parallel MLP and attention blocks (forward and backward), funcol
+and plain ``dist`` collectives (see passes/README.md); a few tests trace funcol's own API too.
+
+Each test asserts the match count (``rewrite_stats`` and fused nodes in the graph), which ops are
+present before and absent after, ``meta['val']`` of the new nodes, and the skip reasons.  The numeric
+tests run a graph traced for a 1-rank gloo group, where every collective is the identity, before and
+after the rewrite on random data: that checks the wiring and reshapes with no communication.  Multi-rank
+numerics through torch.compile are in tests/test_compile_*.py.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fluxinductor.ops  # noqa: F401  (registers torch.ops.fluxinductor)
+from fluxinductor.log import reset_rewrite_stats, rewrite_stats
+from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul
+from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_reduce_scatter
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+AG_MM = torch.ops.fluxinductor.all_gather_matmul.default
+MM_RS = torch.ops.fluxinductor.matmul_reduce_scatter.default
+WORLD = 2
+WORLD1_GROUP = "fluxinductor_test_world1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    """A 2-rank fake default group (no communication) plus a registered 1-rank gloo group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(store, 0, 1))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._set_group_name(WORLD1_GROUP)
+    torch._C._distributed_c10d._register_process_group(WORLD1_GROUP, pg)
+    yield
+    torch._C._distributed_c10d._unregister_process_group(WORLD1_GROUP)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_stats():
+    reset_rewrite_stats()
+    yield
+
+
+def group() -> str:
+    return dist.group.WORLD.group_name
+
+
+# ------------------------------------------------------------------------------------------------
+# Graph builders: the forms seen in real post-grad graphs, written with the ops themselves.
+# ------------------------------------------------------------------------------------------------
+
+
+def all_gather(x, gather_dim, world, name):
+    """What funcol's all_gather_tensor leaves in a post-grad graph."""
+    w = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x, world, name))
+    if gather_dim == 0:
+        return w
+    if x.shape[0] == 1 and all(s == 1 for s in x.shape[1:gather_dim]):
+        # funcol's view form (B = 1): no data movement.
+        shape = list(x.shape)
+        shape[gather_dim] *= world
+        return aten.reshape.default(w, shape)
+    return aten.cat.default(list(aten.split.Tensor(w, x.shape[0])), gather_dim)
+
+
+def reduce_scatter(y, scatter_dim, world, name, reduce_op="sum"):
+    """What funcol's reduce_scatter_tensor leaves in a post-grad graph."""
+    if scatter_dim != 0:
+        y = aten.cat.default(list(aten.split.Tensor(y, y.shape[scatter_dim] // world, scatter_dim)))
+    return c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(y, reduce_op, world, name))
+
+
+def linear(x3, weight, bias=None):
+    """Post-grad nn.Linear on [..., K]: reshape -> addmm/mm(permute(W)) -> reshape."""
+    x2 = aten.reshape.default(x3, [-1, x3.shape[-1]])
+    wt = aten.permute.default(weight, [1, 0])
+    y = aten.mm.default(x2, wt) if bias is None else aten.addmm.default(bias, x2, wt)
+    return aten.reshape.default(y, list(x3.shape[:-1]) + [weight.shape[0]])
+
+
+def sp_mlp_forward(world, name, gather_dim):
+    """DTensor SP MLP forward: all_gather -> addmm (input saved for backward) ... addmm -> reduce_scatter."""
+
+    def fn(x, w_up, b_up, w_down, b_down):
+        gathered = all_gather(x, gather_dim, world, name)
+        flat = aten.reshape.default(gathered, [-1, gathered.shape[-1]])
+        h = aten.addmm.default(b_up, flat, aten.permute.default(w_up, [1, 0]))
+        h = aten.relu.default(aten.reshape.default(h, list(gathered.shape[:-1]) + [w_up.shape[0]]))
+        h2 = aten.reshape.default(h, [-1, h.shape[-1]])
+        y = aten.addmm.default(aten.div.Tensor(b_down, world), h2, aten.permute.default(w_down, [1, 0]))
+        y = aten.reshape.default(y, list(gathered.shape[:-1]) + [w_down.shape[0]])
+        return reduce_scatter(y, gather_dim, world, name), flat, h2
+
+    return fn
+
+
+def sp_linear_backward(world, name, gather_dim):
+    """DTensor SP backward of a column-parallel linear's consumer: the gradient is gathered, then read by
+    the input-gradient mm, the weight-gradient mm (transposed) and the bias-gradient sum."""
+
+    def fn(grad_shard, weight_t, saved_input2d):
+        gathered = all_gather(grad_shard, gather_dim, world, name)
+        g2 = aten.reshape.default(gathered, [-1, gathered.shape[-1]])
+        grad_in = aten.mm.default(g2, weight_t)
+        grad_w = aten.mm.default(aten.permute.default(g2, [1, 0]), saved_input2d)
+        grad_b = aten.sum.dim_IntList(g2, [0], True)
+        return grad_in, grad_w, grad_b
+
+    return fn
+
+
+def qkv(world, name, gather_dim):
+    """Attention with separate Q/K/V linears on one gathered input."""
+
+    def fn(x, wq, bq, wk, bk, wv, bv):
+        gathered = all_gather(x, gather_dim, world, name)
+        return linear(gathered, wq, bq), linear(gathered, wk, bk), linear(gathered, wv, bv)
+
+    return fn
+
+
+def trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def run_passes(gm, allowed=lambda name: True):
+    """The pass manager's order: all_gather_matmul, then matmul_reduce_scatter."""
+    fuse_all_gather_matmul(gm.graph, allowed)
+    fuse_matmul_reduce_scatter(gm.graph, allowed)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def count(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def skipped(pattern):
+    return rewrite_stats()["skipped"].get(pattern, {})
+
+
+def fused(pattern) -> int:
+    return rewrite_stats()["fused"].get(pattern, 0)
+
+
+def assert_all_vals(gm):
+    """Every call_function node (new ones included) carries meta['val'] of its real shape."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            assert "val" in n.meta, f"{n.name} has no meta['val']"
+
+
+# ------------------------------------------------------------------------------------------------
+# all_gather -> matmul
+# ------------------------------------------------------------------------------------------------
+
+
+def test_all_gather_dim0_mm():
+    """dist.all_gather_into_tensor / funcol gather_dim 0 on 2-D rows, then mm (the c10d-traced form)."""
+
+    def fn(x, w):
+        return aten.mm.default(all_gather(x, 0, WORLD, group()), w)
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(16, 32))
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1
+    assert count(gm, AG_MM) == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0
+    assert count(gm, c10d.wait_tensor.default) == 0
+    assert count(gm, aten.mm.default) == 0
+    (node,) = nodes(gm, AG_MM)
+    shard, weights, biases, gather_dim, group_name, return_gathered = node.args
+    assert (gather_dim, group_name, return_gathered, biases) == (0, group(), False, [None])
+    outs, gathered = node.meta["val"]
+    assert tuple(outs[0].shape) == (8, 32) and gathered.numel() == 0
+    assert_all_vals(gm)
+
+
+@pytest.mark.parametrize("batch", [2, 1], ids=["B2_split_cat", "B1_view_form"])
+def test_all_gather_sequence_dim1_forward(batch):
+    """DTensor SP MLP forward, [B, S/w, H] gathered on S: split/cat form (B > 1) and funcol's view form
+    (B = 1).  The flattened gathered input is saved for backward, so the op returns it."""
+    fn = sp_mlp_forward(WORLD, group(), 1)
+    args = (torch.randn(batch, 4, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16))
+    gm = trace(fn, *args)
+    assert count(gm, aten.cat.default) == (2 if batch > 1 else 1)
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert count(gm, aten.addmm.default) == 0
+    assert count(gm, aten.split.Tensor) == 0 and count(gm, aten.cat.default) == 0
+    (node,) = nodes(gm, AG_MM)
+    outs, gathered = node.meta["val"]
+    gather_dim, return_gathered = node.args[3], node.args[5]
+    # The view form reads the same memory as a dim-0 gather, and is passed as one.
+    assert gather_dim == (1 if batch > 1 else 0)
+    assert return_gathered is True
+    expected_gathered = (batch, 8, 16) if batch > 1 else (2, 4, 16)
+    assert tuple(gathered.shape) == expected_gathered
+    assert tuple(outs[0].shape) == expected_gathered[:-1] + (32,)
+    # The gathered output feeds the saved [B*S, H] view (an output of the graph).
+    readers = [u for u in node.users if u.args[1] == 1]
+    assert len(readers) == 1
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    saved = out_node.args[0][1]
+    assert tuple(saved.meta["val"].shape) == (batch * 8, 16)
+    (rs,) = nodes(gm, MM_RS)
+    assert tuple(rs.meta["val"].shape) == (batch, 4, 16)
+    assert rs.args[3:] == ("sum", 1, group())
+    assert_all_vals(gm)
+
+
+def test_all_gather_sequence_dim0_3d():
+    """SequenceParallel(sequence_dim=0): [S/w, B, H] gathered on dim 0, then reshape -> addmm."""
+    fn = sp_mlp_forward(WORLD, group(), 0)
+    gm = trace(fn, torch.randn(4, 3, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
+    (node,) = nodes(gm, AG_MM)
+    assert node.args[3] == 0
+    assert tuple(node.meta["val"][0][0].shape) == (8, 3, 32)
+    (rs,) = nodes(gm, MM_RS)
+    assert rs.args[4] == 0 and tuple(rs.meta["val"].shape) == (4, 3, 16)
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 0
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_all_gather_qkv_one_op(gather_dim):
+    """One all_gather read by Q, K and V linears becomes ONE op with three weights and biases."""
+    fn = qkv(WORLD, group(), gather_dim)
+    w = [torch.randn(16, 16) if i % 2 == 0 else torch.randn(16) for i in range(6)]
+    gm = trace(fn, torch.randn(2, 4, 16), *w)
+    assert count(gm, aten.addmm.default) == 3
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1
+    assert count(gm, AG_MM) == 1 and count(gm, aten.addmm.default) == 0
+    (node,) = nodes(gm, AG_MM)
+    assert len(node.args[1]) == 3 and all(b is not None for b in node.args[2])
+    assert node.args[5] is False  # nothing else reads the gathered tensor
+    assert [tuple(o.shape) for o in node.meta["val"][0]] == [(2 * (1 + (gather_dim == 0)), 4 * (1 + gather_dim), 16)] * 3
+    assert_all_vals(gm)
+
+
+def test_all_gather_backward_weight_grad_skipped():
+    """Backward: gathered gradient -> input-grad mm is fused; the weight-grad mm(g2.t(), x) is skipped
+    with its reason and keeps reading the op's gathered output."""
+    fn = sp_linear_backward(WORLD, group(), 1)
+    gm = trace(fn, torch.randn(2, 4, 16), torch.randn(16, 32), torch.randn(16, 24))
+    assert count(gm, aten.mm.default) == 2
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1
+    assert skipped("all_gather_matmul") == {"gathered tensor is on the contraction dim (weight-gradient mm)": 1}
+    assert count(gm, aten.mm.default) == 1  # the weight-gradient mm is left
+    (node,) = nodes(gm, AG_MM)
+    assert node.args[5] is True
+    (grad_w,) = nodes(gm, aten.mm.default)
+    permute = grad_w.args[0]
+    src = permute.args[0].args[0]  # permute(reshape(getitem(op, 1)))
+    assert src.target is operator.getitem and src.args == (node, 1)
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0
+
+
+def test_all_gather_gathered_second_operand_skipped():
+    def fn(x, a):
+        return aten.mm.default(a, all_gather(x, 0, WORLD, group()))
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(5, 8))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0
+    reasons = skipped("all_gather_matmul")
+    assert reasons.get("gathered tensor is the second matmul operand") == 1
+    assert reasons.get("no matmul reads the gathered tensor") == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1 and count(gm, AG_MM) == 0
+
+
+def test_all_gather_integer_dtype_skipped():
+    def fn(x, w):
+        return aten.mm.default(all_gather(x, 0, WORLD, group()), w)
+
+    gm = trace(fn, torch.randint(0, 5, (4, 16)), torch.randint(0, 5, (16, 8)))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0
+    assert skipped("all_gather_matmul") == {"non-floating dtype": 1}
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1 and count(gm, aten.mm.default) == 1
+
+
+def test_all_gather_contraction_dim_gather_skipped():
+    """all_gather on the last dim (K) of a 2-D shard: the op does not take it."""
+
+    def fn(x, w):
+        return aten.mm.default(all_gather(x, 1, WORLD, group()), w)
+
+    gm = trace(fn, torch.randn(4, 8), torch.randn(16, 8))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0
+    assert skipped("all_gather_matmul") == {"gather_dim is the contraction dim": 1}
+
+
+def test_all_gather_weight_after_gather_is_hoisted():
+    """The weight is computed after the first reader of the gathered tensor: it moves up with the op."""
+
+    def fn(x, w, z):
+        gathered = all_gather(x, 0, WORLD, group())
+        early = aten.sum.default(gathered)
+        weight = aten.mul.Tensor(w, aten.sum.default(z))
+        return aten.mm.default(gathered, weight), early
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(16, 8), torch.randn(3))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1
+    (node,) = nodes(gm, AG_MM)
+    assert node.args[5] is True  # the sum still reads the gathered tensor
+
+
+# ------------------------------------------------------------------------------------------------
+# matmul -> reduce_scatter
+# ------------------------------------------------------------------------------------------------
+
+
+def test_reduce_scatter_dim0_mm_two_users():
+    """mm -> reduce_scatter on dim 0 (c10d form); the wait's two users read the op's output."""
+
+    def fn(a, w):
+        out = reduce_scatter(aten.mm.default(a, w), 0, WORLD, group())
+        return aten.relu.default(out), aten.sum.default(out)
+
+    gm = trace(fn, torch.randn(8, 16), torch.randn(16, 12))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 0 and count(gm, c10d.wait_tensor.default) == 0
+    assert count(gm, aten.mm.default) == 0
+    (node,) = nodes(gm, MM_RS)
+    assert len(node.users) == 2
+    assert node.args[2:] == (None, "sum", 0, group())
+    assert tuple(node.meta["val"].shape) == (4, 12)
+
+
+@pytest.mark.parametrize("batch", [2, 1])
+def test_reduce_scatter_sequence_dim1_addmm(batch):
+    """Row-parallel linear with output Shard(1): addmm(bias/w) -> reshape -> split/cat -> reduce_scatter."""
+
+    def fn(h, w, b):
+        h2 = aten.reshape.default(h, [-1, h.shape[-1]])
+        y = aten.addmm.default(aten.div.Tensor(b, WORLD), h2, aten.permute.default(w, [1, 0]))
+        y = aten.reshape.default(y, [h.shape[0], h.shape[1], w.shape[0]])
+        return reduce_scatter(y, 1, WORLD, group())
+
+    gm = trace(fn, torch.randn(batch, 8, 32), torch.randn(16, 32), torch.randn(16))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1
+    assert count(gm, aten.addmm.default) == 0 and count(gm, aten.cat.default) == 0
+    (node,) = nodes(gm, MM_RS)
+    a, weight, bias, reduce_op, scatter_dim, group_name = node.args
+    assert (reduce_op, scatter_dim) == ("sum", 1)
+    assert tuple(a.meta["val"].shape) == (batch, 8, 32)  # the N-D operand, not its [B*S, K] view
+    assert bias is not None and bias.target == aten.div.Tensor
+    assert tuple(node.meta["val"].shape) == (batch, 4, 16)
+
+
+def test_reduce_scatter_backward_input_grad():
+    """Backward of a column-parallel linear fed by an all_gather: the input-gradient mm is reduce-scattered
+    (gradient of the all_gather); the weight-gradient mm next to it is untouched."""
+
+    def fn(grad2d, weight, saved3d):
+        grad_in = aten.mm.default(grad2d, weight)
+        grad_in = aten.reshape.default(grad_in, [2, 8, 16])
+        grad_w = aten.mm.default(aten.permute.default(grad2d, [1, 0]), aten.reshape.default(saved3d, [16, 16]))
+        return reduce_scatter(grad_in, 1, WORLD, group()), grad_w
+
+    gm = trace(fn, torch.randn(16, 32), torch.randn(32, 16), torch.randn(2, 8, 16))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1
+    assert count(gm, aten.mm.default) == 1
+
+
+def test_reduce_scatter_mm_with_other_users_skipped():
+    def fn(a, w):
+        y = aten.mm.default(a, w)
+        return reduce_scatter(y, 0, WORLD, group()), aten.sum.default(y)
+
+    gm = trace(fn, torch.randn(8, 16), torch.randn(16, 12))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 0
+    assert skipped("matmul_reduce_scatter") == {"matmul output has other users": 1}
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 1
+
+
+def test_reduce_scatter_non_dividing_skipped():
+    """The scattered dim (6 rows over 4 ranks) does not split."""
+
+    def fn(a, w):
+        y = aten.mm.default(a, w)
+        return c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(y, "sum", 4, group()))
+
+    gm = trace(fn, torch.randn(6, 16), torch.randn(16, 12))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 0
+    assert skipped("matmul_reduce_scatter") == {"scatter dim does not split over the group": 1}
+
+
+@pytest.mark.parametrize("reduce_op,fuses", [("avg", True), ("max", False)])
+def test_reduce_scatter_reduce_ops(reduce_op, fuses):
+    def fn(a, w):
+        return reduce_scatter(aten.mm.default(a, w), 0, WORLD, group(), reduce_op)
+
+    gm = trace(fn, torch.randn(8, 16), torch.randn(16, 12))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == int(fuses)
+    if fuses:
+        assert nodes(gm, MM_RS)[0].args[3] == "avg"
+    else:
+        assert skipped("matmul_reduce_scatter") == {"unsupported reduce_op": 1}
+
+
+def test_reduce_scatter_of_sum_of_matmuls_skipped():
+    """Backward of separate Q/K/V linears: the input gradient is a sum of three mms (not fused)."""
+
+    def fn(a, b, w1, w2):
+        return reduce_scatter(aten.add.Tensor(aten.mm.default(a, w1), aten.mm.default(b, w2)), 0, WORLD, group())
+
+    gm = trace(fn, torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 4), torch.randn(16, 4))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 0
+    assert skipped("matmul_reduce_scatter") == {"reduce_scatter input is not a matmul": 1}
+
+
+def test_integer_reduce_scatter_skipped():
+    def fn(a, w):
+        return reduce_scatter(aten.mm.default(a, w), 0, WORLD, group())
+
+    gm = trace(fn, torch.randint(0, 5, (8, 16)), torch.randint(0, 5, (16, 4)))
+    run_passes(gm)
+    assert skipped("matmul_reduce_scatter") == {"non-floating dtype": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# Groups, funcol's own API, chains
+# ------------------------------------------------------------------------------------------------
+
+
+def test_two_dim_mesh_only_allowed_group():
+    """A 2-D mesh: the tp group's collectives are fused, the other group's are skipped with the reason."""
+    other = dist.new_group(ranks=list(range(WORLD)))
+    tp, dp = group(), other.group_name
+    assert tp != dp
+
+    def fn(x, w, a, w2):
+        y_tp = aten.mm.default(all_gather(x, 0, WORLD, tp), w)
+        y_dp = aten.mm.default(all_gather(x, 0, WORLD, dp), w)
+        rs_tp = reduce_scatter(aten.mm.default(a, w2), 0, WORLD, tp)
+        rs_dp = reduce_scatter(aten.mm.default(a, w2), 0, WORLD, dp)
+        return y_tp, y_dp, rs_tp, rs_dp
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(16, 8), torch.randn(8, 16), torch.randn(16, 6))
+    run_passes(gm, allowed=lambda name: name == tp)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
+    assert skipped("all_gather_matmul") == {"group not allowed": 1}
+    assert skipped("matmul_reduce_scatter") == {"group not allowed": 1}
+    assert [n.args[4] for n in nodes(gm, AG_MM)] == [tp]
+    assert [n.args[5] for n in nodes(gm, MM_RS)] == [tp]
+    assert [n.args[2] for n in nodes(gm, c10d.all_gather_into_tensor.default)] == [dp]
+    assert [n.args[3] for n in nodes(gm, c10d.reduce_scatter_tensor.default)] == [dp]
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_funcol_api_forms(dim):
+    """Graphs traced from funcol's own all_gather_tensor / reduce_scatter_tensor (the forms its
+    implementation produces for this torch) are rewritten: all_gather -> mm -> mm -> reduce_scatter."""
+    import torch.distributed._functional_collectives as funcol
+
+    name = group()
+
+    def fn(x, w1, w2):
+        a = funcol.all_gather_tensor(x, gather_dim=dim, group=name)
+        y = torch.matmul(torch.matmul(a, w1), w2)
+        return funcol.reduce_scatter_tensor(y, "sum", scatter_dim=dim, group=name)
+
+    gm = trace(fn, torch.randn(2, 4, 16), torch.randn(16, 32), torch.randn(32, 16))
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert count(gm, aten.mm.default) == 0
+    (rs,) = nodes(gm, MM_RS)
+    assert rs.args[4] == dim and tuple(rs.meta["val"].shape) == (2, 4, 16)
+    assert_all_vals(gm)
+
+
+def test_no_collectives_is_a_no_op():
+    def fn(a, w):
+        return aten.mm.default(a, w)
+
+    gm = trace(fn, torch.randn(8, 16), torch.randn(16, 4))
+    before = str(gm.graph)
+    run_passes(gm)
+    assert str(gm.graph) == before and rewrite_stats()["fused"] == {} and rewrite_stats()["skipped"] == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics on a 1-rank gloo group: the rewritten graph computes what the original did.
+# ------------------------------------------------------------------------------------------------
+
+
+def _numeric_case(fn, args):
+    original = trace(fn, *args)
+    rewritten = run_passes(trace(fn, *args))
+    assert count(rewritten, AG_MM) + count(rewritten, MM_RS) >= 1
+    assert count(rewritten, c10d.all_gather_into_tensor.default) + count(rewritten, c10d.reduce_scatter_tensor.default) \
+        < count(original, c10d.all_gather_into_tensor.default) + count(original, c10d.reduce_scatter_tensor.default)
+    expected = original(*args)
+    got = rewritten(*args)
+    for e, g in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)):
+        assert e.shape == g.shape
+        assert ((g - e).norm() / e.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_numerics_mlp_forward_world1(gather_dim):
+    torch.manual_seed(0)
+    fn = sp_mlp_forward(1, WORLD1_GROUP, gather_dim)
+    args = (torch.randn(3, 5, 16), torch.randn(24, 16), torch.randn(24), torch.randn(16, 24), torch.randn(16))
+    _numeric_case(fn, args)
+
+
+def test_numerics_qkv_world1():
+    torch.manual_seed(1)
+    fn = qkv(1, WORLD1_GROUP, 1)
+    args = (torch.randn(2, 5, 16), torch.randn(8, 16), torch.randn(8), torch.randn(12, 16), torch.randn(12),
+            torch.randn(16, 16), torch.randn(16))
+    _numeric_case(fn, args)
+
+
+def test_numerics_backward_world1():
+    torch.manual_seed(2)
+    fn = sp_linear_backward(1, WORLD1_GROUP, 1)
+    _numeric_case(fn, (torch.randn(2, 6, 16), torch.randn(16, 32), torch.randn(12, 24)))
+
+
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_numerics_reduce_scatter_world1(scatter_dim):
+    torch.manual_seed(3)
+
+    def fn(h, w, b):
+        y = linear(h, w, b)
+        out = reduce_scatter(y, scatter_dim, 1, WORLD1_GROUP)
+        return out * 2, out.sum()
+
+    _numeric_case(fn, (torch.randn(3, 4, 32), torch.randn(16, 32), torch.randn(16)))
