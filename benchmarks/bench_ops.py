@@ -21,7 +21,7 @@ Contenders (``--contenders``), each timed on the same inputs:
   asynctp       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter (PyTorch async-TP)
   fused         torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=fused (a call that falls back to the
                 decomposition is reported as unavailable, with the fallback's reason)
-  fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only: the fused kernel with communication off
+  fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
 Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synchronize before each
@@ -263,7 +263,7 @@ class Problem:
                 return (lambda: op(shard, [b], [None], 0, gn, False)[0][0]), self.ref_out
             if name == "fused_nocomm":
                 gemm_only = importlib.import_module("fluxinductor.kernels.ag_gemm").gemm_only
-                return (lambda: gemm_only(gathered, b)), self.ref_out
+                return (lambda: gemm_only(gathered, b, None)), self.ref_out
         else:
             a, b, partial = self.a, self.b, self.partial
             m, n = partial.shape
@@ -296,7 +296,7 @@ class Problem:
                 return (lambda: op(a, b, None, "sum", 0, gn)), self.ref_out
             if name == "fused_nocomm":
                 gemm_only = importlib.import_module("fluxinductor.kernels.gemm_rs").gemm_only
-                return (lambda: gemm_only(a, b)), self.ref_partial
+                return (lambda: gemm_only(a, b, None)), self.ref_partial
         raise ValueError(f"unknown contender {name!r}")
 
 
