@@ -1,0 +1,66 @@
+// GEMM + reduce-scatter (row-parallel linear): torch-free launcher declarations.
+//
+// Each rank r holds A_r [M, K] (its K slice) and B_r [K, N]; the result is
+//   out_r [M/world, N] = rows [r*M/world, (r+1)*M/world) of sum_q (A_q @ B_q + bias)   (times 1/world for avg).
+// One persistent CUTLASS sm90a GEMM per rank computes the row segments owned by its peers first and stores
+// them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per (tile, warp);
+// its own segment comes last, and its epilogue adds the peers' slots once their flags carry this call's epoch.
+#pragma once
+
+#include <cstdint>
+
+namespace fluxinductor {
+
+constexpr int kGemmRsMaxWorld = 8;
+
+// Error codes a kernel writes into GemmRsArgs::error (host-mapped memory; 0 = no error).
+enum GemmRsError : int32_t {
+  kGemmRsOk = 0,
+  kGemmRsHelloTimeout = 1,       // a peer never entered this call (it crashed, hung or skipped a call)
+  kGemmRsSignatureMismatch = 2,  // ranks called with different shapes/dtypes
+  kGemmRsTileTimeout = 3,        // a peer entered the call but never delivered a tile
+};
+
+// Layout of one rank's symmetric buffer (byte offsets; the same on every rank):
+//   [0, 256)                      hello words, uint32 per source rank (the epoch the source is in)
+//   [256, 512)                    signatures, uint64 per source rank
+//   [512, 516)                    status of this rank's current call (== epoch when all peers agreed)
+//   [flags_offset, ...)           uint32 flags [src][tile_m][tile_n][warp] = epoch once delivered
+//   [data_offset, ...)            slots [src][M/world][N] elements: the peers' partial products
+struct GemmRsArgs {
+  int dtype = 0;            // 0 = bf16, 1 = fp16 (A, B, bias and out share it)
+  int m = 0, n = 0, k = 0;  // global M (all ranks' rows), N, this rank's K
+  int world = 1, rank = 0;
+  const void* a = nullptr;  // A [m, k] row-major, row stride lda (elements)
+  int64_t lda = 0;
+  const void* b = nullptr;  // B [k, n]: element (kk, nn) at b[nn*ldb + kk] when b_k_major, else b[kk*ldb + nn]
+  int64_t ldb = 0;
+  bool b_k_major = true;
+  const void* bias = nullptr;  // [n] or null
+  void* out = nullptr;         // [m/world, n], row stride ldo
+  int64_t ldo = 0;
+  float out_scale = 1.f;       // 1/world for avg
+  void* buffers[kGemmRsMaxWorld] = {};  // every rank's symmetric buffer base, as mapped on this rank
+  int64_t flags_offset = 0;    // bytes
+  int64_t data_offset = 0;     // bytes
+  uint32_t epoch = 0;          // this call's number, the same on every rank, >= 1
+  uint64_t signature = 0;      // what every rank must agree on (shape, dtype, world)
+  int32_t* error = nullptr;    // host-mapped error word
+  int64_t timeout_ns = 10'000'000'000LL;
+  int sm_count = 0;            // CTAs of the persistent grid (0 = all SMs)
+};
+
+// The tile shape and warps per tile fix the flag layout (the launcher and Python agree through these).
+int gemm_rs_tile_m();
+int gemm_rs_tile_n();
+int gemm_rs_warps_per_tile();
+
+// Enqueues the call on `stream` (a cudaStream_t). Returns 0, or a negative code with a message in gemm_rs_last_error().
+int gemm_rs_run(const GemmRsArgs& args, void* stream);
+const char* gemm_rs_last_error();
+
+// A zeroed int32 in host-mapped pinned memory: kernels write errors there, the host reads them without a sync.
+// Returns 0 and both addresses, or -1 (message in gemm_rs_last_error()).  Lives as long as the process.
+int gemm_rs_alloc_host_word(int64_t* host_address, int64_t* device_address);
+
+}  // namespace fluxinductor

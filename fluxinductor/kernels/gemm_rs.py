@@ -1,0 +1,431 @@
+"""Fused GEMM + reduce-scatter on Hopper (``fluxinductor._C.gemm_rs_run``), Flux's method.
+
+Row-parallel linear: every rank holds ``a2d`` [M, K/world] and ``weight`` [K/world, N]; the result on rank r is
+rows [r*M/world, (r+1)*M/world) of ``sum_q (a2d_q @ weight_q + bias)`` (divided by world for "avg").
+
+One persistent CUTLASS sm90a GEMM per rank, batched over the world row segments of A.  Its tile scheduler
+walks the peers' segments first (rank r+1, r+2, ...) and its own segment last; the epilogue stores a peer's
+tile straight into that peer's symmetric buffer (slot r) over NVLink and raises one flag per (tile, warp) to
+the call's epoch.  The own segment's epilogue waits for those flags, adds the peers' slots and the bias and
+writes the output, so the reduction needs no extra kernel and no extra pass over memory.
+
+Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
+reuse race-free (a peer is in call e only once it finished call e-1, which read its slots) and catches ranks
+that disagree on the shape.  Every wait has a timeout (``FLUXINDUCTOR_TIMEOUT_S``, default 10 s); a timeout or
+a disagreement writes a code into a host-mapped error word and the call is aborted on the device (no hang);
+the next call on the group raises, and so does :func:`check_error`.
+
+Buffers come from ``torch.distributed._symmetric_memory``, one per (group, device), grown to the next power of
+two bytes.  Shapes are checked to agree across ranks (through the c10d store, with a timeout) the first time a
+rank sees them, so a growth (a collective) never leaves one rank waiting alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import struct
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+REDUCE_OPS = ("sum", "avg")
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+MAX_WORLD = 8
+HEADER_BYTES = 4096
+_MIN_BUFFER_BYTES = 1 << 20
+_ERRORS = {
+    1: "a peer never entered the call (it crashed, hung, or made a different sequence of calls)",
+    2: "ranks called matmul_reduce_scatter with different shapes or dtypes",
+    3: "a peer entered the call but never delivered its tiles",
+}
+
+_ext = None
+_ext_reason: Optional[str] = None
+_ext_tried = False
+_lock = threading.Lock()
+
+
+def _extension():
+    global _ext, _ext_reason, _ext_tried
+    if not _ext_tried:
+        with _lock:
+            if not _ext_tried:
+                try:
+                    from fluxinductor import _C  # noqa: PLC0415 - lazy: importing must not need CUDA
+
+                    if not hasattr(_C, "gemm_rs_run"):
+                        _ext_reason = "fluxinductor._C was built without the GEMM+RS kernel"
+                    else:
+                        _ext = _C
+                except ImportError as e:
+                    _ext_reason = f"fluxinductor._C is not built or does not load ({e})"
+                _ext_tried = True
+    if _ext is None:
+        raise RuntimeError(_ext_reason)
+    return _ext
+
+
+def timeout_ns() -> int:
+    return int(float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layout and launch (raw pointers: also what the single-GPU N-rank tests drive).
+# ---------------------------------------------------------------------------------------------------
+
+
+def buffer_layout(m: int, n: int, world: int, dtype: torch.dtype) -> Tuple[int, int, int]:
+    """(flags_offset, data_offset, total_bytes) of one rank's buffer for a global [m, n] output."""
+    tile_m, tile_n, warps = _extension().gemm_rs_tile_shape()
+    segment_rows = m // world
+    tiles = -(-segment_rows // tile_m) * -(-n // tile_n)
+    flags_offset = HEADER_BYTES
+    data_offset = flags_offset + world * tiles * warps * 4
+    data_offset = -(-data_offset // 256) * 256
+    element = torch.empty((), dtype=dtype).element_size()
+    return flags_offset, data_offset, data_offset + world * segment_rows * n * element
+
+
+def signature(m: int, n: int, k: int, world: int, dtype: torch.dtype) -> int:
+    """64-bit digest of what every rank must agree on."""
+    packed = struct.pack("<qqqqq", m, n, k, world, _DTYPES[dtype])
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
+
+
+def _weight_layout(weight: Tensor) -> Optional[Tuple[bool, int]]:
+    """(b_k_major, ldb) for weight [K, N] read in place, or None when neither dim is contiguous."""
+    k, n = weight.shape
+    if weight.stride(0) == 1 and (n == 1 or weight.stride(1) >= k):
+        return True, max(weight.stride(1), k)  # transposed nn.Linear weight: column (k) contiguous
+    if weight.stride(1) == 1 and (k == 1 or weight.stride(0) >= n):
+        return False, max(weight.stride(0), n)
+    return None
+
+
+def launch(
+    a: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    out: Tensor,
+    *,
+    m: int,
+    world: int,
+    rank: int,
+    buffers: Sequence[int],
+    epoch: int,
+    sig: int,
+    error_address: int,
+    out_scale: float = 1.0,
+    timeout: Optional[int] = None,
+    sm_count: int = 0,
+    stream: Optional[torch.cuda.Stream] = None,
+) -> None:
+    """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
+
+    ``buffers`` are every rank's buffer base addresses as mapped on this device (``buffer_layout`` bytes).
+    """
+    b_k_major, ldb = _weight_layout(weight)
+    n = weight.shape[1]
+    flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
+    stream = stream if stream is not None else torch.cuda.current_stream(a.device)
+    _extension().gemm_rs_run(
+        dtype=_DTYPES[a.dtype],
+        m=m,
+        n=n,
+        k=a.shape[1],
+        world=world,
+        rank=rank,
+        a=a.data_ptr(),
+        lda=a.stride(0),
+        b=weight.data_ptr(),
+        ldb=ldb,
+        b_k_major=b_k_major,
+        bias=0 if bias is None else bias.data_ptr(),
+        out=out.data_ptr(),
+        ldo=out.stride(0),
+        out_scale=out_scale,
+        buffers=list(buffers) if world > 1 else [],
+        flags_offset=flags_offset,
+        data_offset=data_offset,
+        epoch=epoch,
+        signature=sig,
+        error=error_address,
+        timeout_ns=timeout_ns() if timeout is None else timeout,
+        sm_count=sm_count,
+        stream=stream.cuda_stream,
+    )
+
+
+class ErrorWord:
+    """A host-mapped int32 the kernels write error codes into; read without synchronizing."""
+
+    def __init__(self) -> None:
+        self.host, self.device = _extension().gemm_rs_alloc_host_word()
+
+    def read(self) -> int:
+        return ctypes.c_int32.from_address(self.host).value
+
+    def clear(self) -> None:
+        ctypes.c_int32.from_address(self.host).value = 0
+
+
+def error_message(code: int) -> str:
+    return f"fused matmul_reduce_scatter failed (code {code}): {_ERRORS.get(code, 'unknown error')}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-group state: symmetric buffer, epoch, error word, shapes known to agree.
+# ---------------------------------------------------------------------------------------------------
+
+
+class _GroupState:
+    def __init__(self, group_name: str, device: torch.device):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        self.group_name = group_name
+        self.group = _resolve_process_group(group_name)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.device = device
+        self.capacity = 0
+        self.buffer: Optional[Tensor] = None
+        self.handle = None
+        self.buffer_ptrs: List[int] = []
+        self.retired: list = []  # earlier buffers: a peer may still touch them until the device drains
+        self.epoch = 0
+        self.agreed: set = set()
+        self.agree_calls = 0
+        self.generation = _generations.get(group_name, 0)  # store keys of a reset state never collide
+        with torch.cuda.device(device):
+            self.error = ErrorWord()
+
+    def raise_if_error(self) -> None:
+        code = self.error.read()
+        if code:
+            raise RuntimeError(error_message(code) + f" on group {self.group_name!r} rank {self.rank}")
+
+    def agree(self, sig: int) -> None:
+        """Check, once per new signature, that every rank is in the same call with the same problem."""
+        if sig in self.agreed or self.world == 1:
+            return
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        store = dist.distributed_c10d._get_default_store()
+        self.agree_calls += 1
+        prefix = f"fluxinductor/gemm_rs/{self.group_name}/{self.generation}/{self.agree_calls}"
+        store.set(f"{prefix}/{self.rank}", str(sig))
+        old_timeout = store.timeout
+        try:
+            store.set_timeout(timedelta(seconds=timeout_ns() / 1e9))
+            keys = [f"{prefix}/{r}" for r in range(self.world)]
+            try:
+                store.wait(keys)
+            except Exception as e:  # noqa: BLE001 - the store raises its own timeout types
+                raise RuntimeError(
+                    f"matmul_reduce_scatter: not every rank of group {self.group_name!r} reached the same call "
+                    f"within the timeout ({e})"
+                ) from e
+            values = [int(store.get(key)) for key in keys]
+        finally:
+            store.set_timeout(old_timeout)
+        if any(v != sig for v in values):
+            raise RuntimeError(
+                f"matmul_reduce_scatter: ranks of group {self.group_name!r} disagree on the problem "
+                "(shape, dtype or world); every rank must call with the same shapes"
+            )
+        self.agreed.add(sig)
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the symmetric buffer hold ``nbytes`` (collective on growth; every rank grows on the same call
+        because shapes were agreed first)."""
+        if nbytes <= self.capacity or self.world == 1:
+            return
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self.handle is not None:
+            torch.cuda.synchronize(self.device)
+            self.handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)
+            self.retired.append((self.buffer, self.handle))
+        capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            try:
+                enable(self.group_name)
+            except Exception:  # noqa: BLE001 - deprecated/no-op on newer torch
+                pass
+        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buffer, self.group_name)
+        buffer.zero_()  # hello words, status and flags start below every epoch
+        handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)  # peers zeroed before anyone writes
+        self.buffer, self.handle, self.capacity = buffer, handle, capacity
+        self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
+
+    def next_epoch(self) -> int:
+        self.epoch = (self.epoch % 0xFFFFFFFE) + 1
+        return self.epoch
+
+
+_states: Dict[Tuple[str, int], _GroupState] = {}
+_generations: Dict[str, int] = {}
+
+
+def _state(group_name: str, device: torch.device) -> _GroupState:
+    key = (group_name, device.index)
+    state = _states.get(key)
+    if state is None:
+        state = _GroupState(group_name, device)
+        _states[key] = state
+    return state
+
+
+def check_error(group_name: str, device: Optional[torch.device] = None, synchronize: bool = True) -> None:
+    """Raise if a fused call on ``group_name`` failed (after syncing the device when ``synchronize``)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if synchronize:
+        torch.cuda.synchronize(device)
+    state = _states.get((group_name, device.index))
+    if state is not None:
+        state.raise_if_error()
+
+
+def reset(group_name: str) -> None:
+    """Forget the state of ``group_name`` (after an error; the next call starts afresh, collectively)."""
+    for key in [k for k in _states if k[0] == group_name]:
+        del _states[key]
+    _generations[group_name] = _generations.get(group_name, 0) + 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interface dispatch.py calls.
+# ---------------------------------------------------------------------------------------------------
+
+_capability_ok: Dict[int, bool] = {}
+
+
+def unsupported_reason(
+    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: Optional[str]
+) -> Optional[str]:
+    """None when the fused kernel can run this call, else why not (cheap, never collective)."""
+    try:
+        _extension()
+    except RuntimeError as e:
+        return str(e)
+    if not (a2d.is_cuda and weight.is_cuda):
+        return "tensors are not on a CUDA device"
+    if a2d.device != weight.device or (bias is not None and bias.device != a2d.device):
+        return "tensors are on different devices"
+    index = a2d.device.index
+    if index not in _capability_ok:
+        _capability_ok[index] = torch.cuda.get_device_capability(a2d.device) == (9, 0)
+    if not _capability_ok[index]:
+        return "the GEMM+RS kernel is built for sm90a (Hopper) only"
+    if a2d.dtype not in _DTYPES or weight.dtype != a2d.dtype:
+        return f"dtypes {a2d.dtype}/{weight.dtype}: the kernel takes bf16 or fp16, both operands the same"
+    if a2d.dim() != 2 or weight.dim() != 2 or a2d.shape[1] != weight.shape[0]:
+        return f"shapes {tuple(a2d.shape)} @ {tuple(weight.shape)} are not a 2-D matmul"
+    if reduce_op not in REDUCE_OPS:
+        return f"reduce_op {reduce_op!r} is not one of {REDUCE_OPS}"
+    m, k = a2d.shape
+    n = weight.shape[1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        return f"bias of shape {tuple(bias.shape)} is not [N={n}]"
+    world = 1
+    if group_name is not None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            world = dist.get_world_size(_resolve_process_group(group_name))
+        except Exception as e:  # noqa: BLE001
+            return f"group {group_name!r} does not resolve ({e})"
+        if world > MAX_WORLD:
+            return f"world size {world} > {MAX_WORLD}"
+    if m == 0 or n == 0 or k == 0:
+        return "empty matmul"
+    if m % world:
+        return f"M={m} rows do not split over {world} ranks"
+    if max(m, n, k) >= 2**31:
+        return "a dimension does not fit in int32"
+    if k % 8:
+        return f"K={k} is not a multiple of 8 (TMA needs 16-byte rows of A)"
+    layout = _weight_layout(weight)
+    if layout is None:
+        return f"weight strides {weight.stride()}: neither K nor N is contiguous"
+    if layout[1] % 8:
+        return f"weight leading stride {layout[1]} is not a multiple of 8 elements (16-byte TMA alignment)"
+    if weight.data_ptr() % 16:
+        return "weight is not 16-byte aligned"
+    return None
+
+
+def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    if a2d.stride(1) != 1 or a2d.stride(0) % 8 or a2d.data_ptr() % 16:
+        a2d = a2d.contiguous()
+    if bias is not None:
+        bias = bias.to(a2d.dtype).contiguous()
+    return a2d, bias
+
+
+def matmul_reduce_scatter(
+    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *, out: Optional[Tensor] = None
+) -> Tensor:
+    """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
+
+    a2d: [M, K/world] (this rank's partial operand), weight: [K/world, N], bias: [N] or None (added on every
+    rank before the reduction).  Returns [M/world, N]: rows [rank*M/world, (rank+1)*M/world) of the sum over
+    ranks (divided by world for "avg").  ``out`` (tests): a [M/world, N] row-major tensor to write into.
+    Raises RuntimeError when an earlier fused call on the group failed (see module docstring).
+    """
+    reason = unsupported_reason(a2d, weight, bias, reduce_op, group_name)
+    if reason is not None:
+        raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
+    state = _state(group_name, a2d.device)
+    state.raise_if_error()
+    a2d, bias = _prepare(a2d, bias)
+    m, k = a2d.shape
+    n = weight.shape[1]
+    world = state.world
+    if out is None:
+        out = torch.empty((m // world, n), dtype=a2d.dtype, device=a2d.device)
+    sig = signature(m, n, k, world, a2d.dtype)
+    state.agree(sig)
+    _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
+    state.reserve(nbytes)
+    launch(
+        a2d,
+        weight,
+        bias,
+        out,
+        m=m,
+        world=world,
+        rank=state.rank,
+        buffers=state.buffer_ptrs,
+        epoch=state.next_epoch() if world > 1 else 0,
+        sig=sig,
+        error_address=state.error.device,
+        out_scale=(1.0 / world) if reduce_op == "avg" else 1.0,
+    )
+    return out
+
+
+_gemm_only_errors: Dict[int, ErrorWord] = {}
+
+
+def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None) -> Tensor:
+    """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N]."""
+    reason = unsupported_reason(a2d, weight, bias, "sum", None)
+    if reason is not None:
+        raise ValueError(f"gemm_only cannot run: {reason}")
+    a2d, bias = _prepare(a2d, bias)
+    m = a2d.shape[0]
+    n = weight.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=a2d.dtype, device=a2d.device)
+    launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0, error_address=0)
+    return out

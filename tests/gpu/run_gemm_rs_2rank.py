@@ -1,0 +1,245 @@
+"""Two ranks on two GPUs (torchrun --nproc-per-node 2): the public GEMM+RS interface over real symmetric memory.
+
+Checks (each rank asserts; a failure exits non-zero):
+  * random non-zero inputs, M not a multiple of the tile, odd N, both weight layouts, bias or not, sum and
+    avg, bf16 and fp16: relative error vs an fp32 reference <= 1e-2, output poisoned with NaN first;
+  * unsupported shapes give a reason (odd K);
+  * 1000 back-to-back calls: no deadlock, no memory growth, last result correct;
+  * ranks disagreeing on shapes: RuntimeError on both ranks, not a hang (new shape: the store check;
+    known shapes: the device handshake), and the group works again after gemm_rs.reset().
+With --bench: cuBLAS, NCCL sequential (GEMM then reduce_scatter), fused and gemm_only timings for the
+issue's shapes; the JSON goes to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def log(*args):
+    print(f"[rank {dist.get_rank()}]", *args, flush=True)
+
+
+def make_weight(k, n, k_major, dtype, device, gen):
+    if k_major:
+        return (torch.randn(n, k, device=device, generator=gen) / k**0.5).to(dtype).t()
+    return (torch.randn(k, n, device=device, generator=gen) / k**0.5).to(dtype)
+
+
+def reference(a, w, bias, reduce_op, world, rank):
+    partial = a.float() @ w.float() + (bias.float() if bias is not None else 0)
+    dist.all_reduce(partial)
+    if reduce_op == "avg":
+        partial = partial / world
+    rows = partial.shape[0] // world
+    return partial[rank * rows:(rank + 1) * rows]
+
+
+def rel(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def check_correctness(group_name, device, rank, world):
+    from fluxinductor.kernels import gemm_rs
+
+    cases = [
+        # (M, K, N, dtype, k_major, bias, reduce_op)
+        (2 * 200, 264, 520, torch.bfloat16, True, True, "sum"),
+        (2 * 200, 264, 520, torch.bfloat16, True, True, "avg"),
+        (2 * 333, 128, 1001, torch.bfloat16, True, False, "sum"),  # odd N: K-major weight only
+        (2 * 512, 512, 768, torch.bfloat16, False, True, "avg"),
+        (2 * 256, 256, 1024, torch.float16, True, True, "sum"),
+        (2 * 1000, 1024, 2048, torch.bfloat16, True, True, "sum"),
+        (2, 8, 8, torch.bfloat16, True, True, "sum"),  # one row per rank
+    ]
+    for i, (m, k, n, dtype, k_major, with_bias, op) in enumerate(cases):
+        gen = torch.Generator(device=device).manual_seed(100 * i + rank)
+        a = torch.randn(m, k, device=device, generator=gen).to(dtype)
+        w = make_weight(k, n, k_major, dtype, device, gen)
+        bias_gen = torch.Generator(device=device).manual_seed(7 + i)  # bias is replicated
+        bias = torch.randn(n, device=device, generator=bias_gen).to(dtype) if with_bias else None
+        reason = gemm_rs.unsupported_reason(a, w, bias, op, group_name)
+        assert reason is None, reason
+        out = torch.full((m // world, n), float("nan"), dtype=dtype, device=device)
+        gemm_rs.matmul_reduce_scatter(a, w, bias, op, group_name, out=out)
+        gemm_rs.check_error(group_name)
+        ref = reference(a, w, bias, op, world, rank)
+        err = rel(out, ref)
+        assert not out.isnan().any(), f"case {i}: NaN left in the output"
+        assert err <= 1e-2, f"case {i} {(m, k, n, dtype, k_major, with_bias, op)}: rel err {err}"
+        log(f"case {i} m={m} k={k} n={n} {dtype} k_major={k_major} bias={with_bias} {op}: rel err {err:.2e}")
+    a = torch.randn(64, 100, device=device, dtype=torch.bfloat16)
+    w = torch.randn(100, 64, device=device, dtype=torch.bfloat16)
+    assert "multiple of 8" in gemm_rs.unsupported_reason(a, w, None, "sum", group_name)
+    a = torch.randn(63, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    assert "do not split" in gemm_rs.unsupported_reason(a, w, None, "sum", group_name)
+
+
+def check_many_calls(group_name, device, rank, world, calls=1000):
+    from fluxinductor.kernels import gemm_rs
+
+    m, k, n = 2 * 256, 512, 1024
+    gen = torch.Generator(device=device).manual_seed(rank + 11)
+    a = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    w = make_weight(k, n, True, torch.bfloat16, device, gen)
+    bias = torch.ones(n, device=device, dtype=torch.bfloat16)
+    out = gemm_rs.matmul_reduce_scatter(a, w, bias, "sum", group_name)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = gemm_rs.matmul_reduce_scatter(a, w, bias, "sum", group_name)
+    gemm_rs.check_error(group_name)
+    elapsed = time.perf_counter() - start
+    after = torch.cuda.memory_allocated(device)
+    assert after <= before, f"memory grew from {before} to {after} bytes over {calls} calls"
+    err = rel(out, reference(a, w, bias, "sum", world, rank))
+    assert err <= 1e-2, err
+    log(f"{calls} back-to-back calls: {elapsed * 1e6 / calls:.1f} us/call, memory {before}->{after}, err {err:.2e}")
+
+
+def check_disagreement(group_name, device, rank, world):
+    from fluxinductor.kernels import gemm_rs
+
+    k, n = 128, 256
+    w = make_weight(k, n, True, torch.bfloat16, device, torch.Generator(device=device).manual_seed(1))
+
+    def call(m):
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        return gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
+
+    # Shapes no rank has seen: caught by the store check before anything is launched.
+    try:
+        call(2 * 160 if rank == 0 else 2 * 192)
+        raise AssertionError("no error for ranks disagreeing on a new shape")
+    except RuntimeError as e:
+        assert "disagree" in str(e), e
+        log("new shapes that disagree ->", str(e)[:100])
+    # Shapes every rank has agreed on before: caught by the device handshake.
+    for m in (2 * 128, 2 * 256):
+        call(m)
+    gemm_rs.check_error(group_name)
+    call(2 * 128 if rank == 0 else 2 * 256)
+    try:
+        gemm_rs.check_error(group_name)
+        raise AssertionError("no error for ranks disagreeing on known shapes")
+    except RuntimeError as e:
+        assert "different shapes" in str(e), e
+        log("known shapes that disagree ->", str(e)[:100])
+    try:
+        call(2 * 128)
+        raise AssertionError("the failed group did not keep raising")
+    except RuntimeError:
+        pass
+    gemm_rs.reset(group_name)
+    dist.barrier()
+    m = 2 * 128
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    out = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
+    gemm_rs.check_error(group_name)
+    assert rel(out, reference(a, w, None, "sum", world, rank)) <= 1e-2
+    log("after reset the group works again")
+
+
+def time_ms(fn, warmup=5, iters=20):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+def bench(group_name, device, rank, world, shapes):
+    from fluxinductor.kernels import gemm_rs
+
+    rows = []
+    group = dist.group.WORLD
+    for m, k_global, n in shapes:
+        k = k_global // world
+        gen = torch.Generator(device=device).manual_seed(rank)
+        a = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+        w = make_weight(k, n, True, torch.bfloat16, device, gen)  # transposed nn.Linear weight
+        rs_out = torch.empty(m // world, n, device=device, dtype=torch.bfloat16)
+
+        def nccl_seq():
+            partial = torch.mm(a, w)
+            dist.reduce_scatter_tensor(rs_out, partial, group=group)
+
+        def comm_only(partial=torch.mm(a, w)):
+            dist.reduce_scatter_tensor(rs_out, partial, group=group)
+
+        t_gemm = time_ms(lambda: torch.mm(a, w))
+        t_comm = time_ms(comm_only)
+        t_seq = time_ms(nccl_seq)
+        t_only = time_ms(lambda: gemm_rs.gemm_only(a, w, None))
+        t_fused = time_ms(lambda: gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name))
+        gemm_rs.check_error(group_name)
+        nccl_seq()
+        fused = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
+        err = rel(fused, rs_out.float())
+        eff = 1 - (t_fused - t_gemm) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
+        row = dict(m=m, k=k_global, n=n, cublas_gemm_ms=t_gemm, nccl_rs_ms=t_comm, nccl_seq_ms=t_seq,
+                   fused_gemm_only_ms=t_only, fused_ms=t_fused, overlap_efficiency=eff,
+                   gemm_only_vs_cublas=t_only / t_gemm, fused_vs_nccl_seq_rel_err=err)
+        rows.append(row)
+        if rank == 0:
+            log(json.dumps(row))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    os.environ.setdefault("FLUXINDUCTOR_TIMEOUT_S", "10")
+
+    if not args.skip_checks:
+        check_correctness(group_name, device, rank, world)
+        check_many_calls(group_name, device, rank, world)
+        check_disagreement(group_name, device, rank, world)
+        log("all checks passed")
+    if args.bench:
+        rows = bench(group_name, device, rank, world, [(4096, 12288, 49152), (2048, 8192, 28672)])
+        if rank == 0 and args.json:
+            meta = dict(device=torch.cuda.get_device_name(device), world=world, torch=torch.__version__,
+                        cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                        timing="CUDA events, median of 20 after 5 warm-ups, barrier before each, max over ranks",
+                        dtype="bfloat16", weight="transposed nn.Linear weight (K-major)", rows=rows)
+            with open(args.json, "w") as f:
+                json.dump(meta, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

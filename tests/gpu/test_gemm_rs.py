@@ -1,0 +1,175 @@
+"""Tests of the fused GEMM + reduce-scatter kernel (fluxinductor/kernels/gemm_rs.py, csrc/gemm_rs.cu).
+
+* ``gemm_only``: the kernel with communication off against an fp32 reference (awkward M, odd N, both weight
+  layouts, bias or not, bf16 and fp16), output poisoned with NaN first.
+* N ranks on one GPU (world 2, 4, 8): every rank's symmetric buffer is a plain allocation on the one device
+  and each rank's kernel runs on its own stream with a persistent grid small enough that all ranks' kernels
+  are resident together; the kernels only see raw peer pointers, exactly as across NVLink.  Several calls
+  in a row reuse the buffers (epochs).
+* A peer that never enters the call: the handshake times out, the error word is set and the host raises.
+* 2 GPUs: tests/gpu/run_gemm_rs_2rank.py under torchrun (real symmetric memory, the public interface).
+
+Without CUDA, the extension or an sm_90 GPU these skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU; none is available on this machine"
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        return f"the GEMM+RS kernel is built for sm_90a; GPU 0 is {torch.cuda.get_device_capability(0)}"
+    try:
+        from fluxinductor.kernels import gemm_rs
+
+        gemm_rs._extension()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+_SKIP = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def make_weight(k: int, n: int, k_major: bool, dtype, device) -> torch.Tensor:
+    """[K, N]: the transposed view of an nn.Linear weight [N, K] (k_major) or a row-major [K, N]."""
+    if k_major:
+        return (torch.randn(n, k, dtype=torch.float32, device=device) / k**0.5).to(dtype).t()
+    return (torch.randn(k, n, dtype=torch.float32, device=device) / k**0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k_major", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("m,k,n", [(200, 264, 520), (1000, 72, 136), (1, 16, 8)])
+def test_gemm_only(dtype, k_major, with_bias, m, k, n):
+    from fluxinductor.kernels import gemm_rs
+
+    torch.manual_seed(m + k + n)
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = make_weight(k, n, k_major, dtype, "cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    gemm_rs.gemm_only(a, w, bias, out=out)
+    ref = a.float() @ w.float() + (bias.float() if with_bias else 0)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_gemm_only_odd_n_k_major():
+    """Odd N is fine when the weight is K-major (TMA only needs 16-byte K rows); N-major odd N is refused."""
+    from fluxinductor.kernels import gemm_rs
+
+    a = torch.randn(130, 64, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(64, 1001, True, torch.bfloat16, "cuda")
+    out = gemm_rs.gemm_only(a, w, None)
+    assert relative_error(out, a.float() @ w.float()) < 1e-2
+    w_n_major = make_weight(64, 1001, False, torch.bfloat16, "cuda")
+    assert "multiple of 8" in gemm_rs.unsupported_reason(a, w_n_major, None, "sum", None)
+    assert "K=60" in gemm_rs.unsupported_reason(a[:, :60], w[:60], None, "sum", None)
+
+
+def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3):
+    """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls."""
+    from fluxinductor.kernels import gemm_rs
+
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_budget = max(2, (sms // world - 1) // 2 * 2)  # all ranks resident at once, room for the handshakes
+    _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
+    pointers = [b.data_ptr() for b in buffers]
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    error = gemm_rs.ErrorWord()
+    sig = gemm_rs.signature(m, n, k, world, dtype)
+    worst = 0.0
+    for call in range(1, calls + 1):
+        torch.manual_seed(1000 * call + world)
+        a = [torch.randn(m, k, dtype=dtype, device=device) for _ in range(world)]
+        w = [make_weight(k, n, k_major, dtype, device) for _ in range(world)]
+        bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
+        ref = sum(a[r].float() @ w[r].float() + (bias.float() if with_bias else 0) for r in range(world))
+        if reduce_op == "avg":
+            ref = ref / world
+        outs = [torch.full((m // world, n), float("nan"), dtype=dtype, device=device) for _ in range(world)]
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                gemm_rs.launch(
+                    a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
+                    error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
+                    timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r],
+                )
+        torch.cuda.synchronize()
+        assert error.read() == 0, gemm_rs.error_message(error.read())
+        rows = m // world
+        for r in range(world):
+            assert not outs[r].isnan().any(), f"rank {r} call {call}: unwritten output"
+            worst = max(worst, relative_error(outs[r], ref[r * rows:(r + 1) * rows]))
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_n_ranks_one_gpu(world, reduce_op):
+    # 200 rows per rank: not a multiple of the 128-row tile; N=520 leaves a partial 256-column tile.
+    assert _simulate(world, 200 * world, 264, 520, reduce_op=reduce_op) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k_major", [True, False])
+def test_n_ranks_one_gpu_layouts(dtype, k_major):
+    assert _simulate(2, 2 * 384, 512, 1024, dtype=dtype, k_major=k_major, with_bias=False) < 1e-2
+
+
+def test_odd_n_two_ranks_one_gpu():
+    assert _simulate(2, 2 * 130, 64, 1001, with_bias=True) < 1e-2
+
+
+def test_peer_never_signals_raises():
+    """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises."""
+    from fluxinductor.kernels import gemm_rs
+
+    m, k, n, world = 256, 64, 256, 2
+    dtype = torch.bfloat16
+    _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
+    error = gemm_rs.ErrorWord()
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = make_weight(k, n, True, dtype, "cuda")
+    out = torch.empty((m // world, n), dtype=dtype, device="cuda")
+    gemm_rs.launch(
+        a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
+        sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=200_000_000,
+    )
+    torch.cuda.synchronize()  # returns: the kernel gave up instead of hanging
+    assert error.read() == 1
+    with pytest.raises(RuntimeError, match="never entered"):
+        raise RuntimeError(gemm_rs.error_message(error.read()))
+
+
+@pytest.mark.gpu
+def test_two_ranks_torchrun():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    script = os.path.join(HERE, "run_gemm_rs_2rank.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
