@@ -72,6 +72,8 @@ CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "a
 PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "fused"), ("asynctp",), ("auto",))
 # Contenders whose overlap efficiency and speedups are reported.
 OVERLAPPED = ("fused", "auto", "asynctp")
+# Contenders that may run fluxinductor's kernels (whose device-side errors are checked after they run).
+KERNEL_CONTENDERS = ("fused", "auto", "fused_nocomm")
 
 # shared/anchors/README.md shapes, M in {512, 3072} at K=8192 N=28672, and Flux's GEMM+RS demo shape.
 ANCHOR_SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
@@ -400,6 +402,21 @@ def _fallbacks(op: str) -> Dict[str, int]:
     return dict(rewrite_stats().get("fallbacks", {}).get(OP_NAME[op], {}))
 
 
+def kernel_error_check(op: str, ctx: "Ctx") -> None:
+    """Raise the error a fused kernel reported on the device (a timed-out flag wait shows only here or on
+    the next call).  Best effort: a kernel module without this API is not checked."""
+    try:
+        if op == "ag_gemm":
+            check = importlib.import_module("fluxinductor.kernels.ag_gemm").check_errors
+            call = lambda: check(ctx.device, synchronize=True)  # noqa: E731
+        else:
+            check = importlib.import_module("fluxinductor.kernels.gemm_rs").check_error
+            call = lambda: check(ctx.group_name, ctx.device, synchronize=True)  # noqa: E731
+    except (ImportError, AttributeError):
+        return
+    call()
+
+
 def _reset_fallbacks() -> None:
     from fluxinductor.log import reset_rewrite_stats
 
@@ -448,6 +465,8 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
                     _reset_fallbacks()
                 out = fn()
                 ctx.sync()
+                if name in KERNEL_CONTENDERS and ctx.is_cuda:
+                    kernel_error_check(op, ctx)
                 local["rel_err"] = rel_err(out, ref)
                 del out
                 if uses_dispatch:
@@ -482,6 +501,8 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
             if uses_dispatch:
                 _reset_fallbacks()
             times = time_calls(ctx, fn)
+            if name in KERNEL_CONTENDERS and ctx.is_cuda:
+                kernel_error_check(op, ctx)
             if uses_dispatch:
                 fell_back = _fallbacks(op)
                 if fell_back:
