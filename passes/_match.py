@@ -185,6 +185,25 @@ def is_pure(node: Node) -> bool:
     return node.target.namespace == "aten" and not node.is_impure()
 
 
+def mutation_between(start: Node, end: Node) -> Optional[Node]:
+    """The first node strictly between ``start`` and ``end`` (graph order) that may mutate a tensor.
+
+    A rewrite that moves a read from ``start``'s position to ``end``'s must not cross one.
+    """
+    node = start.next
+    while node is not end and node.op != "root":
+        if node.op == "call_function":
+            schema = getattr(node.target, "_schema", None)
+            if schema is None:
+                # Higher-order ops and Python callables: only getitem is known to be harmless.
+                if node.target is not operator.getitem:
+                    return node
+            elif schema.is_mutable:
+                return node
+        node = node.next
+    return None
+
+
 def erase_dead(graph: Graph, nodes: Iterable[Node]) -> None:
     """Erase those of ``nodes`` that have no users, latest first (so a chain goes in one call)."""
     pos = positions(graph)

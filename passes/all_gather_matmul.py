@@ -230,6 +230,10 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
 
     pos = m.positions(graph)
     anchor = min(match.gathered.users, key=pos.__getitem__)
+    # The op reads the shard at the anchor instead of at the all_gather.
+    mutator = m.mutation_between(match.all_gather, anchor)
+    if mutator is not None:
+        raise Skip("possible mutation between the all_gather and its first reader", mutator.name)
     m.hoist_before(anchor, [x for mm in matmuls for x in mm.hoist], pos)
     with graph.inserting_before(anchor):
         fused = graph.call_function(op, args)

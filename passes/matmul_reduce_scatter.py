@@ -86,9 +86,13 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _Re
                 raise Skip("matmul output has other users", f"chunks of {partial.name} are read elsewhere")
             between += chunk_nodes + [inp]
     partial_shape = m.static_shape(partial, "reduce_scatter operand")
-    if partial is inp and len(inp.users) != 1:
-        raise Skip("matmul output has other users", inp.name)
-    elif partial is not inp and len(partial.users) != 1:
+    if partial is inp:
+        readers = {rs}
+    elif m.is_call(between[2], m.SPLIT_OPS):
+        readers = {between[2]}
+    else:
+        readers = set(between[2:-1])  # the slices
+    if set(partial.users) != readers:
         raise Skip("matmul output has other users", partial.name)
     if partial_shape[scatter_dim] % group_size:
         raise Skip("scatter dim does not split over the group",
@@ -147,6 +151,10 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
         raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(m.val(match.wait).shape)}")
 
     rs = match.between[0]
+    # The op reads a, weight and bias at the reduce_scatter instead of at the matmul.
+    mutator = m.mutation_between(match.matmul, rs)
+    if mutator is not None:
+        raise Skip("possible mutation between the matmul and the reduce_scatter", mutator.name)
     with graph.inserting_before(rs):
         a_arg = a_source
         if tuple(m.val(a_source).shape) != a_nd_shape:

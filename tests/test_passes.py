@@ -574,3 +574,54 @@ def test_numerics_reduce_scatter_world1(scatter_dim):
         return out * 2, out.sum()
 
     _numeric_case(fn, (torch.randn(3, 4, 32), torch.randn(16, 32), torch.randn(16)))
+
+
+def test_narrow_chunk_forms():
+    """funcol under unbacked-symint tracing chunks with narrow (slice) instead of split: both passes
+    recognize the slice/cat form too."""
+
+    def fn(x, w, h, w2):
+        ag = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x, WORLD, group()))
+        gathered = aten.cat.default([aten.slice.Tensor(ag, 0, i * 2, (i + 1) * 2) for i in range(WORLD)], 1)
+        y = aten.mm.default(aten.reshape.default(gathered, [-1, 16]), w)
+        p = aten.reshape.default(aten.mm.default(aten.reshape.default(h, [-1, 8]), w2), [2, 8, 16])
+        z = aten.cat.default([aten.slice.Tensor(p, 1, i * 4, (i + 1) * 4) for i in range(WORLD)])
+        return y, c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(z, "sum", WORLD, group()))
+
+    gm = trace(fn, torch.randn(2, 4, 16), torch.randn(16, 8), torch.randn(2, 8, 8), torch.randn(8, 16))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
+    assert nodes(gm, AG_MM)[0].args[3] == 1 and nodes(gm, MM_RS)[0].args[4] == 1
+    assert count(gm, aten.slice.Tensor) == 0 and count(gm, aten.cat.default) == 0
+
+
+def test_chunks_out_of_rank_order_skipped():
+    def fn(x, w):
+        ag = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x, WORLD, group()))
+        parts = aten.split.Tensor(ag, 2)
+        gathered = aten.cat.default([parts[1], parts[0]], 1)
+        return aten.mm.default(aten.reshape.default(gathered, [-1, 16]), w)
+
+    gm = trace(fn, torch.randn(2, 4, 16), torch.randn(16, 8))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0
+    assert skipped("all_gather_matmul") == {"all_gather chunks not in rank order": 1}
+
+
+def test_mutation_between_skipped():
+    """An in-place op between the all_gather and its reader (or the matmul and its reduce_scatter)
+    forbids moving the read."""
+
+    def fn(x, w, a, w2):
+        gathered = all_gather(x, 0, WORLD, group())
+        x.add_(1)
+        y = aten.mm.default(gathered, w)
+        p = aten.mm.default(a, w2)
+        a.mul_(2)
+        return y, reduce_scatter(p, 0, WORLD, group())
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(16, 8), torch.randn(8, 16), torch.randn(16, 4))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0 and fused("matmul_reduce_scatter") == 0
+    assert skipped("all_gather_matmul") == {"possible mutation between the all_gather and its first reader": 1}
+    assert skipped("matmul_reduce_scatter") == {"possible mutation between the matmul and the reduce_scatter": 1}
