@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <sstream>
 
 #include "cutlass/cutlass.h"
@@ -14,14 +16,22 @@
 namespace fluxinductor::ag_gemm {
 namespace {
 
-std::string cuda_error(const char* what, cudaError_t status) {
-  return std::string(what) + ": " + cudaGetErrorString(status);
+Error make_error(std::string const& message) {
+  Error error;
+  size_t const n = message.size() < sizeof(error.message) - 1 ? message.size() : sizeof(error.message) - 1;
+  std::memcpy(error.message, message.data(), n);
+  error.message[n] = 0;
+  return error;
+}
+
+Error cuda_error(const char* what, cudaError_t status) {
+  return make_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 
 template <class Config>
-std::string run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
+Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   using Gemm = typename Config::Gemm;
   using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
@@ -73,24 +83,28 @@ std::string run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
 
   Gemm gemm;
   if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) {
-    return "CUTLASS cannot implement this problem (alignment or size)";
+    return make_error("CUTLASS cannot implement this problem (alignment or size)");
   }
   if (Gemm::get_workspace_size(arguments) != 0) {
-    return "unexpected CUTLASS workspace requirement";
+    return make_error("unexpected CUTLASS workspace requirement");
   }
   cutlass::Status status = gemm.initialize(arguments, nullptr, stream);
   if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status);
+    return make_error(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
   }
   status = gemm.run(stream);
   if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status) + " (" +
-           cudaGetErrorString(cudaGetLastError()) + ")";
+    return make_error(std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status) + " (" +
+                      cudaGetErrorString(cudaGetLastError()) + ")");
   }
   return {};
 }
 
 using ConfigBf16KMajor = AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor>;  // B = W^T view
+using ConfigBf16KMajorCoop256x128 =                                                                // variant 1
+    AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor, Cooperative256x128Cluster1x2>;
+using ConfigBf16KMajorPingpong =                                                                   // variant 2
+    AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor, Pingpong128x128Cluster1x2>;
 using ConfigBf16NMajor = AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::RowMajor>;     // B row-major
 using ConfigFp16KMajor = AllGatherGemmConfig<cutlass::half_t, cutlass::layout::ColumnMajor>;
 using ConfigFp16NMajor = AllGatherGemmConfig<cutlass::half_t, cutlass::layout::RowMajor>;
@@ -113,7 +127,7 @@ int device_sm_count() {
   return device < 64 ? cached[device] : 0;
 }
 
-std::string all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
+Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
   // 16-byte TMA rows and base addresses: 8 elements of a 2-byte type.
   constexpr int64_t kAlign = 8;
   std::ostringstream why;
@@ -134,30 +148,40 @@ std::string all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
     why << "inconsistent all-gather layout (rank " << p.rank << " of " << p.world << ", " << p.shard_rows
         << " rows per rank, M=" << p.m << ")";
   }
-  return why.str();
+  return make_error(why.str());
 }
 
-std::string all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
-  std::string why = all_gather_gemm_unsupported(p);
-  if (!why.empty()) {
+Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
+  Error why = all_gather_gemm_unsupported(p);
+  if (why.failed()) {
     return why;
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   switch (p.dtype) {
     case DType::kBFloat16:
-      return p.b_k_contiguous ? run_config<ConfigBf16KMajor>(p, stream) : run_config<ConfigBf16NMajor>(p, stream);
+      if (!p.b_k_contiguous) {
+        return run_config<ConfigBf16NMajor>(p, stream);
+      }
+      switch (p.variant) {
+        case Variant::kCooperative256x128Cluster1x2:
+          return run_config<ConfigBf16KMajorCoop256x128>(p, stream);
+        case Variant::kPingpong128x128Cluster1x2:
+          return run_config<ConfigBf16KMajorPingpong>(p, stream);
+        default:
+          return run_config<ConfigBf16KMajor>(p, stream);
+      }
     case DType::kFloat16:
       return p.b_k_contiguous ? run_config<ConfigFp16KMajor>(p, stream) : run_config<ConfigFp16NMajor>(p, stream);
   }
-  return "unsupported dtype";
+  return make_error("unsupported dtype");
 #else
   (void)stream_handle;
-  return "the extension was built without sm90a support";
+  return make_error("the extension was built without sm90a support");
 #endif
 }
 
-std::string stream_write_value32(void* address, uint32_t value, void* stream) {
+Error stream_write_value32(void* address, uint32_t value, void* stream) {
   static PFN_cuStreamWriteValue32_v11070 write_value32 = nullptr;
   static std::once_flag once;
   static cudaError_t lookup_status = cudaSuccess;
@@ -175,18 +199,18 @@ std::string stream_write_value32(void* address, uint32_t value, void* stream) {
   CUresult result = write_value32(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
                                   CU_STREAM_WRITE_VALUE_DEFAULT);
   if (result != CUDA_SUCCESS) {
-    return "cuStreamWriteValue32 failed with CUresult " + std::to_string(int(result));
+    return make_error("cuStreamWriteValue32 failed with CUresult " + std::to_string(int(result)));
   }
   return {};
 }
 
-std::string memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
+Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
   cudaError_t status =
       cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-  return status == cudaSuccess ? std::string() : cuda_error("cudaMemcpyAsync", status);
+  return status == cudaSuccess ? Error() : cuda_error("cudaMemcpyAsync", status);
 }
 
-std::string alloc_host_mapped_word(int64_t* host_address, int64_t* device_address) {
+Error alloc_host_mapped_word(int64_t* host_address, int64_t* device_address) {
   void* host = nullptr;
   cudaError_t status = cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
   if (status != cudaSuccess) {

@@ -1,12 +1,26 @@
 // Launchers of the AG+GEMM kernel (csrc/ag_gemm.cu).  Torch-free: raw pointers, sizes, a stream.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <string>
 
 namespace fluxinductor::ag_gemm {
 
 enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
+
+// Why a call did not happen: plain data (no std::string crosses between the nvcc- and the host-compiled
+// translation units).  Empty message = success.
+struct Error {
+  char message[384] = {0};
+  bool failed() const { return message[0] != 0; }
+};
+
+// Kernel variants (tile / cluster / schedule) for bf16 with a K-contiguous weight; other cases use kDefault.
+enum class Variant : int {
+  kCooperative128x256Cluster2x1 = 0,  // the default
+  kCooperative256x128Cluster1x2 = 1,
+  kPingpong128x128Cluster1x2 = 2,
+};
 
 // out[M, N] = A[M, K] @ B[K, N] (+ bias[N]), A read from the gathered buffer while it is being filled.
 struct AllGatherGemmParams {
@@ -27,26 +41,27 @@ struct AllGatherGemmParams {
   int chunks_per_rank = 1;
   int group_cluster_rows = 8;     // tile-order group height, in cluster rows (see ag_gemm_scheduler.cuh)
   int sm_count = 0;               // persistent grid size; 0 = all SMs of the device
+  Variant variant = Variant::kCooperative128x256Cluster2x1;
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
 };
 
-// Checks and launches on `stream` (a cudaStream_t).  Returns an empty string on success, else why not.
-std::string all_gather_gemm(AllGatherGemmParams const& params, void* stream);
+// Checks and launches on `stream` (a cudaStream_t).
+Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 
-// Why the kernel cannot run this problem (alignment, sizes), or an empty string.
-std::string all_gather_gemm_unsupported(AllGatherGemmParams const& params);
+// Why the kernel cannot run this problem (alignment, sizes), if it cannot.
+Error all_gather_gemm_unsupported(AllGatherGemmParams const& params);
 
 // cuStreamWriteValue32(stream, address, value) through the driver entry point (no libcuda link).
-std::string stream_write_value32(void* address, uint32_t value, void* stream);
+Error stream_write_value32(void* address, uint32_t value, void* stream);
 
 // cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
-std::string memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
+Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
 
 // A zeroed host-mapped int32 (cudaHostAllocMapped | Portable), for errors the host can read without a sync.
-// Sets its host and device addresses; returns an empty string or why it failed.  The caller keeps it for the
+// Sets its host and device addresses.  The caller keeps it for the
 // life of the process.
-std::string alloc_host_mapped_word(int64_t* host_address, int64_t* device_address);
+Error alloc_host_mapped_word(int64_t* host_address, int64_t* device_address);
 
 // The number of SMs of the current device.
 int device_sm_count();

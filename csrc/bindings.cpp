@@ -15,9 +15,9 @@ namespace ag_gemm_bindings {
 
 namespace agg = fluxinductor::ag_gemm;
 
-void check_ok(const std::string& why) {
-  if (!why.empty()) {
-    throw std::runtime_error(why);
+void check_ok(const agg::Error& error) {
+  if (error.failed()) {
+    throw std::runtime_error(error.message);
   }
 }
 
@@ -26,7 +26,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int64_t n, int64_t ldb, bool b_k_contiguous, int64_t bias, int64_t out,
                                              int64_t ldo, int64_t flags, uint32_t epoch, int rank, int world,
                                              int64_t shard_rows, int chunks_per_rank, int group_cluster_rows,
-                                             int sm_count, long long timeout_ns, int64_t error_word) {
+                                             int sm_count, long long timeout_ns, int64_t error_word, int variant) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -44,6 +44,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.chunks_per_rank = chunks_per_rank; p.group_cluster_rows = group_cluster_rows; p.sm_count = sm_count;
   p.timeout_ns = timeout_ns;
   p.error_word = reinterpret_cast<int*>(error_word);
+  p.variant = agg::Variant(variant);
   return p;
 }
 
@@ -52,7 +53,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("ldb"), py::arg("b_k_contiguous"), py::arg("bias"), py::arg("out"), py::arg("ldo"),           \
       py::arg("flags") = 0, py::arg("epoch") = 0, py::arg("rank") = 0, py::arg("world") = 1,                 \
       py::arg("shard_rows") = 0, py::arg("chunks_per_rank") = 1, py::arg("group_cluster_rows") = 8,          \
-      py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0
+      py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
+      py::arg("variant") = 0
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -60,11 +62,11 @@ void export_ag_gemm(py::module_& m) {
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
-         long long timeout_ns, int64_t error_word, int64_t stream) {
+         long long timeout_ns, int64_t error_word, int variant, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, group_cluster_rows, sm_count, timeout_ns,
-                                error_word),
+                                error_word, variant),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -74,10 +76,10 @@ void export_ag_gemm(py::module_& m) {
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
-         long long timeout_ns, int64_t error_word) {
-        return agg::all_gather_gemm_unsupported(make_ag_gemm_params(
+         long long timeout_ns, int64_t error_word, int variant) {
+        return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
-            chunks_per_rank, group_cluster_rows, sm_count, timeout_ns, error_word));
+            chunks_per_rank, group_cluster_rows, sm_count, timeout_ns, error_word, variant)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -99,7 +101,7 @@ void export_ag_gemm(py::module_& m) {
       "ag_alloc_host_mapped_word",
       []() {
         int64_t host = 0, device = 0;
-        check_ok(agg::alloc_host_mapped_word(&host, &device));
+        check_ok(agg::alloc_host_mapped_word(&host, &device));  // NOLINT
         return py::make_tuple(host, device);
       },
       "a zeroed host-mapped int32: (host address, device address); never freed");

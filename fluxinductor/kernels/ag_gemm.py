@@ -30,6 +30,26 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 # Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md).
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
 GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
+# Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
+# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2.
+VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
+# Rows of A one cluster row covers, per variant (tile M x cluster M).
+_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128}
+
+
+def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
+    """Tile-order group height (cluster rows) that never spans two shards when shards are whole cluster rows.
+
+    Inside a group the walk visits every row before moving to the next column, so a group that reached into
+    a peer's shard would make the first wave wait for the pull.
+    """
+    limit = GROUP_CLUSTER_ROWS if limit is None else limit
+    per_shard = shard_rows // _CLUSTER_ROW_HEIGHT.get(variant, 256)
+    if per_shard < 1:
+        return 1
+    if shard_rows % _CLUSTER_ROW_HEIGHT.get(variant, 256):
+        return max(1, min(limit, per_shard))
+    return max(g for g in range(1, min(limit, per_shard) + 1) if per_shard % g == 0)
 
 
 class AllGatherGemmError(RuntimeError):
@@ -136,14 +156,19 @@ def check_errors(device: Optional[torch.device] = None, synchronize: bool = Fals
 
 def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *, flags: Optional[Tensor] = None,
                 epoch: int = 0, rank: int = 0, world: int = 1, shard_rows: int = 0,
-                chunks_per_rank: int = CHUNKS_PER_RANK, sm_count: int = 0,
-                group_cluster_rows: int = GROUP_CLUSTER_ROWS, timeout_s: Optional[float] = None,
-                stream: Optional[torch.cuda.Stream] = None) -> Tensor:
+                chunks_per_rank: Optional[int] = None, sm_count: int = 0,
+                group_rows: Optional[int] = None, variant: Optional[int] = None,
+                timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
     the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).
+    ``group_rows``/``variant`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT).
     """
+    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
+    variant = VARIANT if variant is None else variant
+    if group_rows is None:
+        group_rows = group_cluster_rows(shard_rows, variant) if flags is not None else GROUP_CLUSTER_ROWS
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
     layout = _weight_layout(weight)
     if layout is None:
@@ -156,8 +181,9 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         b=weight.data_ptr(), n=weight.shape[1], ldb=ldb, b_k_contiguous=k_contiguous,
         bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(), ldo=out.stride(0),
         flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
-        shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, group_cluster_rows=group_cluster_rows,
-        sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, stream=stream.cuda_stream)
+        shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, group_cluster_rows=group_rows,
+        sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
+        stream=stream.cuda_stream)
     return out
 
 
@@ -168,7 +194,7 @@ def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]
 
 
 def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
-                epoch: int, stream: torch.cuda.Stream, chunks_per_rank: int = CHUNKS_PER_RANK,
+                epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
                 gathered_out: Optional[Tensor] = None) -> None:
     """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
 
@@ -177,6 +203,7 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
     order); chunk c of rank q sets flags[q * chunks_per_rank + c].  Then copies dst into ``gathered_out``.
     """
     ext = symm.extension()
+    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     world = len(sources)
     row_bytes = dst.stride(0) * dst.element_size()
     handle = stream.cuda_stream

@@ -133,6 +133,7 @@ class SymmetricWorkspace:
                 handle.barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
             torch.cuda.synchronize(self.device)
         self._views.clear()
+        _enable_group(self.group_name)
         self.buffers = [None, None]
         self.handles = [None, None]
         for parity in range(2):
@@ -153,6 +154,21 @@ class SymmetricWorkspace:
     def barrier(self, parity: int) -> None:
         """Every rank reached this point of its current stream (torch symmetric memory; times out)."""
         self.handles[parity].barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
+
+
+def _enable_group(group_name: str) -> None:
+    """Older torch (2.11 included) needs a group registered with symmetric memory before a rendezvous."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None or (enabled is not None and enabled(group_name)):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable(group_name)
 
 
 _workspaces: Dict[Tuple[str, int], SymmetricWorkspace] = {}

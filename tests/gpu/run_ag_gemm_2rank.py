@@ -49,12 +49,13 @@ def check_numerics(ag_gemm, group, rank, dtype):
     ]:
         torch.manual_seed(1000 * rank + shard_rows + k)
         shard = torch.randn(shard_rows, k, dtype=dtype, device=device)
-        weights = [torch.randn(n, k, dtype=dtype, device=device).t() if i % 2 == 0 else
-                   torch.randn(k, n, dtype=dtype, device=device) for i, n in enumerate(ns)]
-        biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns]
-        # Every rank must hold the same weights: take rank 0's.
-        for w in weights:
+        # Even weights: the transposed view of an nn.Linear weight [N, K]; odd ones: row-major [K, N].
+        stored = [torch.randn(n, k, dtype=dtype, device=device) if i % 2 == 0 else
+                  torch.randn(k, n, dtype=dtype, device=device) for i, n in enumerate(ns)]
+        for w in stored:  # every rank must hold the same weights: take rank 0's
             dist.broadcast(w, 0, group=group)
+        weights = [w.t() if i % 2 == 0 else w for i, w in enumerate(stored)]
+        biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns]
         for b in biases:
             if b is not None:
                 dist.broadcast(b, 0, group=group)
@@ -139,6 +140,8 @@ def time_ms(fn, group, warmup=5, iters=20):
         dist.barrier(group=group)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Keep the GPU busy while the host enqueues, so host-side launch cost stays out of every number.
+        torch.cuda._sleep(1_000_000)
         start.record()
         fn()
         end.record()
@@ -177,6 +180,16 @@ def bench(ag_gemm, group, rank, path):
             row[f"fused_chunks{chunks}_ms"] = time_ms(
                 lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
         ag_gemm.CHUNKS_PER_RANK = 2
+        # Tuning sweep: kernel variant x tile-order group height (communication off, then on).
+        for variant in (0, 1, 2):
+            for group_rows in (4, 8, 16):
+                row[f"nocomm_v{variant}_g{group_rows}_ms"] = time_ms(
+                    lambda: ag_gemm.launch_gemm(full, weight, None, torch.empty(m, weight.shape[1], dtype=full.dtype,
+                                                device=device), variant=variant, group_rows=group_rows), group)
+            ag_gemm.VARIANT = variant
+            row[f"fused_v{variant}_ms"] = time_ms(
+                lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
+        ag_gemm.VARIANT = 0
         t_gemm, t_seq = row["gemm_cublas_ms"], row["nccl_seq_ms"]
         row["efficiency"] = 1 - (row["fused_ms"] - t_gemm) / (t_seq - t_gemm)
         row["nocomm_vs_cublas"] = row["gemm_fused_nocomm_ms"] / t_gemm
@@ -188,7 +201,8 @@ def bench(ag_gemm, group, rank, path):
     if rank == 0:
         record = {"device": torch.cuda.get_device_name(device), "gpus": world, "torch": torch.__version__,
                   "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                  "timing": "CUDA events, median of 20 after 5 warm-ups, barrier before each, max over ranks",
+                  "timing": "CUDA events, median of 20 after 5 warm-ups, barrier before each, max over ranks; "
+                            "a ~0.5 ms GPU sleep before the start event hides host launch cost",
                   "rows": rows}
         with open(path, "w") as f:
             json.dump(record, f, indent=1)

@@ -79,8 +79,8 @@ def test_odd_sizes_are_reported_not_run():
 
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
                          skip_pull_from=None, timeout_s=None):
-    """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank])."""
-    from fluxinductor.kernels import ag_gemm
+    """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A)."""
+    from fluxinductor.kernels import ag_gemm, symm
 
     device = torch.device("cuda", 0)
     m = world * shard_rows
@@ -107,10 +107,9 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
     for r in range(world):  # ... and, once all slots are written (the barrier), pulls and computes
         for event in copied:
             side[r].wait_event(event)
-        sources = [None if q == skip_pull_from and r != q else buffers[q] for q in range(world)]
         if skip_pull_from is not None and r != skip_pull_from:
-            # A peer that never delivers: pull the others only (its flags are never set).
-            ext = __import__("fluxinductor.kernels.symm", fromlist=["extension"]).extension()
+            # A peer that never delivers: pull the others only, so its flags are never set.
+            ext = symm.extension()
             row_bytes = k * buffers[r].element_size()
             for step in range(1, world):
                 q = (r + step) % world
@@ -119,12 +118,12 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                 for c, (s0, s1) in enumerate(ag_gemm.chunk_bounds(shard_rows, chunks)):
                     first = q * shard_rows + s0
                     ext.ag_memcpy_async(buffers[r].data_ptr() + first * row_bytes,
-                                        sources[q].data_ptr() + first * row_bytes, (s1 - s0) * row_bytes,
+                                        buffers[q].data_ptr() + first * row_bytes, (s1 - s0) * row_bytes,
                                         side[r].cuda_stream)
                     ext.ag_stream_write_value32(flags[r].data_ptr() + 4 * (q * chunks + c), epoch,
                                                 side[r].cuda_stream)
         else:
-            ag_gemm.pull_shards(buffers[r], sources, r, shard_rows, flags[r], epoch, side[r], chunks,
+            ag_gemm.pull_shards(buffers[r], buffers, r, shard_rows, flags[r], epoch, side[r], chunks,
                                 gathered_out=gathered[r])
         for i, (w, b) in enumerate(zip(weights, biases)):
             ag_gemm.launch_gemm(buffers[r], w, b, outputs[r][i], flags=flags[r], epoch=epoch, rank=r, world=world,
@@ -160,6 +159,29 @@ def test_n_ranks_large_on_one_gpu(world):
     torch.manual_seed(11)
     outputs, refs, _, _ = run_ranks_on_one_gpu(world, shard_rows=1024, k=1024, ns=[2048], with_bias=True)
     for r in range(world):
+        assert relative_error(outputs[r][0], refs[0]) <= 1e-2, f"rank {r}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [1, 2])
+def test_other_kernel_variants(variant):
+    """The tuning variants of the bf16 kernel (K-contiguous weight) are exact too, with and without waits."""
+    from fluxinductor.kernels import ag_gemm
+
+    torch.manual_seed(variant)
+    a = torch.randn(1000, 264, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(264, 520, True, torch.bfloat16, "cuda")
+    bias = torch.randn(520, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1000, 520), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ag_gemm.launch_gemm(a, w, bias, out, variant=variant)
+    assert relative_error(out, a.float() @ w.float() + bias.float()) <= 1e-2
+    previous = ag_gemm.VARIANT
+    ag_gemm.VARIANT = variant
+    try:
+        outputs, refs, _, _ = run_ranks_on_one_gpu(4, shard_rows=129, k=264, ns=[520], with_bias=True)
+    finally:
+        ag_gemm.VARIANT = previous
+    for r in range(4):
         assert relative_error(outputs[r][0], refs[0]) <= 1e-2, f"rank {r}"
 
 

@@ -15,10 +15,35 @@
 
 namespace fluxinductor::ag_gemm {
 
-// One kernel configuration per (element type, layout of B).  B: [K, N] as torch holds it; a transposed
+// Tile shape, cluster shape and kernel schedule of one variant.
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_>
+struct TileConfig {
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using KernelSchedule = KernelSchedule_;
+  using EpilogueSchedule = EpilogueSchedule_;
+};
+
+using Cooperative128x256Cluster2x1 = TileConfig<
+    cute::Shape<cute::_128, cute::_256, cute::_64>,        // CTA tile M x N x K
+    cute::Shape<cute::_2, cute::_1, cute::_1>,             // 2 CTAs along M share B (multicast)
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative,    // 1 producer + 2 MMA warp groups on one tile
+    cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Cooperative256x128Cluster1x2 = TileConfig<
+    cute::Shape<cute::_256, cute::_128, cute::_64>,
+    cute::Shape<cute::_1, cute::_2, cute::_1>,             // 2 CTAs along N share A (multicast)
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Pingpong128x128Cluster1x2 = TileConfig<
+    cute::Shape<cute::_128, cute::_128, cute::_64>,
+    cute::Shape<cute::_1, cute::_2, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong,       // 2 MMA warp groups alternate tiles
+    cutlass::epilogue::TmaWarpSpecialized>;
+
+// One kernel configuration per (element type, layout of B, tile config).  B: [K, N] as torch holds it; a transposed
 // nn.Linear weight ([N, K] row-major) is cutlass::layout::ColumnMajor here, a plain [K, N] row-major
 // weight is cutlass::layout::RowMajor.
-template <class Element, class LayoutB>
+template <class Element, class LayoutB, class Tiles = Cooperative128x256Cluster2x1>
 struct AllGatherGemmConfig {
   using ElementA = Element;                                   // gathered activations
   using LayoutA = cutlass::layout::RowMajor;                  // A: [M, K], K contiguous
@@ -32,10 +57,10 @@ struct AllGatherGemmConfig {
   using ElementCompute = float;                               // epilogue math in fp32
   using ElementBias = Element;                                // bias: [N]
 
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // CTA tile M x N x K
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;    // 2 CTAs along M share B (multicast)
-  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;   // 1 producer + 2 MMA WGs
-  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;  // TMA store epilogue
+  using TileShape = typename Tiles::TileShape;
+  using ClusterShape = typename Tiles::ClusterShape;
+  using KernelSchedule = typename Tiles::KernelSchedule;
+  using EpilogueSchedule = typename Tiles::EpilogueSchedule;
   // out = acc + bias (per column); a null bias pointer reads as zeros, so one kernel serves both cases.
   using FusionOperation = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, ElementCompute, ElementBias,
                                                                         ElementD, ElementCompute>;
