@@ -42,19 +42,71 @@ PATTERN = "matmul_reduce_scatter"
 
 
 @dataclass
+class _Term:
+    """One ``a @ weight`` of the reduced sum; a: [M, K_i], weight: [K_i, N]."""
+
+    a: Node
+    weight: Node
+
+
+@dataclass
 class _ReduceScatterMatch:
-    """One reduce-scatter of a matmul, normalized: ``out = reduce_scatter(reshape(a @ w + b, partial_shape))``."""
+    """One reduce-scatter of a matmul (or of a sum of matmuls), normalized:
+    ``out = reduce_scatter(reshape(sum_i a_i @ w_i + bias, partial_shape), reduce_op, scatter_dim)``."""
 
     wait: Node
-    matmul: Node  # mm / addmm
-    a: Node  # [M, K]
-    weight: Node  # [K, N]
-    bias: Optional[Node]
+    terms: List[_Term]
+    bias: Optional[Node]  # [N]
     reduce_op: str
     scatter_dim: int
     group_name: str
     partial_shape: tuple  # the N-D tensor being reduced, [..., N]; scatter_dim indexes it
-    between: List[Node]  # matmul, reshapes, chunk nodes, cat, reduce_scatter, wait: erased once dead
+    between: List[Node]  # matmuls, adds, reshapes, chunk nodes, cat, reduce_scatter, wait: erased once dead
+    first: Node  # the earliest node of the sum: the operands are read there in the original graph
+
+
+def _collect_terms(node: Node, rows: int, n: int, terms: List[_Term], biases: List[Node], chain: List[Node]) -> None:
+    """Split ``node`` (a tensor of ``rows * n`` elements, last dim ``n``) into matmul terms and [N] biases.
+
+    Accepts reshapes (row-major, so any chain keeping the last dim ``n`` maps element (m, j) of every
+    term to the same place), ``add`` of two same-shape tensors, ``mm`` and ``addmm`` (its addend either a
+    [N] bias or another such tensor).  Every node must be read only by the one before it.
+    """
+    shape = m.static_shape(node, "reduce_scatter operand")
+    if shape[-1] != n or m.numel(shape) != rows * n:
+        raise Skip("reshape between matmul and reduce_scatter mixes the N dim", f"{node.name}: {shape}")
+    chain.append(node)
+    children: List[Node] = []
+    if m.is_call(node, m.VIEW_OPS):
+        children = [node.args[0]]
+    elif m.is_call(node, m.aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
+        x, y = node.args
+        if not (isinstance(x, Node) and isinstance(y, Node)):
+            raise Skip("reduce_scatter input is not a matmul", f"{node.name} adds a scalar")
+        if m.static_shape(x, "addend") != shape or m.static_shape(y, "addend") != shape:
+            raise Skip("reduce_scatter input is not a matmul", f"{node.name} broadcasts")
+        children = [x, y]
+    else:
+        operands = m.matmul_operands(node)
+        if operands is None:
+            raise Skip("reduce_scatter input is not a matmul", f"{node.name} = {node.target}")
+        a, weight, addend = operands
+        a_shape = m.static_shape(a, "matmul operand")
+        if len(a_shape) != 2 or a_shape[0] != rows:
+            raise Skip("unexpected matmul operand shape", f"{node.name}: {a_shape}")
+        terms.append(_Term(a, weight))
+        if addend is not None:
+            if isinstance(addend, Node) and m.static_shape(addend, "addmm addend") == (n,):
+                biases.append(addend)
+            elif isinstance(addend, Node) and m.static_shape(addend, "addmm addend") == (rows, n):
+                # inductor folds ``mm + mm`` into ``addmm(mm, a, w)``: the addend is another term.
+                children = [addend]
+            else:
+                raise Skip("bias is not a [N] vector", f"{node.name}: addend {m.val(addend).shape}")
+    for child in children:
+        if len(child.users) != 1:
+            raise Skip("matmul output has other users", f"{child.name} is read by {[u.name for u in child.users]}")
+        _collect_terms(child, rows, n, terms, biases, chain)
 
 
 def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _ReduceScatterMatch:
@@ -70,7 +122,7 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _Re
     wait = m.only_user(rs)
     if not m.is_call(wait, m.WAIT):
         raise Skip("reduce_scatter not followed by a single wait_tensor", rs.name)
-    m.check_float(inp, "reduce_scatter input")
+    dtype = m.check_float(inp, "reduce_scatter input")
     inp_shape = m.static_shape(inp, "reduce_scatter input")
 
     between: List[Node] = [rs, wait]
@@ -94,80 +146,96 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _Re
         readers = set(between[2:-1])  # the slices
     if set(partial.users) != readers:
         raise Skip("matmul output has other users", partial.name)
+    if len(partial_shape) < 2:
+        raise Skip("1-D reduce_scatter operand", str(partial_shape))
     if partial_shape[scatter_dim] % group_size:
         raise Skip("scatter dim does not split over the group",
                    f"size {partial_shape[scatter_dim]} on dim {scatter_dim}, {group_size} ranks")
     if inp_shape[0] % group_size:
         raise Skip("scatter dim does not split over the group", f"input {inp_shape}, {group_size} ranks")
 
-    # Walk back through reshapes to the matmul; each must be read only by the next.
-    node = partial
-    while m.is_call(node, m.VIEW_OPS):
-        between.append(node)
-        node = node.args[0]
-        if len(node.users) != 1:
-            raise Skip("matmul output has other users", node.name)
-    operands = m.matmul_operands(node)
-    if operands is None:
-        raise Skip("reduce_scatter input is not a matmul", f"{node.name} = {node.target}")
-    a, weight, bias = operands
-    between.append(node)
-    a_shape = m.static_shape(a, "matmul operand")
-    mm_shape = m.static_shape(node, "matmul output")
-    if len(a_shape) != 2:
-        raise Skip("unexpected matmul operand shape", str(a_shape))
-    dtype = m.check_float(a, "matmul operand")
-    n = m.check_weight_and_bias(weight, bias, a_shape[1], dtype, node.name)
-    if partial_shape[-1] != n or m.numel(partial_shape) != m.numel(mm_shape):
-        raise Skip("reshape between matmul and reduce_scatter mixes the N dim",
-                   f"{mm_shape} -> {partial_shape}")
-    if len(partial_shape) == 1:
-        raise Skip("1-D reduce_scatter operand", str(partial_shape))
-    return _ReduceScatterMatch(wait, node, a, weight, bias, reduce_op, scatter_dim, group_name,
-                               partial_shape, between)
+    n = partial_shape[-1]
+    rows = m.numel(partial_shape) // n
+    terms: List[_Term] = []
+    biases: List[Node] = []
+    chain: List[Node] = []
+    _collect_terms(partial, rows, n, terms, biases, chain)
+    if len(biases) > 1:
+        raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
+    bias = biases[0] if biases else None
+    for term in terms:
+        m.check_float(term.a, "matmul operand")
+        if m.val(term.a).dtype != dtype:
+            raise Skip("mixed dtypes", f"{term.a.name}: {m.val(term.a).dtype}, reduced {dtype}")
+        m.check_weight_and_bias(term.weight, None, m.val(term.a).shape[1], dtype, term.a.name)
+    if bias is not None:
+        m.check_weight_and_bias(terms[0].weight, bias, m.val(terms[0].a).shape[1], dtype, bias.name)
+    pos = m.positions(rs.graph)
+    first = min(chain, key=pos.__getitem__)
+    return _ReduceScatterMatch(wait, terms, bias, reduce_op, scatter_dim, group_name, partial_shape,
+                               between + chain, first)
+
+
+def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple) -> Node:
+    """``node`` reshaped to ``shape`` (a new reshape node unless it already has that shape)."""
+    if tuple(m.val(node).shape) == shape:
+        return node
+    reshaped = graph.call_function(m.aten.reshape.default, (node, list(shape)))
+    m.set_val(reshaped, fake_mode, lambda: m.val(node).reshape(shape))
+    return reshaped
 
 
 def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     from fluxinductor import ops  # noqa: F401  (registers torch.ops.fluxinductor)
 
     op = torch.ops.fluxinductor.matmul_reduce_scatter.default
-    k = m.val(match.a).shape[1]
-    a_nd_shape = tuple(match.partial_shape[:-1]) + (k,)
-    a_source = match.a
-    # a is usually reshape(x, [M, K]) of an N-D x already of the shape needed: use x itself.
-    if m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
+    lead = tuple(match.partial_shape[:-1])
+    ks = [m.val(t.a).shape[1] for t in match.terms]
+    a_nd_shape = lead + (sum(ks),)
+    rs = match.between[0]
+    # The op reads a, weight and bias at the reduce_scatter instead of at the matmul(s).
+    mutator = m.mutation_between(match.first, rs)
+    if mutator is not None:
+        raise Skip("possible mutation between the matmul and the reduce_scatter", mutator.name)
+
+    a_source = match.terms[0].a
+    if len(match.terms) == 1 and m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
             and tuple(m.val(a_source.args[0]).shape) == a_nd_shape:
+        # a is usually reshape(x, [M, K]) of an N-D x of the shape needed: use x itself.
         a_source = a_source.args[0]
     try:
         with fake_mode:
-            a_val = m.val(a_source)
-            if tuple(a_val.shape) != a_nd_shape:
-                a_val = a_val.reshape(a_nd_shape)
-            result = op(a_val, m.val(match.weight), None if match.bias is None else m.val(match.bias),
+            if len(match.terms) == 1:
+                a_val, w_val = m.val(a_source), m.val(match.terms[0].weight)
+            else:
+                # sum_i a_i @ w_i == cat(a_i, dim 1) @ cat(w_i, dim 0)
+                a_val = torch.cat([m.val(t.a) for t in match.terms], 1)
+                w_val = torch.cat([m.val(t.weight) for t in match.terms], 0)
+            a_val = a_val.reshape(a_nd_shape)
+            result = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
                         match.reduce_op, match.scatter_dim, match.group_name)
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     if tuple(result.shape) != tuple(m.val(match.wait).shape):
         raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(m.val(match.wait).shape)}")
 
-    rs = match.between[0]
-    # The op reads a, weight and bias at the reduce_scatter instead of at the matmul.
-    mutator = m.mutation_between(match.matmul, rs)
-    if mutator is not None:
-        raise Skip("possible mutation between the matmul and the reduce_scatter", mutator.name)
     with graph.inserting_before(rs):
-        a_arg = a_source
-        if tuple(m.val(a_source).shape) != a_nd_shape:
-            a_arg = graph.call_function(m.aten.reshape.default, (a_source, list(a_nd_shape)))
-            a_arg.meta["val"] = a_val
-        fused = graph.call_function(op, (a_arg, match.weight, match.bias, match.reduce_op, match.scatter_dim,
+        if len(match.terms) == 1:
+            a_arg, w_arg = _n_d(graph, fake_mode, a_source, a_nd_shape), match.terms[0].weight
+        else:
+            a_cat = graph.call_function(m.aten.cat.default, ([t.a for t in match.terms], 1))
+            m.set_val(a_cat, fake_mode, lambda: torch.cat([m.val(t.a) for t in match.terms], 1))
+            a_arg = _n_d(graph, fake_mode, a_cat, a_nd_shape)
+            w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in match.terms], 0))
+            m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in match.terms], 0))
+        fused = graph.call_function(op, (a_arg, w_arg, match.bias, match.reduce_op, match.scatter_dim,
                                          match.group_name))
         fused.meta["val"] = result
-        m.copy_debug_meta(fused, match.matmul)
+        m.copy_debug_meta(fused, match.first)
     match.wait.replace_all_uses_with(fused)
     m.erase_dead(graph, match.between)
-    record_fused(PATTERN, f"scatter_dim={match.scatter_dim}, reduce_op={match.reduce_op}, "
-                          f"bias={match.bias is not None}, group={match.group_name}")
+    record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}, "
+                          f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}")
 
 
 def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool]) -> None:

@@ -439,13 +439,47 @@ def test_reduce_scatter_reduce_ops(reduce_op, fuses):
         assert skipped("matmul_reduce_scatter") == {"unsupported reduce_op": 1}
 
 
-def test_reduce_scatter_of_sum_of_matmuls_skipped():
-    """Backward of separate Q/K/V linears: the input gradient is a sum of three mms (not fused)."""
+def sum_of_matmuls(world, name, scatter_dim):
+    """Backward of separate Q/K/V (or gate/up) linears: the input gradient is a sum of mms, written as
+    inductor leaves it: ``addmm(mm(a1, w1), a2, w2)`` (its mm + add folding) plus a reshaped 3-D add."""
 
-    def fn(a, b, w1, w2):
-        return reduce_scatter(aten.add.Tensor(aten.mm.default(a, w1), aten.mm.default(b, w2)), 0, WORLD, group())
+    def fn(a1, a2, a3, w1, w2, w3):
+        two = aten.addmm.default(aten.mm.default(a1, w1), a2, w2)  # [B*S, N]
+        three = aten.add.Tensor(aten.reshape.default(two, [2, 8, 16]),
+                                aten.reshape.default(aten.mm.default(a3, w3), [2, 8, 16]))
+        return reduce_scatter(three, scatter_dim, world, name)
 
-    gm = trace(fn, torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 4), torch.randn(16, 4))
+    return fn
+
+
+def _sum_args():
+    return (torch.randn(16, 8), torch.randn(16, 8), torch.randn(16, 4),
+            torch.randn(8, 16), torch.randn(8, 16), torch.randn(4, 16))
+
+
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_reduce_scatter_of_sum_of_matmuls(scatter_dim):
+    """sum_i a_i @ w_i -> reduce_scatter becomes one op on cat(a_i, 1) and cat(w_i, 0)."""
+    gm = trace(sum_of_matmuls(WORLD, group(), scatter_dim), *_sum_args())
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1
+    assert count(gm, aten.mm.default) == 0 and count(gm, aten.addmm.default) == 0
+    assert count(gm, aten.add.Tensor) == 0 and count(gm, c10d.reduce_scatter_tensor.default) == 0
+    (node,) = nodes(gm, MM_RS)
+    a, weight = node.args[0], node.args[1]
+    assert tuple(a.meta["val"].shape) == (2, 8, 20) and tuple(weight.meta["val"].shape) == (20, 16)
+    assert weight.target == aten.cat.default and len(weight.args[0]) == 3
+    assert tuple(node.meta["val"].shape) == ((1, 8, 16) if scatter_dim == 0 else (2, 4, 16))
+    assert_all_vals(gm)
+
+
+def test_reduce_scatter_of_matmul_plus_other_skipped():
+    """mm + something that is not a matmul (a residual): not fused."""
+
+    def fn(a, w, r):
+        return reduce_scatter(aten.add.Tensor(aten.mm.default(a, w), r), 0, WORLD, group())
+
+    gm = trace(fn, torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 4))
     run_passes(gm)
     assert fused("matmul_reduce_scatter") == 0
     assert skipped("matmul_reduce_scatter") == {"reduce_scatter input is not a matmul": 1}
@@ -625,3 +659,9 @@ def test_mutation_between_skipped():
     assert fused("all_gather_matmul") == 0 and fused("matmul_reduce_scatter") == 0
     assert skipped("all_gather_matmul") == {"possible mutation between the all_gather and its first reader": 1}
     assert skipped("matmul_reduce_scatter") == {"possible mutation between the matmul and the reduce_scatter": 1}
+
+
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_numerics_sum_of_matmuls_world1(scatter_dim):
+    torch.manual_seed(4)
+    _numeric_case(sum_of_matmuls(1, WORLD1_GROUP, scatter_dim), _sum_args())
