@@ -186,9 +186,12 @@ def _consumers(match: _AllGatherMatch, closure: List[Node]) -> List[_Matmul]:
                 for dep in (weight, bias):
                     if dep is None:
                         continue
-                    up = m.ancestors_after(dep, anchor_pos, pos)
-                    if any(x in forbidden for x in up):
+                    # Everything dep is computed from since the all_gather: none may read the gathered
+                    # tensor; what sits after the op's place moves up with it.
+                    up = m.ancestors_after(dep, pos[match.all_gather], pos)
+                    if any(x in forbidden or match.gathered in x.all_input_nodes for x in up):
                         raise Skip("weight depends on the gathered tensor", u.name)
+                    up = [x for x in up if pos[x] >= anchor_pos]
                     if any(x.op != "call_function" or not m.is_pure(x) for x in up):
                         raise Skip("weight computed by an impure op after the all_gather", u.name)
                     hoist += up

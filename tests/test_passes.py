@@ -665,3 +665,19 @@ def test_mutation_between_skipped():
 def test_numerics_sum_of_matmuls_world1(scatter_dim):
     torch.manual_seed(4)
     _numeric_case(sum_of_matmuls(1, WORLD1_GROUP, scatter_dim), _sum_args())
+
+
+def test_all_gather_weight_reading_gathered_skipped():
+    """A weight computed from the gathered tensor itself (through a non-view reader) cannot be fused."""
+
+    def fn(x, w):
+        gathered = all_gather(x, 0, WORLD, group())
+        weight = aten.mul.Tensor(w, aten.sum.default(gathered))
+        return aten.mm.default(gathered, weight)
+
+    gm = trace(fn, torch.randn(4, 16), torch.randn(16, 8))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0
+    reasons = skipped("all_gather_matmul")
+    assert reasons.get("weight depends on the gathered tensor") == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1
