@@ -1,5 +1,6 @@
-// AG+GEMM launchers: CUTLASS sm90a instantiations (bf16, fp16) x (B K-contiguous, B N-contiguous),
-// the parameter checks, and the two stream operations the host side of the all-gather needs.
+// AG+GEMM launcher: the parameter checks, the dispatch to the instantiations (csrc/ag_gemm_instances.h:
+// bf16/fp16 x weight K-/N-contiguous, plus bf16 tuning variants), and the stream operations the host side
+// of the all-gather needs.
 #include "ag_gemm.h"
 
 #include <cuda_runtime.h>
@@ -10,106 +11,17 @@
 #include <string>
 #include <sstream>
 
+#include "ag_gemm_instances.h"
 #include "cutlass/cutlass.h"
-#include "fluxinductor/ag_gemm_kernel.cuh"
+#include "fluxinductor/ag_gemm_run.cuh"
 
 namespace fluxinductor::ag_gemm {
 namespace {
-
-Error make_error(std::string const& message) {
-  Error error;
-  size_t const n = message.size() < sizeof(error.message) - 1 ? message.size() : sizeof(error.message) - 1;
-  std::memcpy(error.message, message.data(), n);
-  error.message[n] = 0;
-  return error;
-}
 
 Error cuda_error(const char* what, cudaError_t status) {
   return make_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
-#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
-
-template <class Config>
-Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
-  using Gemm = typename Config::Gemm;
-  using StrideA = typename Gemm::GemmKernel::StrideA;
-  using StrideB = typename Gemm::GemmKernel::StrideB;
-  using StrideD = typename Gemm::GemmKernel::StrideD;
-  using Element = typename Config::ElementA;
-
-  int const m = int(p.m), n = int(p.n), k = int(p.k);
-  // CUTLASS 3 strides are (outer, inner, batch) with the contiguous mode a static 1: set the leading one.
-  StrideA stride_a{};
-  cute::get<0>(stride_a) = p.lda;                 // A (m, k) at m * lda + k
-  StrideB stride_b{};
-  if constexpr (cutlass::gemm::detail::is_k_major<StrideB>()) {
-    cute::get<0>(stride_b) = p.ldb;               // B (n, k) at n * ldb + k
-  } else {
-    cute::get<1>(stride_b) = p.ldb;               // B (n, k) at k * ldb + n
-  }
-  StrideD stride_d{};
-  cute::get<0>(stride_d) = p.ldo;                 // out (m, n) at m * ldo + n
-
-  AllGatherSchedule schedule;
-  schedule.flags = p.flags;
-  schedule.epoch = p.epoch;
-  schedule.rank = p.rank;
-  schedule.world = p.world;
-  schedule.total_rows = m;
-  schedule.shard_rows = p.flags ? int(p.shard_rows) : (m > 0 ? m : 1);
-  schedule.chunks_per_rank = p.flags ? p.chunks_per_rank : 1;
-  schedule.chunk_rows = int((schedule.shard_rows + schedule.chunks_per_rank - 1) / schedule.chunks_per_rank);
-  int const cluster_rows_tile = Config::kTileM * Config::kClusterM;
-  schedule.first_cluster_row = p.flags ? int((int64_t(p.rank) * p.shard_rows) / cluster_rows_tile) : 0;
-  schedule.group_cluster_rows = p.group_cluster_rows > 0 ? p.group_cluster_rows : 8;
-  schedule.timeout_ns = p.timeout_ns;
-  schedule.error_word = p.error_word;
-
-  cutlass::KernelHardwareInfo hw_info;
-  cudaGetDevice(&hw_info.device_id);
-  hw_info.sm_count = p.sm_count > 0 ? p.sm_count : device_sm_count();
-
-  typename Gemm::Arguments arguments{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
-      {{}, nullptr, stride_d, static_cast<Element*>(p.out), stride_d},
-      hw_info};
-  arguments.epilogue.thread.alpha = 1.0f;
-  arguments.epilogue.thread.beta = 0.0f;
-  arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
-  arguments.scheduler.schedule = schedule;
-
-  Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) {
-    return make_error("CUTLASS cannot implement this problem (alignment or size)");
-  }
-  if (Gemm::get_workspace_size(arguments) != 0) {
-    return make_error("unexpected CUTLASS workspace requirement");
-  }
-  cutlass::Status status = gemm.initialize(arguments, nullptr, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return make_error(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
-  }
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    return make_error(std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status) + " (" +
-                      cudaGetErrorString(cudaGetLastError()) + ")");
-  }
-  return {};
-}
-
-using ConfigBf16KMajor = AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor>;  // B = W^T view
-using ConfigBf16KMajorCoop256x128 =                                                                // variant 1
-    AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor, Cooperative256x128Cluster1x2>;
-using ConfigBf16KMajorPingpong =                                                                   // variant 2
-    AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor, Pingpong128x128Cluster1x2>;
-using ConfigBf16NMajor = AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::RowMajor>;     // B row-major
-using ConfigFp16KMajor = AllGatherGemmConfig<cutlass::half_t, cutlass::layout::ColumnMajor>;
-using ConfigFp16NMajor = AllGatherGemmConfig<cutlass::half_t, cutlass::layout::RowMajor>;
-
-#endif  // CUTLASS_ARCH_MMA_SM90_SUPPORTED
 
 bool aligned16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0; }
 
@@ -161,18 +73,18 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
   switch (p.dtype) {
     case DType::kBFloat16:
       if (!p.b_k_contiguous) {
-        return run_config<ConfigBf16NMajor>(p, stream);
+        return run_bf16_n_contiguous(p, stream);
       }
       switch (p.variant) {
         case Variant::kCooperative256x128Cluster1x2:
-          return run_config<ConfigBf16KMajorCoop256x128>(p, stream);
+          return run_bf16_k_contiguous_coop256x128(p, stream);
         case Variant::kPingpong128x128Cluster1x2:
-          return run_config<ConfigBf16KMajorPingpong>(p, stream);
+          return run_bf16_k_contiguous_pingpong(p, stream);
         default:
-          return run_config<ConfigBf16KMajor>(p, stream);
+          return run_bf16_k_contiguous(p, stream);
       }
     case DType::kFloat16:
-      return p.b_k_contiguous ? run_config<ConfigFp16KMajor>(p, stream) : run_config<ConfigFp16NMajor>(p, stream);
+      return p.b_k_contiguous ? run_fp16_k_contiguous(p, stream) : run_fp16_n_contiguous(p, stream);
   }
   return make_error("unsupported dtype");
 #else

@@ -1,0 +1,18 @@
+// The AG+GEMM instantiations, one function per kernel, spread over translation units so they build in
+// parallel (csrc/ag_gemm_bf16.cu, ag_gemm_fp16.cu, ag_gemm_bf16_variants.cu).  Called by csrc/ag_gemm.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "ag_gemm.h"
+
+namespace fluxinductor::ag_gemm {
+
+Error run_bf16_k_contiguous(AllGatherGemmParams const& params, cudaStream_t stream);      // variant 0
+Error run_bf16_n_contiguous(AllGatherGemmParams const& params, cudaStream_t stream);
+Error run_fp16_k_contiguous(AllGatherGemmParams const& params, cudaStream_t stream);
+Error run_fp16_n_contiguous(AllGatherGemmParams const& params, cudaStream_t stream);
+Error run_bf16_k_contiguous_coop256x128(AllGatherGemmParams const& params, cudaStream_t stream);  // variant 1
+Error run_bf16_k_contiguous_pingpong(AllGatherGemmParams const& params, cudaStream_t stream);     // variant 2
+
+}  // namespace fluxinductor::ag_gemm

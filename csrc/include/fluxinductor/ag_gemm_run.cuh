@@ -1,0 +1,98 @@
+// The body shared by every AG+GEMM instantiation (csrc/ag_gemm_*.cu): fill CUTLASS arguments from the plain
+// params struct and launch.  Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "ag_gemm.h"
+#include "cutlass/cutlass.h"
+#include "fluxinductor/ag_gemm_kernel.cuh"
+
+namespace fluxinductor::ag_gemm {
+
+inline Error make_error(std::string const& message) {
+  Error error;
+  size_t const n = message.size() < sizeof(error.message) - 1 ? message.size() : sizeof(error.message) - 1;
+  std::memcpy(error.message, message.data(), n);
+  error.message[n] = 0;
+  return error;
+}
+
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+
+template <class Config>
+Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
+  using Gemm = typename Config::Gemm;
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideD = typename Gemm::GemmKernel::StrideD;
+  using Element = typename Config::ElementA;
+
+  int const m = int(p.m), n = int(p.n), k = int(p.k);
+  // CUTLASS 3 strides are (outer, inner, batch) with the contiguous mode a static 1: set the leading one.
+  StrideA stride_a{};
+  cute::get<0>(stride_a) = p.lda;                 // A (m, k) at m * lda + k
+  StrideB stride_b{};
+  if constexpr (cutlass::gemm::detail::is_k_major<StrideB>()) {
+    cute::get<0>(stride_b) = p.ldb;               // B (n, k) at n * ldb + k
+  } else {
+    cute::get<1>(stride_b) = p.ldb;               // B (n, k) at k * ldb + n
+  }
+  StrideD stride_d{};
+  cute::get<0>(stride_d) = p.ldo;                 // out (m, n) at m * ldo + n
+
+  AllGatherSchedule schedule;
+  schedule.flags = p.flags;
+  schedule.epoch = p.epoch;
+  schedule.rank = p.rank;
+  schedule.world = p.world;
+  schedule.total_rows = m;
+  schedule.shard_rows = p.flags ? int(p.shard_rows) : (m > 0 ? m : 1);
+  schedule.chunks_per_rank = p.flags ? p.chunks_per_rank : 1;
+  schedule.chunk_rows = int((schedule.shard_rows + schedule.chunks_per_rank - 1) / schedule.chunks_per_rank);
+  int const cluster_rows_tile = Config::kTileM * Config::kClusterM;
+  schedule.first_cluster_row = p.flags ? int((int64_t(p.rank) * p.shard_rows) / cluster_rows_tile) : 0;
+  schedule.group_cluster_rows = p.group_cluster_rows > 0 ? p.group_cluster_rows : 8;
+  schedule.timeout_ns = p.timeout_ns;
+  schedule.error_word = p.error_word;
+
+  cutlass::KernelHardwareInfo hw_info;
+  cudaGetDevice(&hw_info.device_id);
+  hw_info.sm_count = p.sm_count > 0 ? p.sm_count : device_sm_count();
+
+  typename Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
+      {{}, nullptr, stride_d, static_cast<Element*>(p.out), stride_d},
+      hw_info};
+  arguments.epilogue.thread.alpha = 1.0f;
+  arguments.epilogue.thread.beta = 0.0f;
+  arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
+  arguments.scheduler.schedule = schedule;
+
+  Gemm gemm;
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) {
+    return make_error("CUTLASS cannot implement this problem (alignment or size)");
+  }
+  if (Gemm::get_workspace_size(arguments) != 0) {
+    return make_error("unexpected CUTLASS workspace requirement");
+  }
+  cutlass::Status status = gemm.initialize(arguments, nullptr, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return make_error(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    return make_error(std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status) + " (" +
+                      cudaGetErrorString(cudaGetLastError()) + ")");
+  }
+  return {};
+}
+
+#endif  // CUTLASS_ARCH_MMA_SM90_SUPPORTED
+
+}  // namespace fluxinductor::ag_gemm
