@@ -17,6 +17,17 @@ After::
     a3    = reshape(a2, [B, S, K])                 # or a itself when a2 = reshape(a, [B, S, K])
     out   = fluxinductor.matmul_reduce_scatter(a3, W, b, "sum", 1, group)
 
+A sum of matmuls (the input gradient of separate Q/K/V or gate/up linears; inductor has already folded
+``mm + mm`` into ``addmm(mm, a, w)``) is fused as one matmul over the concatenated K::
+
+    y   = add(reshape(addmm(mm(a_q, W_q), a_k, W_k), [B, S, N]), reshape(mm(a_v, W_v), [B, S, N]))
+    out = wait_tensor(reduce_scatter_tensor(<y, split/cat as above>, "sum", world, group))
+
+becomes::
+
+    a   = reshape(cat([a_q, a_k, a_v], 1), [B, S, K_q + K_k + K_v])
+    out = fluxinductor.matmul_reduce_scatter(a, cat([W_q, W_k, W_v], 0), None, "sum", 1, group)
+
 With scatter_dim 0 the reduce_scatter reads the matmul output directly (2-D), or through a reshape
 chain to [..., N] (e.g. [S, B, N] for sequence-first activations); the op then gets ``a`` reshaped to
 [..., K] and scatter_dim 0.  The bias is added on every rank before the reduction, exactly as
