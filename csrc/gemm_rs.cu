@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "cutlass/cutlass.h"
@@ -23,22 +24,34 @@ int fail(std::string message) {
   return -1;
 }
 
-constexpr int kTileM = 128;
-constexpr int kTileN = 256;
-constexpr int kWarpsPerTile = 8;  // two consumer warp groups of the cooperative kernel
-
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 
-template <class Element, class LayoutB>
+// One kernel configuration: (schedule, tile, cluster).  kThreads: the threads sharing a tile's epilogue.
+template <class Schedule_, int TileM_, int TileN_, int ClusterM_, int ClusterN_>
+struct GemmRsShape {
+  using KernelSchedule = Schedule_;
+  static constexpr int kTileM = TileM_;
+  static constexpr int kTileN = TileN_;
+  static constexpr int kThreads =
+      cute::is_same_v<Schedule_, cutlass::gemm::KernelTmaWarpSpecializedCooperative> ? 256 : 128;
+  using TileShape = cute::Shape<cute::Int<TileM_>, cute::Int<TileN_>, cute::_64>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM_>, cute::Int<ClusterN_>, cute::_1>;
+};
+
+// The shipped configuration (measured on H200, see csrc/NOTES_gemm_rs.md): ping-pong, so one math warp
+// group's epilogue (the NVLink stores, the peer reads) runs under the other's MMAs.
+using DefaultShape = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 2, 1>;
+
+template <class Element, class LayoutB, class Shape>
 struct GemmRsConfig {
   using ElementA = Element;                                   // A: this rank's K slice, row-major
   using LayoutA = cutlass::layout::RowMajor;
   using ElementB = Element;                                   // B: K-major (ColumnMajor) or N-major (RowMajor)
   using ElementAccumulator = float;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;  // one tile = one flag set
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;    // B tile multicast over 2 M-tiles
-  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = GemmRsEpilogue<Element, kWarpsPerTile>;      // register-to-global, peer-aware
+  using TileShape = typename Shape::TileShape;                // one tile = one flag
+  using ClusterShape = typename Shape::ClusterShape;          // B tile multicast along the cluster's M
+  using KernelSchedule = typename Shape::KernelSchedule;
+  using Epilogue = GemmRsEpilogue<Element, Shape::kTileM, Shape::kTileN, Shape::kThreads>;  // staged, peer-aware
   using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -53,8 +66,26 @@ struct GemmRsConfig {
       CollectiveMainloop, CollectiveEpilogue,
       RotatedPersistentScheduler>;                              // peers' segments first, own last
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  static_assert(cute::size(typename CollectiveMainloop::TiledMma{}) == kWarpsPerTile * 32);
+  static constexpr int kTileM = Shape::kTileM;
+  static constexpr int kTileN = Shape::kTileN;
+  static_assert(Shape::kThreads == int(cute::size(typename CollectiveMainloop::TiledMma{})));
 };
+
+// Tile order by segment size, measured on 2 x H200 (csrc/NOTES_gemm_rs.md, NOTES_gemm_rs_bench.json): from
+// 2048 rows per segment up, swizzle 4 along N beat the stock order (M=8192,K=8192,N=28672: 3.12 vs 3.22 ms
+// fused); below it, swizzling delayed the own tiles' inputs (M=1024: 0.32 vs 0.20 ms fused).
+struct TileOrder {
+  int swizzle;
+  int raster;  // 0 heuristic, 1 along M, 2 along N
+};
+constexpr int kLargeSegmentRows = 2048;
+constexpr TileOrder kLargeSegmentOrder{4, 2};
+constexpr TileOrder kSmallSegmentOrder{1, 0};
+
+int env_int(char const* name, int fallback) {
+  char const* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::atoi(value) : fallback;
+}
 
 int device_sm_count() {
   static int count = [] {
@@ -92,8 +123,8 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   epi.data_offset = args.data_offset;
   epi.world = args.world;
   epi.rank = args.rank;
-  epi.tiles_m = (segment_rows + kTileM - 1) / kTileM;
-  epi.tiles_n = (args.n + kTileN - 1) / kTileN;
+  epi.tiles_m = (segment_rows + Config::kTileM - 1) / Config::kTileM;
+  epi.tiles_n = (args.n + Config::kTileN - 1) / Config::kTileN;
   epi.epoch = args.epoch;
   epi.bias = static_cast<Element const*>(args.bias);
   epi.out = static_cast<Element*>(args.out);
@@ -111,6 +142,15 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
 
   typename Gemm::GemmKernel::TileSchedulerArguments scheduler;
   scheduler.rotate_l = args.world > 1 ? (args.rank + 1) % args.world : 0;
+  // Tile order inside a segment (L2 reuse): FLUXINDUCTOR_GEMM_RS_SWIZZLE (1, 2, 4, 8) and
+  // FLUXINDUCTOR_GEMM_RS_RASTER (0 heuristic, 1 along M, 2 along N) override the measured defaults.
+  TileOrder const order = segment_rows >= kLargeSegmentRows ? kLargeSegmentOrder : kSmallSegmentOrder;
+  scheduler.max_swizzle_size = env_int("FLUXINDUCTOR_GEMM_RS_SWIZZLE", order.swizzle);
+  switch (env_int("FLUXINDUCTOR_GEMM_RS_RASTER", order.raster)) {
+    case 1: scheduler.raster_order = decltype(scheduler.raster_order)::AlongM; break;
+    case 2: scheduler.raster_order = decltype(scheduler.raster_order)::AlongN; break;
+    default: scheduler.raster_order = decltype(scheduler.raster_order)::Heuristic; break;
+  }
 
   typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
@@ -164,9 +204,51 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
 
 }  // namespace
 
-int gemm_rs_tile_m() { return kTileM; }
-int gemm_rs_tile_n() { return kTileN; }
-int gemm_rs_warps_per_tile() { return kWarpsPerTile; }
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+// Tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING) add bf16 K-major variants, picked per call by
+// FLUXINDUCTOR_GEMM_RS_CONFIG (every rank must pick the same); CI and releases build the default alone.
+using TuningShape1 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 128, 256, 2, 1>;
+using TuningShape2 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 1, 2>;
+using TuningShape3 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 256, 128, 2, 1>;
+int tuning_config() {
+  char const* env = std::getenv("FLUXINDUCTOR_GEMM_RS_CONFIG");
+  return env ? std::atoi(env) : 0;
+}
+#else
+int tuning_config() { return 0; }
+#endif
+#endif
+
+int gemm_rs_tile_m() {
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+  switch (tuning_config()) {
+    case 1: return TuningShape1::kTileM;
+    case 2: return TuningShape2::kTileM;
+    case 3: return TuningShape3::kTileM;
+  }
+#endif
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  return DefaultShape::kTileM;
+#else
+  return 128;
+#endif
+}
+int gemm_rs_tile_n() {
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+  switch (tuning_config()) {
+    case 1: return TuningShape1::kTileN;
+    case 2: return TuningShape2::kTileN;
+    case 3: return TuningShape3::kTileN;
+  }
+#endif
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  return DefaultShape::kTileN;
+#else
+  return 128;
+#endif
+}
+int gemm_rs_warps_per_tile() { return 1; }  // one flag per tile
 const char* gemm_rs_last_error() { return g_last_error.c_str(); }
 
 int gemm_rs_alloc_host_word(int64_t* host_address, int64_t* device_address) {
@@ -211,13 +293,30 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  using cutlass::bfloat16_t;
+  using cutlass::half_t;
+  using ColumnMajor = cutlass::layout::ColumnMajor;  // B K-major: the transposed nn.Linear weight
+  using RowMajor = cutlass::layout::RowMajor;        // B N-major
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+  if (int config = tuning_config(); config != 0) {
+    if (args.dtype != 0 || !args.b_k_major) {
+      return fail("tuning configurations exist for bf16 with a K-major weight only");
+    }
+    switch (config) {
+      case 1: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape1>>(args, stream);
+      case 2: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape2>>(args, stream);
+      case 3: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape3>>(args, stream);
+      default: return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..3");
+    }
+  }
+#endif
   if (args.dtype == 0) {
-    return args.b_k_major ? run_config<GemmRsConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor>>(args, stream)
-                          : run_config<GemmRsConfig<cutlass::bfloat16_t, cutlass::layout::RowMajor>>(args, stream);
+    return args.b_k_major ? run_config<GemmRsConfig<bfloat16_t, ColumnMajor, DefaultShape>>(args, stream)
+                          : run_config<GemmRsConfig<bfloat16_t, RowMajor, DefaultShape>>(args, stream);
   }
   if (args.dtype == 1) {
-    return args.b_k_major ? run_config<GemmRsConfig<cutlass::half_t, cutlass::layout::ColumnMajor>>(args, stream)
-                          : run_config<GemmRsConfig<cutlass::half_t, cutlass::layout::RowMajor>>(args, stream);
+    return args.b_k_major ? run_config<GemmRsConfig<half_t, ColumnMajor, DefaultShape>>(args, stream)
+                          : run_config<GemmRsConfig<half_t, RowMajor, DefaultShape>>(args, stream);
   }
   return fail("dtype must be 0 (bf16) or 1 (fp16)");
 #else

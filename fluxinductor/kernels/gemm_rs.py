@@ -23,6 +23,7 @@ rank sees them, so a growth (a collective) never leaves one rank waiting alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import struct
@@ -34,6 +35,7 @@ from torch import Tensor
 
 REDUCE_OPS = ("sum", "avg")
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+_ELEMENT_SIZES = {torch.bfloat16: 2, torch.float16: 2}
 MAX_WORLD = 8
 HEADER_BYTES = 4096
 _MIN_BUFFER_BYTES = 1 << 20
@@ -70,6 +72,7 @@ def _extension():
 
 
 def timeout_ns() -> int:
+    """How long a wait may take before the call is aborted (FLUXINDUCTOR_TIMEOUT_S, default 10 s)."""
     return int(float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
 
 
@@ -78,18 +81,35 @@ def timeout_ns() -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def buffer_layout(m: int, n: int, world: int, dtype: torch.dtype) -> Tuple[int, int, int]:
-    """(flags_offset, data_offset, total_bytes) of one rank's buffer for a global [m, n] output."""
-    tile_m, tile_n, warps = _extension().gemm_rs_tile_shape()
+_tile_shapes: Dict[Optional[str], Tuple[int, int, int]] = {}
+
+
+def _tile_shape() -> Tuple[int, int, int]:
+    # Tuning builds pick the kernel by FLUXINDUCTOR_GEMM_RS_CONFIG; the flag layout follows its tile.
+    config = os.environ.get("FLUXINDUCTOR_GEMM_RS_CONFIG")
+    shape = _tile_shapes.get(config)
+    if shape is None:
+        shape = _tile_shapes[config] = tuple(_extension().gemm_rs_tile_shape())
+    return shape
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(m: int, n: int, world: int, element: int, tile: Tuple[int, int, int]) -> Tuple[int, int, int]:
+    tile_m, tile_n, flags_per_tile = tile
     segment_rows = m // world
     tiles = -(-segment_rows // tile_m) * -(-n // tile_n)
     flags_offset = HEADER_BYTES
-    data_offset = flags_offset + world * tiles * warps * 4
+    data_offset = flags_offset + world * tiles * flags_per_tile * 4
     data_offset = -(-data_offset // 256) * 256
-    element = torch.empty((), dtype=dtype).element_size()
     return flags_offset, data_offset, data_offset + world * segment_rows * n * element
 
 
+def buffer_layout(m: int, n: int, world: int, dtype: torch.dtype) -> Tuple[int, int, int]:
+    """(flags_offset, data_offset, total_bytes) of one rank's buffer for a global [m, n] output."""
+    return _layout(m, n, world, _ELEMENT_SIZES[dtype], _tile_shape())
+
+
+@functools.lru_cache(maxsize=256)
 def signature(m: int, n: int, k: int, world: int, dtype: torch.dtype) -> int:
     """64-bit digest of what every rank must agree on."""
     packed = struct.pack("<qqqqq", m, n, k, world, _DTYPES[dtype])
@@ -132,31 +152,12 @@ def launch(
     n = weight.shape[1]
     flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
     stream = stream if stream is not None else torch.cuda.current_stream(a.device)
-    _extension().gemm_rs_run(
-        dtype=_DTYPES[a.dtype],
-        m=m,
-        n=n,
-        k=a.shape[1],
-        world=world,
-        rank=rank,
-        a=a.data_ptr(),
-        lda=a.stride(0),
-        b=weight.data_ptr(),
-        ldb=ldb,
-        b_k_major=b_k_major,
-        bias=0 if bias is None else bias.data_ptr(),
-        out=out.data_ptr(),
-        ldo=out.stride(0),
-        out_scale=out_scale,
-        buffers=list(buffers) if world > 1 else [],
-        flags_offset=flags_offset,
-        data_offset=data_offset,
-        epoch=epoch,
-        signature=sig,
-        error=error_address,
-        timeout_ns=timeout_ns() if timeout is None else timeout,
-        sm_count=sm_count,
-        stream=stream.cuda_stream,
+    _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
+        _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
+        a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
+        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
+        list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
+        timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
     )
 
 
@@ -253,12 +254,6 @@ class _GroupState:
             self.handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)
             self.retired.append((self.buffer, self.handle))
         capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            try:
-                enable(self.group_name)
-            except Exception:  # noqa: BLE001 - deprecated/no-op on newer torch
-                pass
         buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buffer, self.group_name)
         buffer.zero_()  # hello words, status and flags start below every epoch
@@ -306,6 +301,7 @@ def reset(group_name: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 _capability_ok: Dict[int, bool] = {}
+_world_sizes: Dict[str, int] = {}
 
 
 def unsupported_reason(
@@ -340,10 +336,13 @@ def unsupported_reason(
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        try:
-            world = dist.get_world_size(_resolve_process_group(group_name))
-        except Exception as e:  # noqa: BLE001
-            return f"group {group_name!r} does not resolve ({e})"
+        world = _world_sizes.get(group_name)
+        if world is None:
+            try:
+                world = dist.get_world_size(_resolve_process_group(group_name))
+            except Exception as e:  # noqa: BLE001
+                return f"group {group_name!r} does not resolve ({e})"
+            _world_sizes[group_name] = world
         if world > MAX_WORLD:
             return f"world size {world} > {MAX_WORLD}"
     if m == 0 or n == 0 or k == 0:

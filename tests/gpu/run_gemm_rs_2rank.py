@@ -169,7 +169,7 @@ def time_ms(fn, warmup=5, iters=20):
     return median.item()
 
 
-def bench(group_name, device, rank, world, shapes):
+def bench(group_name, device, rank, world, shapes, configs=(None,)):
     from fluxinductor.kernels import gemm_rs
 
     rows = []
@@ -191,19 +191,25 @@ def bench(group_name, device, rank, world, shapes):
         t_gemm = time_ms(lambda: torch.mm(a, w))
         t_comm = time_ms(comm_only)
         t_seq = time_ms(nccl_seq)
-        t_only = time_ms(lambda: gemm_rs.gemm_only(a, w, None))
-        t_fused = time_ms(lambda: gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name))
-        gemm_rs.check_error(group_name)
-        nccl_seq()
-        fused = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
-        err = rel(fused, rs_out.float())
-        eff = 1 - (t_fused - t_gemm) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
-        row = dict(m=m, k=k_global, n=n, cublas_gemm_ms=t_gemm, nccl_rs_ms=t_comm, nccl_seq_ms=t_seq,
-                   fused_gemm_only_ms=t_only, fused_ms=t_fused, overlap_efficiency=eff,
-                   gemm_only_vs_cublas=t_only / t_gemm, fused_vs_nccl_seq_rel_err=err)
-        rows.append(row)
-        if rank == 0:
-            log(json.dumps(row))
+        for config in configs:
+            for key in ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER"):
+                os.environ.pop(key, None)
+            os.environ.update(config or {})
+            t_only = time_ms(lambda: gemm_rs.gemm_only(a, w, None))
+            t_fused = time_ms(lambda: gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name))
+            gemm_rs.check_error(group_name)
+            nccl_seq()
+            fused = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
+            err = rel(fused, rs_out.float())
+            eff = 1 - (t_fused - t_gemm) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
+            row = dict(m=m, k=k_global, n=n, config=config, cublas_gemm_ms=t_gemm, nccl_rs_ms=t_comm,
+                       nccl_seq_ms=t_seq, fused_gemm_only_ms=t_only, fused_ms=t_fused, overlap_efficiency=eff,
+                       gemm_only_vs_cublas=t_only / t_gemm, fused_vs_nccl_seq_rel_err=err)
+            rows.append(row)
+            if rank == 0:
+                log(json.dumps(row))
+        for key in ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER"):
+            os.environ.pop(key, None)
     return rows
 
 
@@ -212,6 +218,9 @@ def main():
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--json", default="")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--configs", default="",
+                        help="kernel variants to time, ';'-separated, each 'config,swizzle,raster' (empty = default); "
+                        "config needs a tuning build (CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING)")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -228,7 +237,12 @@ def main():
         check_disagreement(group_name, device, rank, world)
         log("all checks passed")
     if args.bench:
-        rows = bench(group_name, device, rank, world, [(4096, 12288, 49152), (2048, 8192, 28672)])
+        configs = [None]
+        if args.configs:
+            names = ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER")
+            configs = [{k: v for k, v in zip(names, variant.split(",")) if v} for variant in args.configs.split(";")]
+        shapes = [(4096, 12288, 49152), (2048, 8192, 28672), (8192, 8192, 28672), (1024, 8192, 8192)]
+        rows = bench(group_name, device, rank, world, shapes, configs)
         if rank == 0 and args.json:
             meta = dict(device=torch.cuda.get_device_name(device), world=world, torch=torch.__version__,
                         cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),

@@ -4,10 +4,10 @@
 //    rank walks the row segments of its peers first and its own segment last.  The GEMM is batched over
 //    L = world segments of M/world rows (A's batch stride is a segment, B's is 0), so no tile straddles
 //    two owners.
-//  * GemmRsEpilogue: a register-to-global epilogue (no shared memory).  A peer's tile goes straight into
-//    that peer's symmetric buffer (slot = this rank), then each warp publishes a flag = epoch with
-//    release semantics at system scope.  An own tile waits for the same warp's flag of every peer
-//    (acquire), adds the peers' slots, the bias and the scale, and writes the output.
+//  * GemmRsEpilogue: accumulators (+ bias) are staged in shared memory, then written with 16-byte accesses.
+//    A peer's tile goes straight into that peer's symmetric buffer (slot = this rank) over NVLink, then one
+//    flag = epoch is published with release semantics at system scope.  An own tile waits for every peer's
+//    flag of that tile (acquire), adds the peers' slots, scales, and writes the output.
 //  * gemm_rs_hello_kernel: the per-call handshake that makes buffer reuse race-free and catches ranks
 //    that disagree on the problem.
 #pragma once
@@ -16,6 +16,7 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
@@ -236,7 +237,10 @@ struct GemmRsEpilogueArguments {
   uint32_t* local_status = nullptr;  // null when world == 1
 };
 
-template <class Element_, int WarpsPerTile_>
+// Threads_: the threads that share one output tile in the epilogue (256 for the cooperative kernel, whose two
+// math warp groups split a tile; 128 for ping-pong, whose warp groups take alternate tiles and run their
+// epilogues one after the other, so one staging tile in shared memory serves both).
+template <class Element_, int TileM_, int TileN_, int Threads_>
 class GemmRsEpilogue {
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
@@ -251,11 +255,22 @@ class GemmRsEpilogue {
   using StrideD = StrideC;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
-  static constexpr int kWarpsPerTile = WarpsPerTile_;
   // Named for GemmUniversalAdapter's typedefs only; the arithmetic is in operator() below.
   using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Element_, 1, float, float>;
 
-  struct SharedStorage {};
+  static constexpr int kTileM = TileM_;
+  static constexpr int kTileN = TileN_;
+  static constexpr int kThreads = Threads_;
+  static constexpr int kPitch = kTileN + 8;          // elements: 16-byte rows, rows spread over the banks
+  static constexpr int kVec = 16 / sizeof(Element_);  // elements per 16-byte access
+  static constexpr int kChunksPerRow = kTileN / kVec;
+  static_assert(kTileN % kVec == 0);
+
+  // The accumulators go through this tile so that every global access (local, or a peer's over NVLink) is a
+  // 16-byte access of a warp-contiguous row segment.
+  struct SharedStorage {
+    alignas(128) Element_ tile[kTileM * kPitch];
+  };
   using TensorStorage = SharedStorage;
   using Arguments = GemmRsEpilogueArguments<Element_>;
   using Params = Arguments;
@@ -284,136 +299,156 @@ class GemmRsEpilogue {
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
-  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK,
                                  BlockCoordMNKL blk_coord_mnkl,
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
-                                 ResidueMNK, int thread_idx, char*) {
+                                 ResidueMNK, int thread_idx, char* smem_buf) {
     using namespace cute;
+    static_assert(decltype(size<0>(BlockShapeMNK{}))::value == kTileM);
+    static_assert(decltype(size<1>(BlockShapeMNK{}))::value == kTileN);
     int const M = int(get<0>(problem_shape_mnkl));  // rows per segment
     int const N = int(get<1>(problem_shape_mnkl));
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
     int const segment = int(l_coord);
-
-    Tensor coord_mn = make_identity_tensor(make_shape(M, N));
-    Tensor tile_coord = local_tile(coord_mn, take<0, 2>(blk_shape_MNK), make_coord(m_coord, n_coord));
-    if (get<0>(tile_coord(0)) >= M || get<1>(tile_coord(0)) >= N) {
+    int const row0 = int(m_coord) * kTileM;
+    int const col0 = int(n_coord) * kTileN;
+    if (row0 >= M || col0 >= N) {
       return;  // padding tile of the cluster rounding: no data, no flag
     }
-    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor thr_coord = thr_mma.partition_C(tile_coord);  // (m, n) of each accumulator
-    static_assert(decltype(size(thr_coord))::value == decltype(size(accumulators))::value);
-    static_assert(decltype(size(accumulators))::value % 2 == 0);
+    int const rows = min(kTileM, M - row0);
+    int const cols = min(kTileN, N - col0);
+    Element_* stage = reinterpret_cast<SharedStorage*>(smem_buf)->tile;
+    // Ping-pong: one barrier per math warp group (their epilogues are ordered anyway); cooperative: one.
+    uint32_t const barrier_id = kThreads == 256 ? 0u : uint32_t(cutlass::canonical_warp_group_idx() & 1);
+    auto tile_sync = [&] { cutlass::arch::NamedBarrier::sync(kThreads, barrier_id); };
 
-    int const warp = thread_idx / 32;
-    int const lane = thread_idx % 32;
     bool const own = segment == p_.rank;
     bool const comm = p_.world > 1;
-    // Pairs of accumulators are adjacent columns starting at an even column (the GMMA C layout); a pair is
-    // moved as one 32-bit word when rows keep that alignment.
-    bool const pairs = (N % 2 == 0) && (p_.ldo % 2 == 0);
-    int64_t const tile_flag = ((int64_t(m_coord) * p_.tiles_n + int64_t(n_coord)) * kWarpsPerTile) + warp;
-    int64_t const slot_elems = int64_t(M) * N;
+    // false once the call was aborted: compute, but touch no peer memory.  Every thread still takes every
+    // tile_sync below (another CTA may abort while this one is half-way through a tile).
+    bool const active = !comm || rs_load_volatile(p_.local_status) == p_.epoch;
 
-    ElementD* dst;
-    int64_t ld;
-    bool active = true;  // false once the call was aborted: compute, but touch no peer memory
-    if (comm) {
-      active = rs_load_volatile(p_.local_status) == p_.epoch;
+    // 1. accumulators (+ bias) -> shared tile, rounded to the output type.
+    Tensor coord_mn = make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{}));
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor thr_coord = thr_mma.partition_C(coord_mn);  // (m, n) within the tile of each accumulator
+    static_assert(decltype(size(thr_coord))::value == decltype(size(accumulators))::value);
+    static_assert(decltype(size(accumulators))::value % 2 == 0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); i += 2) {
+      // Accumulators 2j and 2j+1 are adjacent columns of one row (GMMA C layout), starting at an even column.
+      int const r = get<0>(thr_coord(i));
+      int const c = get<1>(thr_coord(i));
+      float v0 = accumulators(i);
+      float v1 = accumulators(i + 1);
+      if (p_.bias != nullptr) {
+        if (c < cols) v0 += float(p_.bias[col0 + c]);
+        if (c + 1 < cols) v1 += float(p_.bias[col0 + c + 1]);
+      }
+      cutlass::Array<Element_, 2> two;
+      two[0] = Element_(v0);
+      two[1] = Element_(v1);
+      *reinterpret_cast<cutlass::Array<Element_, 2>*>(stage + r * kPitch + c) = two;
     }
+
+    // 2. own tile: wait until every peer delivered its part of it.
+    Element_ const* peer_slots = nullptr;
+    int64_t const slot_elems = int64_t(M) * N;
+    int64_t const tile_flag = int64_t(m_coord) * p_.tiles_n + int64_t(n_coord);
+    int64_t const flags_per_src = int64_t(p_.tiles_m) * p_.tiles_n;
+    if (own && comm) {
+      char* local = p_.buffers[p_.rank];
+      if (thread_idx == 0 && active) {
+        auto const* flags = reinterpret_cast<uint32_t const*>(local + p_.flags_offset);
+        for (int q = 0; q < p_.world; ++q) {
+          if (q != p_.rank &&
+              !rs_wait_flag(flags + int64_t(q) * flags_per_src + tile_flag, p_.epoch, p_.local_status, p_.error,
+                            p_.timeout_ns, 3 /* kGemmRsTileTimeout */)) {
+            break;
+          }
+        }
+      }
+      tile_sync();  // the shared tile is complete, and thread 0's acquire orders everyone's reads below
+      if (rs_load_volatile(p_.local_status) == p_.epoch) {
+        peer_slots = reinterpret_cast<Element_ const*>(local + p_.data_offset);
+      }
+    } else {
+      tile_sync();
+    }
+
+    // 3. shared tile -> destination (own: + peers' slots, * scale -> out; peer: -> its slot for this rank).
+    Element_* dst;
+    int64_t ld;
     if (own || !comm) {
       dst = p_.out;
       ld = p_.ldo;
     } else {
-      dst = reinterpret_cast<ElementD*>(p_.buffers[segment] + p_.data_offset) + int64_t(p_.rank) * slot_elems;
+      dst = reinterpret_cast<Element_*>(p_.buffers[segment] + p_.data_offset) + int64_t(p_.rank) * slot_elems;
       ld = N;
-      if (!active) {
-        return;
-      }
     }
-
-    // Own tile: wait until every peer's same warp delivered its part of this tile.
-    ElementD const* peer_slots = nullptr;
-    if (own && comm) {
-      char* local = p_.buffers[p_.rank];
-      auto const* flags = reinterpret_cast<uint32_t const*>(local + p_.flags_offset);
-      int64_t const flags_per_src = int64_t(p_.tiles_m) * p_.tiles_n * kWarpsPerTile;
-      bool ok = active;
-      if (lane == 0 && ok) {
-        for (int q = 0; q < p_.world && ok; ++q) {
-          if (q != p_.rank) {
-            ok = rs_wait_flag(flags + int64_t(q) * flags_per_src + tile_flag, p_.epoch, p_.local_status, p_.error,
-                              p_.timeout_ns, 3 /* kGemmRsTileTimeout */);
-          }
-        }
-      }
-      ok = __shfl_sync(0xffffffffu, ok, 0);
-      __syncwarp();  // orders every lane's reads of the slots after lane 0's acquire
-      if (ok) {
-        peer_slots = reinterpret_cast<ElementD const*>(local + p_.data_offset);
-      }
-    }
-
     float const scale = (own || !comm) ? p_.out_scale : 1.f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accumulators); i += 2) {
-      int const row = get<0>(thr_coord(i));
-      int const col = get<1>(thr_coord(i));
-      if (row >= M) {
+    bool const vec = (N % kVec == 0) && (ld % kVec == 0);
+    int const first_chunk = (own || !comm || active) ? thread_idx : kTileM * kChunksPerRow;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int chunk = first_chunk; chunk < kTileM * kChunksPerRow; chunk += kThreads) {
+      int const r = chunk / kChunksPerRow;
+      int const c = (chunk % kChunksPerRow) * kVec;
+      if (r >= rows || c >= cols) {
         continue;
       }
-      bool const in0 = col < N;
-      bool const in1 = col + 1 < N;
-      float v0 = accumulators(i);
-      float v1 = accumulators(i + 1);
-      if (p_.bias != nullptr) {
-        if (in0) v0 += float(p_.bias[col]);
-        if (in1) v1 += float(p_.bias[col + 1]);
-      }
-      if (peer_slots != nullptr) {
-        for (int q = 0; q < p_.world; ++q) {
-          if (q == p_.rank) continue;
-          ElementD const* src = peer_slots + int64_t(q) * slot_elems + int64_t(row) * N + col;
-          if (pairs && in1) {
-            uint32_t word = __ldcg(reinterpret_cast<unsigned int const*>(src));
-            cutlass::Array<ElementD, 2> two = reinterpret_cast<cutlass::Array<ElementD, 2> const&>(word);
-            v0 += float(two[0]);
-            v1 += float(two[1]);
-          } else {
-            if (in0) v0 += float(load_cg(src));
-            if (in1) v1 += float(load_cg(src + 1));
+      Element_ const* src = stage + r * kPitch + c;
+      int64_t const grow = int64_t(row0 + r);
+      int const gcol = col0 + c;
+      if (vec) {
+        cutlass::Array<Element_, kVec> v = *reinterpret_cast<cutlass::Array<Element_, kVec> const*>(src);
+        if (peer_slots != nullptr || scale != 1.f) {
+          float acc[kVec];
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kVec; ++j) acc[j] = float(v[j]);
+          if (peer_slots != nullptr) {
+            for (int q = 0; q < p_.world; ++q) {
+              if (q == p_.rank) continue;
+              uint4 bits = __ldcg(reinterpret_cast<uint4 const*>(peer_slots + int64_t(q) * slot_elems +
+                                                                 grow * N + gcol));
+              auto const& w = reinterpret_cast<cutlass::Array<Element_, kVec> const&>(bits);
+              CUTLASS_PRAGMA_UNROLL
+              for (int j = 0; j < kVec; ++j) acc[j] += float(w[j]);
+            }
           }
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kVec; ++j) v[j] = Element_(acc[j] * scale);
         }
-      }
-      v0 *= scale;
-      v1 *= scale;
-      ElementD* d = dst + int64_t(row) * ld + col;
-      if (pairs && in1) {
-        cutlass::Array<ElementD, 2> two;
-        two[0] = ElementD(v0);
-        two[1] = ElementD(v1);
-        *reinterpret_cast<uint32_t*>(d) = reinterpret_cast<uint32_t const&>(two);
+        *reinterpret_cast<uint4*>(dst + grow * ld + gcol) = reinterpret_cast<uint4 const&>(v);
       } else {
-        if (in0) d[0] = ElementD(v0);
-        if (in1) d[1] = ElementD(v1);
+        for (int j = 0; j < kVec && c + j < cols; ++j) {
+          float acc = float(src[j]);
+          if (peer_slots != nullptr) {
+            for (int q = 0; q < p_.world; ++q) {
+              if (q != p_.rank) acc += float(load_cg(peer_slots + int64_t(q) * slot_elems + grow * N + gcol + j));
+            }
+          }
+          dst[grow * ld + gcol + j] = Element_(acc * scale);
+        }
       }
     }
 
+    // 4. publish a peer tile: all its stores are performed at system scope before its flag is.
     if (!own && comm) {
-      // Publish: this warp's stores of this tile are complete at system scope before the flag is.
-      __syncwarp();
-      if (lane == 0) {
+      tile_sync();
+      if (thread_idx == 0 && active) {
         auto* flags = reinterpret_cast<uint32_t*>(p_.buffers[segment] + p_.flags_offset);
-        int64_t const flags_per_src = int64_t(p_.tiles_m) * p_.tiles_n * kWarpsPerTile;
         __threadfence_system();
         rs_store_release(flags + int64_t(p_.rank) * flags_per_src + tile_flag, p_.epoch);
       }
+    } else {
+      tile_sync();  // the shared tile is read before the next tile's step 1 writes it
     }
   }
 
  private:
-  CUTLASS_DEVICE static ElementD load_cg(ElementD const* ptr) {
+  CUTLASS_DEVICE static Element_ load_cg(Element_ const* ptr) {
     uint16_t bits = __ldcg(reinterpret_cast<unsigned short const*>(ptr));
-    return reinterpret_cast<ElementD const&>(bits);
+    return reinterpret_cast<Element_ const&>(bits);
   }
 
   Params p_;
