@@ -163,7 +163,7 @@ void export_gemm_rs(py::module_& m) {
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),
                           fluxinductor::gemm_rs_warps_per_tile());
-  }, "(tile_m, tile_n, warps_per_tile) of the GEMM+RS kernel: they fix its flag layout");
+  }, "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel: they fix its flag layout");
   m.def("gemm_rs_alloc_host_word", [] {
     int64_t host = 0, device = 0;
     if (fluxinductor::gemm_rs_alloc_host_word(&host, &device) != 0) {

@@ -3,7 +3,7 @@
 // Each rank r holds A_r [M, K] (its K slice) and B_r [K, N]; the result is
 //   out_r [M/world, N] = rows [r*M/world, (r+1)*M/world) of sum_q (A_q @ B_q + bias)   (times 1/world for avg).
 // One persistent CUTLASS sm90a GEMM per rank computes the row segments owned by its peers first and stores
-// them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per (tile, warp);
+// them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per tile;
 // its own segment comes last, and its epilogue adds the peers' slots once their flags carry this call's epoch.
 #pragma once
 
@@ -25,7 +25,7 @@ enum GemmRsError : int32_t {
 //   [0, 256)                      hello words, uint32 per source rank (the epoch the source is in)
 //   [256, 512)                    signatures, uint64 per source rank
 //   [512, 516)                    status of this rank's current call (== epoch when all peers agreed)
-//   [flags_offset, ...)           uint32 flags [src][tile_m][tile_n][warp] = epoch once delivered
+//   [flags_offset, ...)           uint32 flags [src][tile_m][tile_n] = epoch once delivered
 //   [data_offset, ...)            slots [src][M/world][N] elements: the peers' partial products
 struct GemmRsArgs {
   int dtype = 0;            // 0 = bf16, 1 = fp16 (A, B, bias and out share it)
@@ -50,7 +50,7 @@ struct GemmRsArgs {
   int sm_count = 0;            // CTAs of the persistent grid (0 = all SMs)
 };
 
-// The tile shape and warps per tile fix the flag layout (the launcher and Python agree through these).
+// The tile shape and flags per tile (1) fix the flag layout (the launcher and Python agree through these).
 int gemm_rs_tile_m();
 int gemm_rs_tile_n();
 int gemm_rs_warps_per_tile();

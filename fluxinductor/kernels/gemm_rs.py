@@ -5,8 +5,8 @@ rows [r*M/world, (r+1)*M/world) of ``sum_q (a2d_q @ weight_q + bias)`` (divided 
 
 One persistent CUTLASS sm90a GEMM per rank, batched over the world row segments of A.  Its tile scheduler
 walks the peers' segments first (rank r+1, r+2, ...) and its own segment last; the epilogue stores a peer's
-tile straight into that peer's symmetric buffer (slot r) over NVLink and raises one flag per (tile, warp) to
-the call's epoch.  The own segment's epilogue waits for those flags, adds the peers' slots and the bias and
+tile (staged in shared memory, written with 16-byte stores) straight into that peer's symmetric buffer
+(slot r) over NVLink and raises one flag per tile to the call's epoch.  The own segment's epilogue waits for those flags, adds the peers' slots and the bias and
 writes the output, so the reduction needs no extra kernel and no extra pass over memory.
 
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
@@ -321,6 +321,9 @@ def unsupported_reason(
         _capability_ok[index] = torch.cuda.get_device_capability(a2d.device) == (9, 0)
     if not _capability_ok[index]:
         return "the GEMM+RS kernel is built for sm90a (Hopper) only"
+    if torch.cuda.is_current_stream_capturing():
+        # The call epoch is a host counter passed by value: a replayed graph would reuse it and read stale slots.
+        return "CUDA graph capture is not supported by the GEMM+RS kernel (per-call epoch on the host)"
     if a2d.dtype not in _DTYPES or weight.dtype != a2d.dtype:
         return f"dtypes {a2d.dtype}/{weight.dtype}: the kernel takes bf16 or fp16, both operands the same"
     if a2d.dim() != 2 or weight.dim() != 2 or a2d.shape[1] != weight.shape[0]:
