@@ -9,7 +9,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <sstream>
+#include <cstdio>
 
 #include "ag_gemm_instances.h"
 #include "cutlass/cutlass.h"
@@ -42,25 +42,30 @@ int device_sm_count() {
 Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
   // 16-byte TMA rows and base addresses: 8 elements of a 2-byte type.
   constexpr int64_t kAlign = 8;
-  std::ostringstream why;
+  Error why;
+  char* out = why.message;
+  size_t const size = sizeof(why.message);
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) {
-    why << "empty problem (M=" << p.m << ", N=" << p.n << ", K=" << p.k << ")";
+    std::snprintf(out, size, "empty problem (M=%lld, N=%lld, K=%lld)", (long long)p.m, (long long)p.n,
+                  (long long)p.k);
   } else if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) {
-    why << "a dimension exceeds 2^31";
+    std::snprintf(out, size, "a dimension exceeds 2^31");
   } else if (p.k % kAlign || p.lda % kAlign || p.lda < p.k) {
-    why << "K=" << p.k << " / row stride of A " << p.lda << " is not a multiple of 8 (TMA needs 16-byte rows)";
+    std::snprintf(out, size, "K=%lld / row stride of A %lld is not a multiple of 8 (TMA needs 16-byte rows)",
+                  (long long)p.k, (long long)p.lda);
   } else if (p.ldb % kAlign || (p.b_k_contiguous ? p.ldb < p.k : p.ldb < p.n)) {
-    why << "the weight's leading stride " << p.ldb << " is not a multiple of 8 or too small";
+    std::snprintf(out, size, "the weight's leading stride %lld is not a multiple of 8 or too small",
+                  (long long)p.ldb);
   } else if (p.n % kAlign || p.ldo % kAlign || p.ldo < p.n) {
-    why << "N=" << p.n << " is not a multiple of 8 (TMA needs 16-byte rows)";
+    std::snprintf(out, size, "N=%lld is not a multiple of 8 (TMA needs 16-byte rows)", (long long)p.n);
   } else if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || (p.bias && !aligned16(p.bias))) {
-    why << "a base address is not 16-byte aligned";
+    std::snprintf(out, size, "a base address is not 16-byte aligned");
   } else if (p.flags && (p.world < 1 || p.rank < 0 || p.rank >= p.world || p.shard_rows < 1 ||
                          p.shard_rows * p.world != p.m || p.chunks_per_rank < 1)) {
-    why << "inconsistent all-gather layout (rank " << p.rank << " of " << p.world << ", " << p.shard_rows
-        << " rows per rank, M=" << p.m << ")";
+    std::snprintf(out, size, "inconsistent all-gather layout (rank %d of %d, %lld rows per rank, M=%lld)", p.rank,
+                  p.world, (long long)p.shard_rows, (long long)p.m);
   }
-  return make_error(why.str());
+  return why;
 }
 
 Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
