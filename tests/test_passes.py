@@ -681,3 +681,91 @@ def test_all_gather_weight_reading_gathered_skipped():
     reasons = skipped("all_gather_matmul")
     assert reasons.get("weight depends on the gathered tensor") == 1
     assert count(gm, c10d.all_gather_into_tensor.default) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Real post-grad graphs: torch.compile(backend="flux") of DTensor sequence-parallel blocks on the fake
+# group (the collectives run but move nothing, so only the rewrite counts are checked here).
+# ------------------------------------------------------------------------------------------------
+
+
+class _SwiGLU(torch.nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, hidden, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dim, head_dim):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.attn_norm = torch.nn.LayerNorm(dim)
+        self.attn = _Attention(dim, 4)
+        self.ffn_norm = torch.nn.LayerNorm(dim)
+        self.ffn = _SwiGLU(dim, 32)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+@pytest.mark.parametrize("batch", [2, 1])
+def test_real_dtensor_block_compiled_with_flux(batch):
+    """A transformer block under DTensor sequence parallelism (separate Q/K/V, SwiGLU), forward and
+    backward, compiled with backend="flux": every all-gather and reduce-scatter that feeds or is fed by
+    a matmul is fused; only the weight-gradient mms are left, with their reason."""
+    import torch._dynamo
+    import torch._inductor.config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    block = _Block()
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(block, mesh, {
+        "attn_norm": SequenceParallel(), "attn": gather, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(), "ffn": gather, "ffn.gate": ColwiseParallel(), "ffn.up": ColwiseParallel(),
+        "ffn.down": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    x = torch.randn(batch, 8 // WORLD, 16, requires_grad=True)
+    # One compile thread: no subprocess pool to start for two tiny graphs.
+    with torch._inductor.config.patch(compile_threads=1):
+        torch.compile(block, backend="flux")(x).sum().backward()
+    stats = rewrite_stats()
+    # forward: all_gather -> {q, k, v} and -> {gate, up}; o and down -> reduce_scatter.
+    # backward: the gathered gradients of o and down feed their input-grad mms; the input gradients of
+    # {q, k, v} and {gate, up} (sums of mms) are reduce-scattered.
+    assert stats["fused"] == {"all_gather_matmul": 4, "matmul_reduce_scatter": 4}
+    assert stats["skipped"] == {
+        "all_gather_matmul": {"gathered tensor is on the contraction dim (weight-gradient mm)": 2}
+    }
+    torch._dynamo.reset()
