@@ -96,6 +96,9 @@ def _operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Opt
         return f"dtype {a2d.dtype} (the kernel supports bfloat16 and float16)"
     if a2d.dim() != 2 or not a2d.is_contiguous():
         return "the activation must be a contiguous 2-D tensor"
+    if torch.cuda.is_current_stream_capturing():
+        # The call epoch is a host counter: a replayed graph would wait for a stale epoch and race the pulls.
+        return "CUDA graph capture is in progress (the fused kernel's call epochs live on the host)"
     if len(weights) == 0 or len(weights) != len(biases):
         return "need one bias entry (or None) per weight"
     for weight, bias in zip(weights, biases):
