@@ -9,7 +9,8 @@
 * A peer that never enters the call: the handshake times out, the error word is set and the host raises.
 * 2 GPUs: tests/gpu/run_gemm_rs_2rank.py under torchrun (real symmetric memory, the public interface).
 
-Without CUDA, the extension or an sm_90 GPU these skip with the reason.
+Without CUDA, the extension or an sm_90 GPU the GPU tests skip with the reason; three layout/interface
+tests run anywhere.
 """
 
 from __future__ import annotations
@@ -39,7 +40,46 @@ def _skip_reason():
 
 
 _SKIP = _skip_reason()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+gpu = [pytest.mark.gpu, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+
+def _gpu(test):
+    for mark in gpu:
+        test = mark(test)
+    return test
+
+
+# ---- no GPU needed ---------------------------------------------------------------------------------
+
+
+def test_unsupported_reason_is_a_reason_on_cpu():
+    """CPU tensors (or no extension): a reason string, never an exception, so dispatch decomposes."""
+    from fluxinductor.kernels import gemm_rs
+
+    reason = gemm_rs.unsupported_reason(torch.randn(4, 8), torch.randn(8, 4), None, "sum", None)
+    assert isinstance(reason, str) and reason
+
+
+def test_weight_layout_from_strides():
+    from fluxinductor.kernels import gemm_rs
+
+    linear_weight = torch.empty(24, 16)  # nn.Linear [N, K]
+    assert gemm_rs._weight_layout(linear_weight.t()) == (True, 16)  # [K, N] view: K-major, no copy
+    assert gemm_rs._weight_layout(torch.empty(16, 24)) == (False, 24)
+    assert gemm_rs._weight_layout(torch.empty(16, 48)[:, ::2]) is None
+
+
+def test_buffer_layout_arithmetic():
+    from fluxinductor.kernels import gemm_rs
+
+    # M=1000 over 2 ranks: 500 rows = 4 tiles of 128; N=300: 3 tiles of 128; 2 sources x 12 flags.
+    flags_offset, data_offset, total = gemm_rs._layout(1000, 300, 2, 2, (128, 128, 1))
+    assert flags_offset == gemm_rs.HEADER_BYTES
+    assert data_offset == -(-(gemm_rs.HEADER_BYTES + 2 * 12 * 4) // 256) * 256
+    assert total == data_offset + 2 * 500 * 300 * 2
+
+
+# ---- GPU -------------------------------------------------------------------------------------------
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,6 +93,7 @@ def make_weight(k: int, n: int, k_major: bool, dtype, device) -> torch.Tensor:
     return (torch.randn(k, n, dtype=torch.float32, device=device) / k**0.5).to(dtype)
 
 
+@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_major", [True, False])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -71,6 +112,7 @@ def test_gemm_only(dtype, k_major, with_bias, m, k, n):
     assert relative_error(out, ref) < 1e-2
 
 
+@_gpu
 def test_gemm_only_odd_n_k_major():
     """Odd N is fine when the weight is K-major (TMA only needs 16-byte K rows); N-major odd N is refused."""
     from fluxinductor.kernels import gemm_rs
@@ -124,6 +166,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     return worst
 
 
+@_gpu
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 def test_n_ranks_one_gpu(world, reduce_op):
@@ -131,16 +174,19 @@ def test_n_ranks_one_gpu(world, reduce_op):
     assert _simulate(world, 200 * world, 264, 520, reduce_op=reduce_op) < 1e-2
 
 
+@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_major", [True, False])
 def test_n_ranks_one_gpu_layouts(dtype, k_major):
     assert _simulate(2, 2 * 384, 512, 1024, dtype=dtype, k_major=k_major, with_bias=False) < 1e-2
 
 
+@_gpu
 def test_odd_n_two_ranks_one_gpu():
     assert _simulate(2, 2 * 130, 64, 1001, with_bias=True) < 1e-2
 
 
+@_gpu
 def test_peer_never_signals_raises():
     """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises."""
     from fluxinductor.kernels import gemm_rs
@@ -163,7 +209,7 @@ def test_peer_never_signals_raises():
         raise RuntimeError(gemm_rs.error_message(error.read()))
 
 
-@pytest.mark.gpu
+@_gpu
 def test_two_ranks_torchrun():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs; this machine has {torch.cuda.device_count()}")
