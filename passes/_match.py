@@ -28,6 +28,7 @@ SLICE = aten.slice.Tensor
 CAT = aten.cat.default
 MM = aten.mm.default
 ADDMM = aten.addmm.default
+CONVERT = torch.ops.prims.convert_element_type.default
 
 
 class Skip(Exception):
@@ -182,7 +183,7 @@ def is_pure(node: Node) -> bool:
         return False
     if schema.is_mutable:
         return False
-    return node.target.namespace == "aten" and not node.is_impure()
+    return node.target.namespace in ("aten", "prims") and not node.is_impure()
 
 
 def mutation_between(start: Node, end: Node) -> Optional[Node]:

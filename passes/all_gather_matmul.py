@@ -29,6 +29,8 @@ tensor; otherwise the second result is an empty tensor and is not used.  The gat
   reshape chain on the dim-0 gather and is passed with gather_dim 0.
 * gather_dim d > 0: ``cat([world ordered chunks of wait on dim 0], d)`` (chunks as split/getitem,
   split_with_sizes/getitem or slice).
+* either of them read only through ``prims.convert_element_type(·, dtype)`` (autocast), possibly
+  after reshapes: the op gets ``convert_element_type(shard, dtype)``, which gathers to the same tensor.
 
 A matmul is fused when its first operand is the gathered tensor or a reshape chain of it ending in
 ``[M, K]`` with ``K`` the gathered tensor's last dim (so ``M`` rows in gathered order), and it is an
@@ -64,9 +66,10 @@ class _AllGatherMatch:
     gather_dim: int
     group_size: int
     group_name: str
-    gathered: Node  # wait_tensor (gather_dim 0) or the cat (gather_dim > 0)
+    gathered: Node  # wait_tensor (gather_dim 0) or the cat (gather_dim > 0), or its dtype cast
     gather_nodes: List[Node]  # all_gather, wait, chunk nodes, cat: erased once dead
     shape: tuple  # gathered shape
+    cast_dtype: Optional[torch.dtype] = None  # the gathered tensor is only read through this cast
 
     @property
     def rows_by_k(self) -> tuple:
@@ -130,7 +133,20 @@ def _match_all_gather(ag: Node, group_allowed: Callable[[str], bool]) -> _AllGat
         raise Skip("gathered shape does not match shard", f"{shard_shape} x{group_size} on {gather_dim} -> {shape}")
     if gather_dim == len(shape) - 1:
         raise Skip("gather_dim is the contraction dim", f"gather_dim {gather_dim} of {shape}")
-    return _AllGatherMatch(ag, shard, gather_dim, group_size, group_name, gathered, [ag, wait] + extra, shape)
+    gather_nodes = [ag, wait] + extra
+    cast_dtype = None
+    # Autocast casts after the gather (possibly after funcol's reshape).  A cast is elementwise, so it
+    # commutes with the gather and the reshapes: gathering the cast shard gives the same tensor (and
+    # moves fewer bytes when it narrows).
+    chain = [gathered]
+    while len(chain[-1].users) == 1 and m.is_call(m.only_user(chain[-1]), m.VIEW_OPS):
+        chain.append(m.only_user(chain[-1]))
+    cast = m.only_user(chain[-1])
+    if m.is_call(cast, m.CONVERT) and cast.args[0] is chain[-1] and isinstance(cast.args[1], torch.dtype) \
+            and cast.args[1].is_floating_point:
+        gather_nodes += chain
+        gathered, cast_dtype = cast, cast.args[1]
+    return _AllGatherMatch(ag, shard, gather_dim, group_size, group_name, gathered, gather_nodes, shape, cast_dtype)
 
 
 def _view_closure(match: _AllGatherMatch) -> List[Node]:
@@ -150,7 +166,7 @@ def _consumers(match: _AllGatherMatch, closure: List[Node]) -> List[_Matmul]:
     in_closure = set(closure)
     forbidden = in_closure | set(match.gather_nodes)
     pos = m.positions(match.gathered.graph)
-    dtype = m.val(match.shard).dtype
+    dtype = m.val(match.gathered).dtype
     found: List[_Matmul] = []
     seen: Set[Node] = set()
     for c in closure:
@@ -217,12 +233,14 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
     return_gathered = _still_read(match, closure, {mm.node for mm in matmuls})
     weights = [mm.weight for mm in matmuls]
     biases = [mm.bias for mm in matmuls]
-    args = (match.shard, weights, biases, match.gather_dim, match.group_name, return_gathered)
 
     # Evaluate the op's fake impl first: a failure leaves the graph untouched.
     try:
         with fake_mode:
-            result = op(m.val(match.shard), [m.val(w) for w in weights],
+            shard_val = m.val(match.shard)
+            if match.cast_dtype is not None:
+                shard_val = m.CONVERT(shard_val, match.cast_dtype)
+            result = op(shard_val, [m.val(w) for w in weights],
                         [None if b is None else m.val(b) for b in biases],
                         match.gather_dim, match.group_name, return_gathered)
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
@@ -239,6 +257,11 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
         raise Skip("possible mutation between the all_gather and its first reader", mutator.name)
     m.hoist_before(anchor, [x for mm in matmuls for x in mm.hoist], pos)
     with graph.inserting_before(anchor):
+        shard = match.shard
+        if match.cast_dtype is not None:
+            shard = graph.call_function(m.CONVERT, (match.shard, match.cast_dtype))
+            shard.meta["val"] = shard_val
+        args = (shard, weights, biases, match.gather_dim, match.group_name, return_gathered)
         fused = graph.call_function(op, args)
         fused.meta["val"] = result
         m.copy_debug_meta(fused, matmuls[0].node)
@@ -257,6 +280,12 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
         if return_gathered:
             gathered = graph.call_function(operator.getitem, (fused, 1))
             gathered.meta["val"] = result[1]
+            old_shape = tuple(m.val(match.gathered).shape)
+            if tuple(result[1].shape) != old_shape:
+                # A cast found after a reshape of the gathered tensor: reshape the op's result the same way.
+                reshaped = graph.call_function(m.aten.reshape.default, (gathered, list(old_shape)))
+                m.set_val(reshaped, fake_mode, lambda: result[1].reshape(old_shape))
+                gathered = reshaped
             match.gathered.replace_all_uses_with(gathered)
     m.erase_dead(graph, [mm.node for mm in matmuls] + closure + match.gather_nodes)
     record_fused(PATTERN, f"{len(matmuls)} matmul(s), gather_dim={match.gather_dim}, "

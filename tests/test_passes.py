@@ -769,3 +769,46 @@ def test_real_dtensor_block_compiled_with_flux(batch):
         "all_gather_matmul": {"gathered tensor is on the contraction dim (weight-gradient mm)": 2}
     }
     torch._dynamo.reset()
+
+
+def _autocast_gather(world, name, reshape_first=False):
+    """Autocast: the fp32 gathered activation is cast to bf16, then read by the matmul (and saved).
+    ``reshape_first``: the cast comes after a reshape, as it does after funcol's B = 1 view form."""
+
+    def fn(x, w):
+        gathered = all_gather(x, 1, world, name)
+        if reshape_first:
+            gathered = aten.reshape.default(gathered, [1, -1, 16])
+        gathered = torch.ops.prims.convert_element_type.default(gathered, torch.bfloat16)
+        flat = aten.reshape.default(gathered, [-1, 16])
+        return aten.mm.default(flat, w), flat
+
+    return fn
+
+
+@pytest.mark.parametrize("reshape_first", [False, True])
+def test_all_gather_through_dtype_cast(reshape_first):
+    gm = trace(_autocast_gather(WORLD, group(), reshape_first), torch.randn(2, 4, 16),
+               torch.randn(16, 8, dtype=torch.bfloat16))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0 and count(gm, aten.mm.default) == 0
+    (node,) = nodes(gm, AG_MM)
+    shard = node.args[0]
+    assert shard.target == torch.ops.prims.convert_element_type.default and shard.args[1] == torch.bfloat16
+    assert node.args[5] is True
+    outs, gathered = node.meta["val"]
+    assert outs[0].dtype == torch.bfloat16 and gathered.dtype == torch.bfloat16 and tuple(gathered.shape) == (2, 8, 16)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    assert tuple(out_node.args[0][1].meta["val"].shape) == (16, 16)
+    if reshape_first:  # the op's [2, 8, 16] result is reshaped to the [1, 16, 16] the cast produced
+        (reader,) = [u for u in node.users if u.args[1] == 1][0].users
+        assert reader.target == aten.reshape.default and tuple(reader.meta["val"].shape) == (1, 16, 16)
+    assert_all_vals(gm)
+
+
+@pytest.mark.parametrize("reshape_first", [False, True])
+def test_numerics_dtype_cast_world1(reshape_first):
+    torch.manual_seed(5)
+    _numeric_case(_autocast_gather(1, WORLD1_GROUP, reshape_first),
+                  (torch.randn(2, 4, 16), torch.randn(16, 8, dtype=torch.bfloat16)))
