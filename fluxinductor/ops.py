@@ -114,12 +114,15 @@ def _check_all_gather_matmul(shard: Tensor, weights, biases, gather_dim: int) ->
             raise ValueError(f"bias of shape {tuple(b.shape)} does not match weight {tuple(w.shape)}")
 
 
-def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int) -> None:
+def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int, world: int) -> None:
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
     if a.dim() < 2 or weight.dim() != 2 or a.shape[-1] != weight.shape[0]:
         raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(weight.shape)}")
-    _check_dim(scatter_dim, a.dim(), "scatter_dim")
+    scatter_dim = _check_dim(scatter_dim, a.dim(), "scatter_dim")
+    size = weight.shape[1] if scatter_dim == a.dim() - 1 else a.shape[scatter_dim]
+    if size % world:
+        raise ValueError(f"dim {scatter_dim} of size {size} does not split over {world} ranks")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -180,7 +183,7 @@ def matmul_reduce_scatter(
     a: [..., K] (this rank's partial operand), weight: [K, N], bias: [N] or None, added on every rank
     before the reduction, as the unfused graph did.  Returns [...] with ``scatter_dim`` divided by world.
     """
-    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim)
+    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, _group(group_name).size())
     fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name)
     if fused is not None:
         return fused
@@ -189,8 +192,8 @@ def matmul_reduce_scatter(
 
 @matmul_reduce_scatter.register_fake
 def _(a, weight, bias, reduce_op, scatter_dim, group_name):
-    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim)
     world = _group(group_name).size()
+    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, world)
     shape = list(a.shape[:-1]) + [weight.shape[1]]
     scatter_dim = scatter_dim % len(shape)
     shape[scatter_dim] //= world
