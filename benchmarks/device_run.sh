@@ -1,0 +1,37 @@
+#!/bin/bash
+# One device call (nvidia-h200-x2) that builds the extension, runs the GPU tests (single-GPU N-rank and
+# 2-rank torchrun checks), the example on 2 GPUs and the op benchmark.  Everything lands in $OUT:
+#   build.log, _C*.so, gpu_tests.log, example.log, bench_ops.log, h200x2_tp2_ops.{json,png},
+#   tuning/<device>_tp2.json
+# Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="build tests example bench" bash benchmarks/device_run.sh
+set -u
+export PYTHONUNBUFFERED=1 FLUXINDUCTOR_BUILD_JOBS=16 FLUXINDUCTOR_REQUIRE_EXTENSION=1
+OUT=${OUT:-/tmp/fluxinductor_out}
+STEPS=${STEPS:-"build tests example bench"}
+mkdir -p "$OUT/tuning"
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl
+start=$(date +%s)
+if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"; exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+so=$(python3 -c "import fluxinductor._C as c; print(c.__file__)") || exit 1
+cp "$so" "$OUT/"
+for step in $STEPS; do
+  case $step in
+    tests)
+      { timeout 300 python3 -m pytest -q -rs tests/gpu -k "not torchrun"
+        timeout 120 torchrun --nproc-per-node 2 tests/gpu/run_ag_gemm_2rank.py --calls 1000
+        timeout 120 torchrun --nproc-per-node 2 tests/gpu/run_gemm_rs_2rank.py; } > "$OUT/gpu_tests.log" 2>&1
+      grep -E "passed|failed|error|FAIL|OK|ok" "$OUT/gpu_tests.log" | tail -15 ;;
+    example)
+      timeout 240 torchrun --nproc-per-node 2 examples/sp_transformer_block.py > "$OUT/example.log" 2>&1
+      echo "example rc=$?"; tail -25 "$OUT/example.log" ;;
+    bench)
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
+        torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \
+        --emit-tuning "$OUT/tuning/{device_key}_tp{world}.json" > "$OUT/bench_ops.log" 2>&1
+      echo "bench rc=$?"; tail -c 6000 "$OUT/bench_ops.log" ;;
+  esac
+done
