@@ -251,10 +251,13 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
 
     pos = m.positions(graph)
     anchor = min(match.gathered.users, key=pos.__getitem__)
-    # The op reads the shard at the anchor instead of at the all_gather.
-    mutator = m.mutation_between(match.all_gather, anchor)
+    # The op reads the shard at the anchor instead of at the all_gather, the matmuls read the op's result
+    # instead of the gathered tensor, and weight computations move up to the anchor: no mutation may sit
+    # anywhere in that span.
+    last = max([mm.node for mm in matmuls] + [x for mm in matmuls for x in mm.hoist], key=pos.__getitem__)
+    mutator = m.mutation_between(match.all_gather, last)
     if mutator is not None:
-        raise Skip("possible mutation between the all_gather and its first reader", mutator.name)
+        raise Skip("possible mutation between the all_gather and its matmuls", mutator.name)
     m.hoist_before(anchor, [x for mm in matmuls for x in mm.hoist], pos)
     with graph.inserting_before(anchor):
         shard = match.shard
