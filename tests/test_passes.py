@@ -828,3 +828,16 @@ def test_mutation_before_matmul_skipped():
     run_passes(gm)
     assert fused("all_gather_matmul") == 0
     assert skipped("all_gather_matmul") == {"possible mutation between the all_gather and its matmuls": 1}
+
+
+def test_symbolic_shapes_skipped():
+    """Dynamic shapes (SymInt sizes in meta['val']) are left alone, with the reason."""
+
+    def fn(x, w, a, w2):
+        return aten.mm.default(all_gather(x, 0, WORLD, group()), w), reduce_scatter(aten.mm.default(a, w2), 0, WORLD, group())
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(4, 16), torch.randn(16, 8), torch.randn(8, 16), torch.randn(16, 6))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 0 and fused("matmul_reduce_scatter") == 0
+    assert skipped("all_gather_matmul") == {"symbolic shape": 1}
+    assert skipped("matmul_reduce_scatter") == {"symbolic shape": 1}
