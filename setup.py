@@ -34,6 +34,10 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extensions(self) -> None:
+        if os.environ.get("FLUXINDUCTOR_BUILD_EXTENSION", "1") == "0":
+            print("fluxinductor: FLUXINDUCTOR_BUILD_EXTENSION=0, not building the CUDA extension", file=sys.stderr)
+            self.extensions = []
+            return
         built = []
         for ext in self.extensions:
             try:

@@ -12,7 +12,11 @@ mkdir -p "$OUT/tuning"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl
 start=$(date +%s)
-if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+if [ -n "${PREBUILT:-}" ]; then
+  # Reuse a carried extension built from the same csrc/ (PREBUILT=path/to/_C*.so).
+  FLUXINDUCTOR_BUILD_EXTENSION=0 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
+  cp "$PREBUILT" fluxinductor/
+elif ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
@@ -31,7 +35,7 @@ for step in $STEPS; do
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
         torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \
-        --emit-tuning "$OUT/tuning/{device_key}_tp{world}.json" > "$OUT/bench_ops.log" 2>&1
+        --emit-tuning "$OUT/tuning/{device_key}_tp{world}.json" ${BENCH_ARGS:-} > "$OUT/bench_ops.log" 2>&1
       echo "bench rc=$?"; tail -c 6000 "$OUT/bench_ops.log" ;;
   esac
 done
