@@ -1,0 +1,394 @@
+"""End to end through ``torch.compile(backend="flux")``: the off switch, inductor's FX graph cache, inputs
+the passes must leave alone, and fusion restricted to the tensor-parallel group of a 2-D mesh.
+
+* ``FLUXINDUCTOR_DISABLE=1``: no fluxinductor op in the generated code, nothing fused, same numerics.
+* FX graph cache: a second compile in fresh processes with the same ``TORCHINDUCTOR_CACHE_DIR`` is served
+  from the cache (no pass runs, so nothing is counted as fused) and still calls the fused ops and gives
+  the right answer; a compile under other fusion settings must not be served the fused graph.
+* Bad inputs (uneven sequence shards, integer matmuls) compile, run correctly, and are logged as skips.
+* 2x2 (dp, tp) mesh on 4 ranks: with the tp group set (``options={"tp_group": mesh["tp"]}`` or
+  :func:`fluxinductor.set_tp_group`) only tp collectives are fused, the dp ones are skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import traceback
+from typing import Dict, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _dist import run_ranks
+from test_compile_numerics import (
+    AG_MM,
+    BATCH,
+    HIDDEN,
+    MLP,
+    MM_RS,
+    _seeded_full,
+    build_sp_mlp,
+    check_errors,
+    check_fused,
+    error_of,
+    run_case,
+    stats_delta,
+)
+
+
+def _guarded(fn, *args) -> Dict[str, object]:
+    """Run one check inside a rank; a failure becomes {"error": traceback} so the other checks still run."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()}
+
+
+def _assert_ok(result: Dict[str, object], where: str) -> None:
+    assert "error" not in result, f"{where} raised:\n{result['error']}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLUXINDUCTOR_DISABLE and the generated code.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _code_job(rank: int, world: int) -> Dict[str, object]:
+    """Compile the SP MLP (forward and backward) capturing inductor's generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    def compile_and_run():
+        return run_case(rank, world, "sp_mlp", "fp32")
+
+    result, codes = run_and_get_code(compile_and_run)
+    result["code_mentions_fluxinductor"] = sum("fluxinductor" in code for code in codes)
+    result["n_codes"] = len(codes)
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def _code_results(disabled: bool):
+    env = {"FLUXINDUCTOR_DISABLE": "1"} if disabled else {}
+    return run_ranks(_code_job, 2, env=env, timeout=300)
+
+
+def test_enabled_code_calls_fused_ops():
+    for rank, r in enumerate(_code_results(False)):
+        where = f"enabled rank={rank}"
+        check_errors(r["errors"], "fp32", where)
+        assert r["n_codes"] >= 2, f"{where}: expected forward and backward code, got {r['n_codes']}"
+        assert r["code_mentions_fluxinductor"] >= 2, f"{where}: forward and backward code should call the fused ops"
+        check_fused(r["forward"], {AG_MM: 1, MM_RS: 1}, where + " forward")
+        check_fused(r["backward"], {AG_MM: 1, MM_RS: 1}, where + " backward")
+
+
+def test_disable_env_compiles_plain_inductor():
+    for rank, r in enumerate(_code_results(True)):
+        where = f"FLUXINDUCTOR_DISABLE=1 rank={rank}"
+        check_errors(r["errors"], "fp32", where)
+        assert r["n_codes"] >= 2, f"{where}: expected forward and backward code, got {r['n_codes']}"
+        assert r["code_mentions_fluxinductor"] == 0, f"{where}: generated code mentions fluxinductor"
+        for phase in ("forward", "backward", "second_call"):
+            assert r[phase] == {"fused": {}, "calls": {}, "skipped": {}}, f"{where} {phase}: {r[phase]}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inductor's FX graph cache.
+# ---------------------------------------------------------------------------------------------------
+
+
+# A model without DTensor: in torch 2.13 DTensor graphs take the DeviceMesh as an opaque graph input
+# whose pickled form differs per process, so their FX graph cache keys never match across processes.
+CACHE_MODEL = "funcol_swiglu"
+
+
+def _cache_job(rank: int, world: int, restrict_to_other_group: bool) -> Dict[str, object]:
+    import fluxinductor
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    options = {"tp_group": "no-such-group"} if restrict_to_other_group else None
+    try:
+        result = run_case(rank, world, CACHE_MODEL, "fp32", compile_options=options)
+    finally:
+        fluxinductor.set_tp_group(None)
+    result["inductor_counters"] = dict(counters["inductor"])
+    result["aot_autograd_counters"] = dict(counters["aot_autograd"])
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_results():
+    """Three jobs over one cache dir: cold compile, warm compile, warm compile under another setting."""
+    with tempfile.TemporaryDirectory(prefix="fluxinductor-cache-test-") as cache_dir:
+        cold = run_ranks(_cache_job, 2, False, cache_dir=cache_dir, timeout=300)
+        warm = run_ranks(_cache_job, 2, False, cache_dir=cache_dir, timeout=300)
+        other = run_ranks(_cache_job, 2, True, cache_dir=cache_dir, timeout=300)
+    return cold, warm, other
+
+
+def test_fx_graph_cache_hit_still_runs_fused_ops():
+    cold, warm, _ = _cache_results()
+    for rank, (c, w) in enumerate(zip(cold, warm)):
+        where = f"rank={rank}"
+        check_errors(c["errors"], "fp32", where + " cold")
+        check_fused(c["forward"], {AG_MM: 1, MM_RS: 1}, where + " cold forward")
+        check_fused(c["backward"], {AG_MM: 1, MM_RS: 1}, where + " cold backward")
+        assert c["inductor_counters"].get("fxgraph_cache_miss", 0) >= 2, f"{where}: cold {c['inductor_counters']}"
+        assert c["inductor_counters"].get("fxgraph_cache_hit", 0) == 0, f"{where}: cold {c['inductor_counters']}"
+
+        # Warm: served from the cache (forward and backward graphs), so no pass ran ...
+        assert w["inductor_counters"].get("fxgraph_cache_hit", 0) >= 2, (
+            f"{where}: warm compile missed the FX graph cache: {w['inductor_counters']} {w['aot_autograd_counters']}"
+        )
+        assert w["forward"]["fused"] == {} and w["backward"]["fused"] == {}, f"{where}: warm {w}"
+        # ... yet the cached graphs call the fused ops, and the answer is right.
+        for phase in ("forward", "backward"):
+            for op in (AG_MM, MM_RS):
+                assert w[phase]["calls"].get(op, 0) >= 1, f"{where} warm {phase}: {op} never called: {w[phase]}"
+        check_errors(w["errors"], "fp32", where + " warm")
+
+
+def test_fx_graph_cache_not_served_across_fusion_settings():
+    _, _, other = _cache_results()
+    for rank, o in enumerate(other):
+        where = f"rank={rank} tp_group=no-such-group"
+        check_errors(o["errors"], "fp32", where)
+        for phase in ("forward", "backward"):
+            assert o[phase]["fused"] == {}, f"{where} {phase}: fused outside the tp group: {o[phase]}"
+            assert o[phase]["calls"] == {}, f"{where} {phase}: the cached fused graph was served: {o[phase]}"
+            skipped = o[phase]["skipped"]
+            assert any("group" in reason for reasons in skipped.values() for reason in reasons), (
+                f"{where} {phase}: skips should name the group: {skipped}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs the passes must leave alone (or handle): correct results, logged skips.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _uneven_sequence_case(rank: int, world: int) -> Dict[str, object]:
+    """SP MLP on a DTensor whose sequence (9) does not divide over the ranks."""
+    import fluxinductor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+
+    def build():
+        torch.manual_seed(4)
+        model = MLP()
+        plan = {
+            "w1": ColwiseParallel(input_layouts=Shard(1)),
+            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
+        return parallelize_module(model, mesh, plan)
+
+    eager_model, flux_model = build(), build()
+    compiled = torch.compile(flux_model, backend="flux")
+    full = _seeded_full((BATCH, 9, HIDDEN), 300)
+    x_eager = distribute_tensor(full, mesh, [Shard(1)]).requires_grad_(True)
+    x_flux = distribute_tensor(full, mesh, [Shard(1)]).requires_grad_(True)
+    s0 = fluxinductor.rewrite_stats()
+    y_eager, y_flux = eager_model(x_eager), compiled(x_flux)
+    s1 = fluxinductor.rewrite_stats()
+    grad = _seeded_full((BATCH, 9, HIDDEN), 301)
+    (y_eager.full_tensor() * grad).sum().backward()
+    (y_flux.full_tensor() * grad).sum().backward()
+    s2 = fluxinductor.rewrite_stats()
+    errors = {"out": error_of(y_flux.full_tensor(), y_eager.full_tensor())}
+    errors["grad_input"] = error_of(x_flux.grad.full_tensor(), x_eager.grad.full_tensor())
+    flux_params = dict(flux_model.named_parameters())
+    for name, p in eager_model.named_parameters():
+        errors[f"grad_{name}"] = error_of(flux_params[name].grad.full_tensor(), p.grad.full_tensor())
+    return {"errors": errors, "forward": stats_delta(s1, s0), "backward": stats_delta(s2, s1)}
+
+
+class IntegerMatmuls(nn.Module):
+    """all_gather -> integer mm -> reduce_scatter, written with functional collectives."""
+
+    def __init__(self, world: int, rank: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(60)
+        self.register_buffer("w1", torch.randint(-3, 4, (HIDDEN, 16), generator=g).chunk(world, dim=1)[rank].clone())
+        self.register_buffer("w2", torch.randint(-3, 4, (16, HIDDEN), generator=g).chunk(world, dim=0)[rank].clone())
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        gathered = funcol.all_gather_tensor(x, 0, dist.group.WORLD)  # [M, H] int64
+        partial = (gathered @ self.w1) @ self.w2  # [M, H] int64
+        return funcol.reduce_scatter_tensor(partial, "sum", 0, dist.group.WORLD)
+
+
+def _integer_case(rank: int, world: int) -> Dict[str, object]:
+    import fluxinductor
+
+    torch._dynamo.reset()
+    model = IntegerMatmuls(world, rank)
+    g = torch.Generator().manual_seed(61)
+    x = torch.randint(-5, 6, (4 * world, HIDDEN), generator=g).chunk(world)[rank].contiguous()
+    expected = model(x)
+    s0 = fluxinductor.rewrite_stats()
+    got = torch.compile(model, backend="flux")(x)
+    return {
+        "exact": bool(torch.equal(got, expected)),
+        "dtype": str(got.dtype),
+        "nonzero": bool(expected.abs().sum() > 0),
+        "forward": stats_delta(fluxinductor.rewrite_stats(), s0),
+    }
+
+
+def _bad_inputs_job(rank: int, world: int) -> Dict[str, object]:
+    return {"uneven": _guarded(_uneven_sequence_case, rank, world), "integer": _guarded(_integer_case, rank, world)}
+
+
+@functools.lru_cache(maxsize=None)
+def _bad_inputs_results():
+    return run_ranks(_bad_inputs_job, 2, timeout=300)
+
+
+def test_uneven_sequence_shards_are_correct():
+    for rank, per_rank in enumerate(_bad_inputs_results()):
+        r = per_rank["uneven"]
+        where = f"uneven sequence rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        # Every all-gather / reduce-scatter the passes saw was either fused (correctly, checked above)
+        # or skipped with a reason: at least one of the two must have been recorded in each phase.
+        for phase in ("forward", "backward"):
+            seen = sum(r[phase]["fused"].values()) + sum(sum(v.values()) for v in r[phase]["skipped"].values())
+            assert seen >= 1, f"{where} {phase}: no fusion decision recorded: {r[phase]}"
+
+
+def test_integer_matmul_is_skipped_and_exact():
+    for rank, per_rank in enumerate(_bad_inputs_results()):
+        r = per_rank["integer"]
+        where = f"integer matmul rank={rank}"
+        _assert_ok(r, where)
+        assert r["nonzero"], f"{where}: test data is all zeros"
+        assert r["exact"], f"{where}: compiled result differs from eager"
+        assert r["dtype"] == "torch.int64"
+        assert r["forward"]["fused"] == {}, f"{where}: integer matmuls were fused: {r['forward']}"
+        reasons = [reason for reasons in r["forward"]["skipped"].values() for reason in reasons]
+        assert any("floating" in reason for reason in reasons), f"{where}: expected a dtype skip, got {reasons}"
+        assert {AG_MM, MM_RS} <= set(r["forward"]["skipped"]), f"{where}: {r['forward']}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# A 2x2 (dp, tp) mesh: only the tensor-parallel group's collectives are fused.
+# ---------------------------------------------------------------------------------------------------
+
+
+class TwoGroupModel(nn.Module):
+    """A sequence-parallel MLP on the tp group followed by an all-gather -> matmul over the dp group."""
+
+    def __init__(self, mlp: nn.Module, dp_group, rank: int):
+        super().__init__()
+        self.mlp = mlp
+        self.dp_group = dp_group
+        self.w_dp = nn.Parameter(_seeded_full((HIDDEN, 16), 70 + rank % 2) * HIDDEN**-0.5)
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        y = self.mlp(x)  # [B, S / tp, H] on the tp group
+        # [B * S / tp, H] -> [dp * B * S / tp, H] over the dp group, then a matmul on it.
+        gathered = funcol.all_gather_tensor(y.flatten(0, 1), 0, self.dp_group)
+        return gathered @ self.w_dp
+
+
+def _two_group_case(rank: int, world: int, mesh, how: str) -> Dict[str, object]:
+    """how: "options" (tp_group compile option), "set_tp_group" (global setting), "all" (no restriction)."""
+    import fluxinductor
+
+    tp_rank = mesh["tp"].get_local_rank()
+    dp_group = mesh["dp"].get_group()
+    torch._dynamo.reset()
+    fluxinductor.set_tp_group(None)
+
+    def build():
+        mlp, make_input = build_sp_mlp(mesh["tp"], torch.float32, tp_rank, world // 2)
+        return TwoGroupModel(mlp, dp_group, rank), make_input
+
+    (eager_model, make_input), (flux_model, _) = build(), build()
+    options: Optional[dict] = None
+    if how == "options":
+        options = {"tp_group": mesh["tp"]}
+    elif how == "set_tp_group":
+        fluxinductor.set_tp_group(mesh["tp"])
+    try:
+        compiled = torch.compile(flux_model, backend="flux", options=options)
+        x_eager = make_input(400 + mesh["dp"].get_local_rank()).requires_grad_(True)
+        x_flux = x_eager.detach().clone().requires_grad_(True)
+        s0 = fluxinductor.rewrite_stats()
+        y_eager, y_flux = eager_model(x_eager), compiled(x_flux)
+        s1 = fluxinductor.rewrite_stats()
+        grad = _seeded_full(y_eager.shape, 410 + rank)
+        y_eager.backward(grad)
+        y_flux.backward(grad)
+        s2 = fluxinductor.rewrite_stats()
+    finally:
+        fluxinductor.set_tp_group(None)
+    errors = {"out": error_of(y_flux, y_eager), "grad_input": error_of(x_flux.grad, x_eager.grad)}
+    flux_params = dict(flux_model.named_parameters())
+    for name, p in eager_model.named_parameters():
+        errors[f"grad_{name}"] = error_of(flux_params[name].grad, p.grad)
+    return {
+        "errors": errors,
+        "forward": stats_delta(s1, s0),
+        "backward": stats_delta(s2, s1),
+        "tp_group": mesh["tp"].get_group().group_name,
+        "dp_group": dp_group.group_name,
+    }
+
+
+def _two_group_job(rank: int, world: int) -> Dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # One mesh for all cases: DTensor caches redistribution plans per (equal) mesh, so a second identical
+    # mesh with new process groups would still be served collectives on the first mesh's groups.
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    # "options" and "set_tp_group" compile the same graph under the same fusion settings; without this
+    # the second would (rightly) be served from the FX graph cache and run no pass to count.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    return {how: _guarded(_two_group_case, rank, world, mesh, how) for how in ("options", "set_tp_group", "all")}
+
+
+@functools.lru_cache(maxsize=None)
+def _two_group_results():
+    return run_ranks(_two_group_job, 4, timeout=480)
+
+
+@pytest.mark.parametrize("how", ["options", "set_tp_group"])
+def test_2d_mesh_fuses_only_tp_group(how):
+    for rank, per_rank in enumerate(_two_group_results()):
+        r = per_rank[how]
+        where = f"2x2 mesh, {how}, rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        for phase in ("forward", "backward"):
+            delta = r[phase]
+            # Exactly the sequence-parallel MLP's pair; the dp all-gather -> matmul is left alone.
+            assert delta["fused"] == {AG_MM: 1, MM_RS: 1}, f"{where} {phase}: {delta}"
+            reasons = [reason for reasons in delta["skipped"].values() for reason in reasons]
+            assert any("group" in reason for reason in reasons), f"{where} {phase}: no group skip in {delta}"
+
+
+def test_2d_mesh_without_restriction_fuses_both_groups():
+    for rank, per_rank in enumerate(_two_group_results()):
+        r = per_rank["all"]
+        where = f"2x2 mesh, no tp_group, rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        # The dp all-gather -> matmul (forward) and its matmul -> reduce-scatter (backward) fuse too.
+        check_fused(r["forward"], {AG_MM: 2, MM_RS: 1}, where + " forward")
+        check_fused(r["backward"], {AG_MM: 1, MM_RS: 2}, where + " backward")
