@@ -97,6 +97,10 @@ def _collect_terms(node: Node, rows: int, n: int, terms: List[_Term], biases: Li
         if m.static_shape(x, "addend") != shape or m.static_shape(y, "addend") != shape:
             raise Skip("reduce_scatter input is not a matmul", f"{node.name} broadcasts")
         children = [x, y]
+    elif m.is_call(node, m.CONVERT):
+        # Autocast: a low-precision matmul reduced in a wider dtype.  The op would reduce in the matmul's
+        # dtype, which is not what the graph computes.
+        raise Skip("dtype cast between matmul and reduce_scatter", f"{node.name} to {node.args[1]}")
     else:
         operands = m.matmul_operands(node)
         if operands is None:

@@ -841,3 +841,16 @@ def test_symbolic_shapes_skipped():
     assert fused("all_gather_matmul") == 0 and fused("matmul_reduce_scatter") == 0
     assert skipped("all_gather_matmul") == {"symbolic shape": 1}
     assert skipped("matmul_reduce_scatter") == {"symbolic shape": 1}
+
+
+def test_reduce_scatter_after_dtype_cast_skipped():
+    """Autocast backward: a bf16 mm cast to fp32 and reduced in fp32.  Fusing would reduce in bf16."""
+
+    def fn(a, w):
+        y = torch.ops.prims.convert_element_type.default(aten.mm.default(a, w), torch.float32)
+        return reduce_scatter(y, 0, WORLD, group())
+
+    gm = trace(fn, torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 0
+    assert skipped("matmul_reduce_scatter") == {"dtype cast between matmul and reduce_scatter": 1}
