@@ -854,3 +854,19 @@ def test_reduce_scatter_after_dtype_cast_skipped():
     run_passes(gm)
     assert fused("matmul_reduce_scatter") == 0
     assert skipped("matmul_reduce_scatter") == {"dtype cast between matmul and reduce_scatter": 1}
+
+
+def test_all_gather_unfused_bias_gpu_form():
+    """On GPUs inductor unfuses addmm whose users are pointwise into ``add(bias, mm)`` before the custom
+    pass runs: the mm is fused, the bias add stays and reads the op's output."""
+
+    def fn(x, w, b):
+        gathered = all_gather(x, 1, WORLD, group())
+        y = aten.add.Tensor(b, aten.mm.default(aten.reshape.default(gathered, [-1, 16]), aten.permute.default(w, [1, 0])))
+        return aten.relu.default(aten.reshape.default(y, [2, 8, 24]))
+
+    gm = trace(fn, torch.randn(2, 4, 16), torch.randn(24, 16), torch.randn(24))
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and count(gm, aten.mm.default) == 0
+    (add,) = nodes(gm, aten.add.Tensor)
+    assert add.args[1].target == aten.reshape.default and add.args[1].args[0].target is operator.getitem
