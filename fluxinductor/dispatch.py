@@ -76,6 +76,20 @@ def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tenso
     return out if out.is_contiguous() else out.contiguous()
 
 
+def _kernels_for(op: str, operand: Tensor):
+    """The kernel module that may run ``op`` on ``operand``, or None after recording why not."""
+    if mode() == "decomposed":
+        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
+        return None
+    if not operand.is_cuda:
+        record_fallback(op, f"{operand.device.type} tensors have no fused kernel")
+        return None
+    kernels, why = _kernels(op)
+    if kernels is None:
+        record_fallback(op, why)
+    return kernels
+
+
 def all_gather_matmul(
     shard: Tensor,
     weights: List[Tensor],
@@ -85,16 +99,8 @@ def all_gather_matmul(
     return_gathered: bool,
 ) -> Optional[Tuple[List[Tensor], Tensor]]:
     op = "all_gather_matmul"
-    requested = mode()
-    if requested == "decomposed":
-        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
-        return None
-    if not shard.is_cuda:
-        record_fallback(op, f"{shard.device.type} tensors have no fused kernel")
-        return None
-    kernels, why = _kernels(op)
+    kernels = _kernels_for(op, shard)
     if kernels is None:
-        record_fallback(op, why)
         return None
     gather_dim %= shard.dim()
     world = _world_size(group_name)
@@ -102,7 +108,7 @@ def all_gather_matmul(
     # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0.
     shard2d = _rows_first(shard, gather_dim)
     why = kernels.unsupported_reason(shard2d, weights, biases, group_name)
-    if why is None and requested == "auto":
+    if why is None and mode() == "auto":
         n_global = world * sum(w.shape[1] for w in weights)
         why = _cost_model_says(op, shard.device, world, world * shard2d.shape[0], shard2d.shape[1], n_global,
                                shard.dtype)
@@ -120,16 +126,8 @@ def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
 ) -> Optional[Tensor]:
     op = "matmul_reduce_scatter"
-    requested = mode()
-    if requested == "decomposed":
-        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
-        return None
-    if not a.is_cuda:
-        record_fallback(op, f"{a.device.type} tensors have no fused kernel")
-        return None
-    kernels, why = _kernels(op)
+    kernels = _kernels_for(op, a)
     if kernels is None:
-        record_fallback(op, why)
         return None
     scatter_dim %= a.dim()
     if scatter_dim == a.dim() - 1:
@@ -143,7 +141,7 @@ def matmul_reduce_scatter(
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
     a2d = _rows_first(a, scatter_dim)
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
-    if why is None and requested == "auto":
+    if why is None and mode() == "auto":
         why = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
     if why is not None:
         record_fallback(op, why)
