@@ -1,0 +1,38 @@
+"""Print a markdown table of a bench_ops JSON (what README.md's performance table is pasted from).
+
+    python benchmarks/report.py benchmarks/results/h200x2_tp2_ops.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def efficiency(t: float, gemm: float, seq: float) -> float:
+    """Flux's overlap efficiency: 1 is perfect overlap, 0 no better than collective-then-GEMM."""
+    return 1.0 - (t - gemm) / (seq - gemm)
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        bench = json.load(f)
+    env = bench["environment"]
+    print(f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
+          f"git {str(env['git_sha'])[:10]}, host overhead {env.get('host_overhead', 'exposed')}; ms, "
+          f"median of {env['iters']}, max over ranks\n")
+    print("| op | M | K | N | cuBLAS | NCCL seq | async-TP | fused | auto (path) | E fused | E auto "
+          "| auto vs seq | auto vs async-TP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in bench["results"]:
+        c = {name: rec.get("ms") for name, rec in row["contenders"].items()}
+        path_auto = (row["contenders"]["auto"].get("path") or "-").split(":")[0]
+        gemm, seq, atp, fused, auto = c["gemm"], c["nccl_seq"], c["asynctp"], c["fused"], c["auto"]
+        fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        print(f"| {row['op']} | {row['M']} | {row['K']} | {row['N']} | {fmt(gemm)} | {fmt(seq)} | {fmt(atp)} "
+              f"| {fmt(fused)} | {fmt(auto)} ({path_auto}) | {efficiency(fused, gemm, seq):.2f} "
+              f"| {efficiency(auto, gemm, seq):.2f} | {seq / auto:.2f}x | {atp / auto:.2f}x |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/h200x2_tp2_ops.json")
