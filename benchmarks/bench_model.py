@@ -1,0 +1,995 @@
+#!/usr/bin/env python3
+"""Model-level benchmark: eager, inductor, inductor + async-TP and ``backend="flux"`` on tensor-parallel models.
+
+Run (one process per GPU; the lead's device call is 2 x H200):
+
+    PYTHONUNBUFFERED=1 torchrun --nproc-per-node 2 benchmarks/bench_model.py --out $OUT/h200x2_tp2_model
+
+CPU smoke run (gloo, tiny config, fp32, perf_counter timing):
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_model.py --device cpu --quick --out /tmp/model_cpu
+
+Models (``--models``), both sequence parallel with ``torch.distributed.tensor.parallel`` over all ranks:
+  mlp     ColwiseParallel(input_layouts=Shard(d)) up H -> F, gelu, RowwiseParallel(output_layouts=Shard(d)) down
+          (full: 4096 tokens, H 8192, F 28672; ``--mlp-shard-dim 0`` (default, x: [T, H]) or 1 (x: [1, T, H]));
+          the shared/anchors/README.md "torch.compile of a sequence-parallel MLP" setup.
+  llama2  two Llama-style decoder layers (RMSNorm, RoPE, GQA attention with separate Q/K/V, SwiGLU), full:
+          hidden 8192, ffn 28672, 64 heads, 8 KV heads, B=1, S=4096; SequenceParallel norms,
+          PrepareModuleInput (Shard(1) -> Replicate) before attention and MLP, Colwise Q/K/V/w1/w3,
+          Rowwise(output Shard(1)) o/w2: the anchors' "Model level" setup.
+Phases: ``fwd`` (under torch.no_grad) and ``fwd_bwd`` (forward, then backward of a fixed random grad).
+
+Modes (``--modes``), each after ``torch._dynamo.reset()`` with a fresh ``torch.compile``:
+  eager       the DTensor model as is (also the reference for every error)
+  inductor    torch.compile(backend="inductor")
+  asynctp     inductor with torch._inductor.config._micro_pipeline_tp = True (PyTorch async-TP; symmetric
+              memory enabled for the TP group first where torch has enable_symm_mem_for_group)
+  flux        torch.compile(backend="flux"), FLUXINDUCTOR_DISPATCH=auto (what users get)
+  flux_fused  torch.compile(backend="flux"), FLUXINDUCTOR_DISPATCH=fused (fused kernel wherever eligible)
+Modes run in the order eager, inductor, flux, flux_fused, asynctp (fluxinductor before async-TP, as in
+bench_ops.py, so async-TP's symmetric-memory workspace is allocated last).  The FX graph cache and the
+AOTAutograd cache are off so every mode really compiles and runs its passes (kernel caches stay warm, so
+later modes' first calls do not pay for compiling identical Triton kernels again).
+
+Recorded per (model, phase, mode): first-call seconds (compile + one call, max over ranks), steady-state
+time (median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks; every per-rank
+per-iteration time is kept), the largest error against eager (max |out - ref| / max |ref| and
+||out - ref|| / ||ref||, for the output and, with backward, the input and parameter gradients; max over
+ranks), for flux modes ``fluxinductor.rewrite_stats()`` deltas (fused and skipped while compiling the
+forward and the backward; run-time fallbacks to the decomposition while timed), and for inductor modes a
+census of the collective / fused ops left in each post-grad graph (``symm_mem`` ops = async-TP fired).
+
+Timing on CUDA: before every iteration gradients are dropped, then ``dist.barrier`` + ``cuda.synchronize``,
+then ``torch.cuda._sleep(--sleep-cycles)`` (default 2,000,000 cycles) before the start event, so the host
+enqueues the step while the GPU sleeps and the events measure device time (host enqueue time is recorded
+separately, ``host_enqueue_ms``, with the measured sleep length, so a step whose enqueue outlasts the sleep
+shows).  On CPU: ``time.perf_counter`` around the step after a barrier.
+
+A mode that raises is recorded with its error and the run goes on; a mode that hangs past
+``--contender-timeout`` seconds ends the run (every thread's stack dumped) with the JSON written so far.
+``<out>.json`` (device, versions, git sha, settings, every raw number) is rewritten after every mode
+(``"complete": false`` until the end); the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import faulthandler
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+MODELS = ("mlp", "llama2")
+PHASES = ("fwd", "fwd_bwd")
+MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused")
+RUN_ORDER = ("eager", "inductor", "flux", "flux_fused", "asynctp")
+FLUX_DISPATCH = {"flux": "auto", "flux_fused": "fused"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Norm-relative error against eager that counts as "ok" (the compiled graph reorders bf16 math).
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+CONFIGS = {
+    # The anchors' shapes (shared/anchors/README.md).
+    "full": {
+        "mlp": {"tokens": 4096, "hidden": 8192, "ffn": 28672},
+        "llama2": {"layers": 2, "batch": 1, "seq": 4096, "hidden": 8192, "ffn": 28672, "heads": 64,
+                   "kv_heads": 8},
+    },
+    # CPU smoke: divisible by 2, 4 and 8 ranks.
+    "small": {
+        "mlp": {"tokens": 64, "hidden": 64, "ffn": 128},
+        "llama2": {"layers": 2, "batch": 1, "seq": 32, "hidden": 64, "ffn": 128, "heads": 8, "kv_heads": 4},
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        # x: [T / world, H] sequence shard (Shard(0)) or [1, T / world, H] (Shard(1)); out: same shape
+        return self.down(F.gelu(self.up(x)))
+
+
+class RMSNorm(nn.Module):
+    """Written out from elementwise ops and a mean, so DTensor handles it on every torch version."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rope_tables(seq: int, head_dim: int, base: float = 500000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)  # [S, hd / 2]
+    angles = torch.cat([angles, angles], dim=-1)  # [S, hd]
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, S, hd]; cos, sin: [S, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """GQA attention; the column-wise Q/K/V projections split the heads over the ranks."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, seq: int):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        cos, sin = _rope_tables(seq, self.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x):
+        # x: [B, S, H] (gathered); q: [B, heads / world, S, hd]; k, v: [B, kv_heads / world, S, hd]
+        b, s = x.shape[0], x.shape[1]
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:  # each KV head serves `repeat` query heads
+            k = k[:, :, None].expand(b, k.shape[1], repeat, s, self.head_dim).reshape(b, -1, s, self.head_dim)
+            v = v[:, :, None].expand(b, v.shape[1], repeat, s, self.head_dim).reshape(b, -1, s, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S / world, H] after the reduce-scatter
+
+
+class FeedForward(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, seq: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(hidden)
+        self.attention = Attention(hidden, heads, kv_heads, seq)
+        self.ffn_norm = RMSNorm(hidden)
+        self.feed_forward = FeedForward(hidden, ffn)
+
+    def forward(self, x):
+        # x: [B, S / world, H], this rank's slice of the sequence
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """The root holds no parallel style: hooks on the root would become a graph of their own."""
+
+    def __init__(self, layers: int, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(**kw) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.dtype, shard_dim: int) -> nn.Module:
+    """The model on ``device`` in ``dtype``, parallelized over ``mesh`` (same weights on every rank)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(1234)
+    with torch.device(device):
+        if name == "mlp":
+            model = MLP(cfg["hidden"], cfg["ffn"]).to(dtype)
+            plan = {
+                "up": ColwiseParallel(input_layouts=Shard(shard_dim)),  # all-gather the tokens, x @ up
+                "down": RowwiseParallel(output_layouts=Shard(shard_dim)),  # h @ down, reduce-scatter the tokens
+            }
+            return parallelize_module(model, mesh, plan)
+        model = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
+                        kv_heads=cfg["kv_heads"], seq=cfg["seq"]).to(dtype)
+    gather_sequence = lambda: PrepareModuleInput(  # noqa: E731
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for layer in model.layers:
+        parallelize_module(layer, mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": gather_sequence(),  # one all-gather feeds wq, wk and wv
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": gather_sequence(),  # one all-gather feeds w1 and w3
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return model
+
+
+def input_shape(name: str, cfg: dict, world: int, shard_dim: int) -> Tuple[int, ...]:
+    """This rank's input shard shape."""
+    if name == "mlp":
+        t = cfg["tokens"] // world
+        return (t, cfg["hidden"]) if shard_dim == 0 else (1, t, cfg["hidden"])
+    return (cfg["batch"], cfg["seq"] // world, cfg["hidden"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Run context
+# ---------------------------------------------------------------------------------------------------
+
+
+class Ctx:
+    def __init__(self, args: argparse.Namespace):
+        want = args.device
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        self.is_cuda = want == "cuda"
+        if "MASTER_ADDR" not in os.environ:  # a plain `python bench_model.py`: one rank
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29518"),
+                              RANK="0", WORLD_SIZE="1")
+        self.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        if self.is_cuda:
+            if not torch.cuda.is_available():
+                raise SystemExit("--device cuda but CUDA is not available")
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.backend = "nccl" if self.is_cuda else "gloo"
+        kwargs = dict(backend=self.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
+        if self.is_cuda:
+            kwargs["device_id"] = self.device
+        try:
+            dist.init_process_group(**kwargs)
+        except TypeError:  # older torch without device_id
+            kwargs.pop("device_id", None)
+            dist.init_process_group(**kwargs)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Agreement and result exchange go over a gloo group of their own, never interleaved with the model's
+        # collectives (NCCL on GPUs, the default gloo group on CPU).
+        self.ctrl = dist.new_group(backend="gloo")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.group_name = self.mesh.get_group().group_name
+        self.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if self.is_cuda else torch.float32)
+        self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
+        self.broken: Optional[str] = None
+
+    def barrier(self) -> None:
+        if self.is_cuda:
+            dist.barrier(device_ids=[self.local_rank])
+        else:
+            dist.barrier()
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` in rank order (over the gloo control group)."""
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def context_ok(self) -> bool:
+        if not self.is_cuda:
+            return True
+        try:
+            torch.cuda.synchronize()
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.broken = self.broken or f"{type(e).__name__}: {e}"
+            return False
+
+
+class ContextBroken(RuntimeError):
+    """A CUDA error left the context unusable: no further GPU work or collective can run."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-mode compile settings and graph census
+# ---------------------------------------------------------------------------------------------------
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except ImportError:  # older torch: a plain callable is accepted
+    _PassBase = object
+
+CENSUS_KEYS = ("all_gather", "reduce_scatter", "all_reduce", "symm_mem", "fluxinductor")
+
+
+class GraphCensus(_PassBase):
+    """A post-grad pass that only counts collective and fused-op nodes, one dict per compiled graph.
+
+    It runs after inductor's micro-pipeline TP pass, so ``symm_mem.fused_*`` counts show async-TP fired.
+    """
+
+    def __init__(self):
+        self.graphs: List[Dict[str, int]] = []
+
+    def __call__(self, graph) -> None:
+        counts: collections.Counter = collections.Counter()
+        for node in graph.nodes:
+            if node.op == "call_function":
+                target = str(node.target)
+                if any(key in target for key in CENSUS_KEYS):
+                    counts[target] += 1
+        self.graphs.append(dict(counts))
+
+    def uuid(self):
+        return "fluxinductor-bench-model-graph-census-1"
+
+
+def _enable_symm_mem(group_name: str) -> Optional[str]:
+    """Register the TP group with torch symmetric memory (needed on torch 2.11); the error, if any."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is None:
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group_name)
+    except Exception as e:  # noqa: BLE001
+        return f"enable_symm_mem_for_group failed: {type(e).__name__}: {e}"
+    return None
+
+
+@contextlib.contextmanager
+def _env(name: str, value: Optional[str]):
+    prev = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if prev is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = prev
+
+
+def mode_setup(mode: str, model: nn.Module, ctx: Ctx, notes: List[str]):
+    """(callable, context manager, census or None) for ``mode``; context covers compile and timing."""
+    import torch._inductor.config as inductor_config
+
+    if mode == "eager":
+        return model, contextlib.nullcontext(), None
+    if mode in ("inductor", "asynctp"):
+        census = GraphCensus()
+        patches = {"post_grad_custom_post_pass": census}
+        if mode == "asynctp":
+            patches["_micro_pipeline_tp"] = True
+            if ctx.is_cuda:
+                err = _enable_symm_mem(ctx.group_name)
+                if err:
+                    notes.append(err)
+            else:
+                notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
+        return torch.compile(model, backend="inductor"), inductor_config.patch(patches), census
+    if mode in FLUX_DISPATCH:
+        import fluxinductor  # noqa: F401  (registers the ops and the backend)
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_env("FLUXINDUCTOR_DISPATCH", FLUX_DISPATCH[mode]))
+        # backend="flux" installs its own post_grad_custom_post_pass and refuses a foreign one.
+        stack.enter_context(inductor_config.patch({"post_grad_custom_post_pass": None}))
+        return torch.compile(model, backend="flux"), stack, None
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors against eager, rewrite statistics
+# ---------------------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if to_local is not None else t).detach()
+
+
+def error_of(out: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> Dict[str, float]:
+    """max |out - ref| / max |ref| and ||out - ref|| / ||ref|| (inf when missing or mis-shaped)."""
+    if out is None or ref is None or tuple(out.shape) != tuple(ref.shape):
+        return {"max_rel": float("inf"), "norm_rel": float("inf")}
+    out, ref = out.float(), ref.float()
+    diff = out - ref
+    max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    norm_rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
+    return {"max_rel": max_rel if math.isfinite(max_rel) else float("inf"),
+            "norm_rel": norm_rel if math.isfinite(norm_rel) else float("inf")}
+
+
+def snapshot(model: nn.Module, out: torch.Tensor, x: torch.Tensor, backward: bool) -> Dict[str, torch.Tensor]:
+    """This rank's output (and input / parameter gradients) from one call, as plain local tensors."""
+    snap = {"output": _local(out).clone()}
+    if backward:
+        snap["grad_input"] = None if x.grad is None else x.grad.detach().clone()
+        for name, p in model.named_parameters():
+            snap["grad:" + name] = None if p.grad is None else _local(p.grad).clone()
+    return snap
+
+
+def compare(snap: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, float]]:
+    """Errors per output: "output", "grad_input" and "grad_params" (the worst parameter gradient)."""
+    errors = {}
+    for key in ("output", "grad_input"):
+        if key in ref:
+            errors[key] = error_of(snap.get(key), ref[key])
+    params = [k for k in ref if k.startswith("grad:")]
+    if params:
+        per = {k: error_of(snap.get(k), ref[k]) for k in params}
+        worst = max(per, key=lambda k: per[k]["norm_rel"])
+        errors["grad_params"] = dict(per[worst], worst=worst[len("grad:"):])
+    return errors
+
+
+def _stats_delta(after: dict, before: dict) -> dict:
+    fused = {k: v - before["fused"].get(k, 0) for k, v in after["fused"].items()}
+    skipped: Dict[str, Dict[str, int]] = {}
+    for pattern, reasons in after["skipped"].items():
+        for reason, n in reasons.items():
+            n -= before["skipped"].get(pattern, {}).get(reason, 0)
+            if n:
+                skipped.setdefault(pattern, {})[reason] = n
+    fallbacks: Dict[str, Dict[str, int]] = {}
+    for op, reasons in after["fallbacks"].items():
+        for reason, n in reasons.items():
+            n -= before["fallbacks"].get(op, {}).get(reason, 0)
+            if n:
+                fallbacks.setdefault(op, {})[reason] = n
+    return {"fused": {k: v for k, v in fused.items() if v}, "skipped": skipped, "fallbacks": fallbacks}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring one mode
+# ---------------------------------------------------------------------------------------------------
+
+
+def _drop_grads(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def _step(fn: Callable, x: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor:
+    if grad is None:
+        with torch.no_grad():
+            return fn(x)
+    out = fn(x)
+    out.backward(grad)
+    return out
+
+
+def time_steps(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad) -> Tuple[List[float], List[float]]:
+    """(device ms per timed iteration, host enqueue ms per timed iteration)."""
+    times, host = [], []
+    if ctx.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(ctx.warmup + ctx.iters):
+        _drop_grads(model, x)
+        ctx.barrier()
+        ctx.sync()
+        if ctx.is_cuda:
+            # The GPU sleeps while the host enqueues the step: the events bracket device time only.
+            torch.cuda._sleep(ctx.sleep_cycles)
+            start.record()
+            h0 = time.perf_counter()
+            _step(fn, x, grad)
+            h1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            t = start.elapsed_time(end)
+        else:
+            h0 = time.perf_counter()
+            _step(fn, x, grad)
+            h1 = time.perf_counter()
+            t = (h1 - h0) * 1e3
+        if i >= ctx.warmup:
+            times.append(float(t))
+            host.append((h1 - h0) * 1e3)
+    return times, host
+
+
+def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, ref: Optional[dict],
+                 tol: float, time_it: bool = True) -> Tuple[dict, Optional[Dict[str, torch.Tensor]]]:
+    """Compile (fresh), first call, check against ``ref``, time (unless ``time_it`` is False).
+
+    Returns (the record every rank agrees on, this rank's output / gradient snapshot from the first call).
+    """
+    import fluxinductor
+
+    backward = grad is not None
+    local: dict = {"error": None, "notes": []}
+    is_flux = mode in FLUX_DISPATCH
+    fn = census = None
+    stack = contextlib.ExitStack()
+    try:
+        torch._dynamo.reset()
+        if os.environ.get("BENCH_MODEL_INJECT_ERROR") == f"{mode}:{'fwd_bwd' if backward else 'fwd'}":
+            # Test hook (tests/test_bench_model_cpu.py): a mode that fails on every rank before it runs.
+            raise RuntimeError("injected by BENCH_MODEL_INJECT_ERROR")
+        fn, mode_ctx, census = mode_setup(mode, model, ctx, local["notes"])
+        stack.enter_context(mode_ctx)
+        _drop_grads(model, x)
+        s0 = fluxinductor.rewrite_stats()
+        ctx.barrier()
+        ctx.sync()
+        t0 = time.perf_counter()
+        out = fn(x) if backward else _step(fn, x, None)
+        s1 = fluxinductor.rewrite_stats()
+        if backward:
+            out.backward(grad)
+        ctx.sync()
+        local["first_call_s"] = time.perf_counter() - t0
+        s2 = fluxinductor.rewrite_stats()
+        snap = snapshot(model, out, x, backward)
+        del out
+        local["errors"] = compare(snap, ref) if ref is not None else None
+        local["snapshot"] = snap
+        if is_flux:
+            fwd, bwd = _stats_delta(s1, s0), _stats_delta(s2, s1)
+            local["rewrite_stats"] = {
+                "fused_forward": fwd["fused"], "fused_backward": bwd["fused"],
+                "skipped_forward": fwd["skipped"], "skipped_backward": bwd["skipped"],
+                "fallbacks_first_call": _stats_delta(s2, s0)["fallbacks"],
+            }
+        if census is not None:
+            local["graph_census"] = list(census.graphs)
+    except Exception as e:  # noqa: BLE001
+        local["error"] = f"{type(e).__name__}: {e}"
+        local["traceback"] = traceback.format_exc(limit=8)
+        if not ctx.context_ok():
+            stack.close()
+            raise ContextBroken(f"{mode} broke the CUDA context: {ctx.broken}") from e
+
+    snap = local.pop("snapshot", None)
+    everyone = ctx.gather({k: v for k, v in local.items() if k != "traceback"})
+    record: dict = {"mode": mode, "ms": None, "error": None, "notes": everyone[0]["notes"]}
+    errors = [r["error"] for r in everyone]
+    if any(e is not None for e in errors):
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        first = next(e for e in errors if e is not None)
+        record["error"] = first if len(failed) == ctx.world else f"rank(s) {failed}: {first}"
+        if "traceback" in local:
+            record["traceback_rank%d" % ctx.rank] = local["traceback"]
+        stack.close()
+        return record, None
+    record["first_call_s"] = max(r["first_call_s"] for r in everyone)
+    record["rank_first_call_s"] = [r["first_call_s"] for r in everyone]
+    if everyone[0].get("errors") is not None:
+        merged: Dict[str, dict] = {}
+        for key in everyone[0]["errors"]:
+            per_rank = [r["errors"][key] for r in everyone]
+            worst = max(range(ctx.world), key=lambda i: per_rank[i]["norm_rel"])
+            merged[key] = dict(per_rank[worst], max_rel=max(p["max_rel"] for p in per_rank),
+                               norm_rel=max(p["norm_rel"] for p in per_rank))
+        record["errors"] = merged
+        record["max_error"] = max(e["max_rel"] for e in merged.values())
+        record["max_norm_error"] = max(e["norm_rel"] for e in merged.values())
+        record["error_ok"] = bool(record["max_norm_error"] <= tol)
+    if is_flux:
+        record["rewrite_stats"] = everyone[0]["rewrite_stats"]
+        record["rewrite_stats_per_rank_equal"] = all(r["rewrite_stats"] == everyone[0]["rewrite_stats"]
+                                                     for r in everyone)
+    if census is not None:
+        record["graph_census"] = everyone[0]["graph_census"]
+    if not time_it:
+        stack.close()
+        _drop_grads(model, x)
+        del fn
+        torch._dynamo.reset()
+        return record, snap
+
+    # Timing.
+    local = {"error": None}
+    try:
+        s0 = fluxinductor.rewrite_stats()
+        times, host = time_steps(ctx, fn, model, x, grad)
+        local.update(times=times, host=host)
+        if is_flux:
+            local["fallbacks_timed"] = _stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"]
+    except Exception as e:  # noqa: BLE001
+        local["error"] = f"while timing: {type(e).__name__}: {e}"
+        if not ctx.context_ok():
+            stack.close()
+            raise ContextBroken(f"{mode} broke the CUDA context while timed: {ctx.broken}") from e
+    finally:
+        stack.close()
+        _drop_grads(model, x)
+        del fn
+        torch._dynamo.reset()
+    everyone = ctx.gather(local)
+    errors = [r["error"] for r in everyone]
+    if any(e is not None for e in errors):
+        record["error"] = next(e for e in errors if e is not None)
+        return record, snap
+    per_rank = [r["times"] for r in everyone]
+    medians = [statistics.median(t) for t in per_rank]
+    record["ms"] = max(medians)
+    record["rank_median_ms"] = medians
+    record["iter_max_median_ms"] = statistics.median(max(col) for col in zip(*per_rank))
+    record["iter_ms"] = per_rank
+    record["host_enqueue_ms"] = [statistics.median(r["host"]) for r in everyone]
+    if is_flux:
+        record["fallbacks_timed"] = everyone[0]["fallbacks_timed"]
+        # Which path the timed calls took: "fused" when no call fell back to the decomposition.
+        fb = everyone[0]["fallbacks_timed"]
+        record["path"] = "fused" if not fb else "decomposed: " + "; ".join(
+            f"{op}: {reason} (x{n})" for op, reasons in fb.items() for reason, n in reasons.items())
+    return record, snap
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment, JSON, table
+# ---------------------------------------------------------------------------------------------------
+
+
+def git_sha() -> Tuple[Optional[str], Optional[bool]]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        if sha.returncode == 0 and sha.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                   capture_output=True, text=True, timeout=10)
+            return sha.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("FLUXINDUCTOR_GIT_SHA") or None, None
+
+
+def measure_sleep_ms(ctx: Ctx) -> Optional[float]:
+    if not ctx.is_cuda:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(ctx.sleep_cycles)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
+    sha, dirty = git_sha()
+    env = {
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.is_cuda else "cpu",
+        "world": ctx.world,
+        "backend": ctx.backend,
+        "dtype": str(ctx.dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": None,
+        "triton": None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "argv": sys.argv,
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("NCCL_", "TORCH_SYMM_MEM", "NVSHMEM_", "FLUXINDUCTOR_", "CUDA_VISIBLE",
+                                 "TORCHINDUCTOR_"))},
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    if ctx.is_cuda:
+        try:
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001
+            pass
+        props = torch.cuda.get_device_properties(ctx.device)
+        env["sm_count"] = props.multi_processor_count
+        env["total_memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["capability"] = f"{props.major}.{props.minor}"
+    try:
+        import fluxinductor._C  # noqa: F401
+
+        env["fluxinductor_extension"] = "loaded"
+    except Exception as e:  # noqa: BLE001
+        env["fluxinductor_extension"] = f"not loaded: {type(e).__name__}: {e}"
+    return env
+
+
+def _sanitize(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): _sanitize(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_sanitize(v) for v in o]
+    return o
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_sanitize(data), f, indent=1, allow_nan=False, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def derive(data: dict) -> None:
+    """Speedups of every mode over eager and over inductor, per (model, phase)."""
+    by_key: Dict[Tuple[str, str], Dict[str, dict]] = collections.defaultdict(dict)
+    for r in data["results"]:
+        by_key[(r["model"], r["phase"])][r["mode"]] = r
+    for rows in by_key.values():
+        eager = rows.get("eager", {}).get("ms")
+        inductor = rows.get("inductor", {}).get("ms")
+        for r in rows.values():
+            t = r.get("ms")
+            r["speedup_vs_eager"] = (eager / t) if (t and eager) else None
+            r["speedup_vs_inductor"] = (inductor / t) if (t and inductor) else None
+
+
+def _fused_summary(r: dict) -> str:
+    if "rewrite_stats" in r:
+        rs = r["rewrite_stats"]
+        short = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs"}
+        f = " ".join(f"{short.get(k, k)}{v}" for k, v in sorted(rs["fused_forward"].items())) or "-"
+        b = " ".join(f"{short.get(k, k)}{v}" for k, v in sorted(rs["fused_backward"].items())) or "-"
+        skips = sum(n for reasons in list(rs["skipped_forward"].values()) + list(rs["skipped_backward"].values())
+                    for n in reasons.values())
+        path = (r.get("path") or "-").split(":")[0]
+        return f"fwd[{f}] bwd[{b}] skip{skips} {path}"
+    if "graph_census" in r:
+        n = sum(v for g in r["graph_census"] for k, v in g.items() if "symm_mem" in k)
+        return f"symm_mem ops {n} in {len(r['graph_census'])} graphs"
+    return ""
+
+
+def _f(x, fmt: str = "{:.3f}", width: int = 9) -> str:
+    return ("-" if x is None else fmt.format(x)).rjust(width)
+
+
+def format_table(data: dict) -> str:
+    env, s = data["environment"], data["settings"]
+    lines = [
+        f"bench_model: {env['device']} x{env['world']} {env['backend']} {env['dtype']} torch {env['torch']} "
+        f"sha {env['git_sha']} config {s['config']} (median of {s['iters']} after {s['warmup']} warm-ups, "
+        f"max over ranks; {s['timing']})",
+    ]
+    head = (f"{'model':7}{'phase':8}{'mode':11}|{'ms':>9}{'first_s':>9}{'/eager':>8}{'/induct':>8} |"
+            f"{'max_err':>9}{'norm_err':>9} | notes")
+    lines += [head, "-" * len(head)]
+    for r in data["results"]:
+        if r.get("error"):
+            note = "ERROR " + r["error"][:100]
+        else:
+            note = _fused_summary(r)
+        lines.append(
+            f"{r['model']:7}{r['phase']:8}{r['mode']:11}|{_f(r.get('ms'))}{_f(r.get('first_call_s'), '{:.1f}')}"
+            f"{_f(r.get('speedup_vs_eager'), '{:.2f}x', 8)}{_f(r.get('speedup_vs_inductor'), '{:.2f}x', 8)} |"
+            f"{_f(r.get('max_error'), '{:.1e}')}{_f(r.get('max_norm_error'), '{:.1e}')}"
+            f"{'!' if r.get('error_ok') is False else ' '}| {note}")
+    lines.append("ms = steady-state time per step; first_s = first call incl. compile; /x = T_x / T; "
+                 "errors vs eager (max |d|/max|ref|, ||d||/||ref||; '!' over tolerance); "
+                 "fwd/bwd[...] = patterns fused by flux (ag = all_gather_matmul, rs = matmul_reduce_scatter)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="output prefix: writes <out>.json")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--config", choices=tuple(CONFIGS), default=None, help="default full on cuda, small on cpu")
+    p.add_argument("--seq", type=int, default=None, help="override llama2 S and mlp tokens")
+    p.add_argument("--layers", type=int, default=None, help="override the llama2 decoder layer count (2)")
+    p.add_argument("--mlp-shard-dim", type=int, choices=(0, 1), default=0,
+                   help="mlp input layout: 0 = x [T/w, H] Shard(0) (the anchor), 1 = x [1, T/w, H] Shard(1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 5; --quick 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per mode (default 20; --quick 3)")
+    p.add_argument("--quick", action="store_true", help="fewer iterations")
+    p.add_argument("--sleep-cycles", type=int, default=2_000_000,
+                   help="torch.cuda._sleep cycles before each start event (hides host enqueue; 0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout, seconds")
+    p.add_argument("--contender-timeout", type=float, default=150.0,
+                   help="seconds one mode (compile + check + timing) may take before the run exits")
+    args = p.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.iters = args.iters if args.iters is not None else (3 if args.quick else 20)
+    for flag, allowed in (("models", MODELS), ("phases", PHASES), ("modes", MODES)):
+        for name in getattr(args, flag).split(","):
+            if name not in allowed:
+                p.error(f"unknown {flag[:-1]} {name!r} (choose from {','.join(allowed)})")
+    return args
+
+
+def main(argv=None) -> int:
+    args = build_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    # Every mode compiles from scratch and runs its passes: no FX graph / AOTAutograd cache hits.
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    for cfg_module, attr in ((inductor_config, "fx_graph_cache"), (inductor_config, "fx_graph_remote_cache"),
+                             (functorch_config, "enable_autograd_cache"),
+                             (functorch_config, "enable_remote_autograd_cache")):
+        if hasattr(cfg_module, attr):
+            setattr(cfg_module, attr, False)
+
+    ctx = Ctx(args)
+    config_name = args.config or ("full" if ctx.is_cuda else "small")
+    configs = {name: dict(CONFIGS[config_name][name]) for name in MODELS}
+    if args.seq:
+        configs["mlp"]["tokens"] = args.seq
+        configs["llama2"]["seq"] = args.seq
+    if args.layers:
+        configs["llama2"]["layers"] = args.layers
+    models = [m for m in MODELS if m in args.models.split(",")]
+    phases = [p for p in PHASES if p in args.phases.split(",")]
+    modes = [m for m in RUN_ORDER if m in args.modes.split(",")]
+    tol = TOLERANCE[ctx.dtype]
+    timing = ("cuda_events: dist.barrier + cuda.synchronize before each iteration, then "
+              f"torch.cuda._sleep({ctx.sleep_cycles}) before the start event (host enqueue hidden); "
+              "per-rank median, max over ranks") if ctx.is_cuda else \
+        "perf_counter around each step after dist.barrier; per-rank median, max over ranks"
+    data = {
+        "schema": "fluxinductor.bench_model/1",
+        "complete": False,
+        "environment": environment(ctx, args),
+        "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
+                     "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "warmup": ctx.warmup,
+                     "iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles if ctx.is_cuda else None,
+                     "sleep_ms": measure_sleep_ms(ctx), "timing": timing, "tolerance_norm_rel": tol,
+                     "fx_graph_cache": False, "autograd_cache": False,
+                     "contender_timeout_s": args.contender_timeout},
+        "results": [],
+    }
+    out_json = os.path.abspath(args.out + ".json")
+
+    def log(msg: str) -> None:
+        if ctx.rank == 0:
+            print(f"[bench_model] {msg}", flush=True)
+
+    def save() -> None:
+        if ctx.rank == 0:
+            derive(data)
+            write_json(out_json, data)
+
+    save()
+    try:
+        for model_name in models:
+            cfg = configs[model_name]
+            try:
+                model = build_model(model_name, cfg, ctx.mesh, ctx.device, ctx.dtype, args.mlp_shard_dim)
+            except Exception as e:  # noqa: BLE001
+                msg = f"building {model_name} failed: {type(e).__name__}: {e}"
+                log(msg)
+                data.setdefault("model_errors", {})[model_name] = msg + "\n" + traceback.format_exc(limit=8)
+                save()
+                if not ctx.context_ok():
+                    raise ContextBroken(msg) from e
+                continue
+            shape = input_shape(model_name, cfg, ctx.world, args.mlp_shard_dim)
+            gen = torch.Generator().manual_seed(args.seed * 1000 + ctx.rank)
+            x = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
+            grad_out = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
+            for phase in phases:
+                grad = grad_out if phase == "fwd_bwd" else None
+                x.requires_grad_(grad is not None)
+                ref = None
+                for mode in modes if "eager" in modes else ("eager",) + tuple(modes):
+                    step_name = f"{model_name} {phase} {mode}"
+                    faulthandler.dump_traceback_later(args.contender_timeout, exit=True)
+                    try:
+                        record, snap = measure_mode(ctx, model, mode, x, grad, ref, tol,
+                                                    time_it=mode in modes)
+                    finally:
+                        faulthandler.cancel_dump_traceback_later()
+                    if mode == "eager":
+                        ref = snap
+                        if "eager" not in modes:
+                            continue
+                    record.update(model=model_name, phase=phase)
+                    data["results"].append(record)
+                    status = record["error"] or (
+                        f"{record['ms']:.3f} ms, first call {record['first_call_s']:.1f} s, "
+                        + (f"err {record['max_error']:.1e} " if "max_error" in record else "reference ")
+                        + _fused_summary(record))
+                    log(f"{step_name}: {status}")
+                    del snap
+                    gc.collect()
+                    if ctx.is_cuda:
+                        torch.cuda.empty_cache()
+                    save()
+                ref = None
+            del model, x, grad_out
+            gc.collect()
+            if ctx.is_cuda:
+                torch.cuda.empty_cache()
+    except ContextBroken as e:
+        data["context_broken"] = str(e)
+        log(f"STOPPING: {e}")
+        save()
+        if ctx.rank == 0:
+            print(format_table(data), flush=True)
+        sys.stdout.flush()
+        os._exit(3)  # no collective can run any more; peers fail on their own timeouts
+
+    data["complete"] = True
+    save()
+    if ctx.rank == 0:
+        print(f"[bench_model] wrote {out_json}", flush=True)
+        print(format_table(data), flush=True)
+    try:
+        ctx.barrier()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written; skip process-group and symmetric-memory teardown (it has hung at exit).
+    os._exit(rc)

@@ -1,0 +1,141 @@
+"""CPU smoke test of benchmarks/bench_model.py: 2 gloo ranks under torchrun, tiny configs, fp32.
+
+Two runs (each a subprocess with a hard timeout; compile time on 2 cores dominates):
+
+1. the sequence-parallel MLP, every mode, forward and forward+backward, with one mode made to fail on
+   every rank (``BENCH_MODEL_INJECT_ERROR``): the failure is recorded and the later modes still run;
+2. one Llama-style decoder layer, forward+backward, eager and ``backend="flux"``.
+
+Checked: the JSON's fields, positive per-rank per-iteration times, flux fused counts while compiling the
+forward and the backward, every error against eager small, and the table printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "bench_model.py")
+AG_MM, MM_RS = "all_gather_matmul", "matmul_reduce_scatter"
+FP32_ERROR = 1e-4
+TIMEOUT_S = 85
+
+
+def _run(tmp_path, name: str, args, inject: str = ""):
+    out = tmp_path / name
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLUXINDUCTOR_", "TORCHELASTIC_", "BENCH_MODEL_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUXINDUCTOR_GIT_SHA="test-sha",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
+               # Scalar C++ kernels compile ~4x faster; the test is about the benchmark, not codegen.
+               TORCHINDUCTOR_VEC_ISA_OK="0")
+    if inject:
+        env["BENCH_MODEL_INJECT_ERROR"] = inject
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT,
+           "--device", "cpu", "--quick", "--out", str(out), "--contender-timeout", "80", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"bench_model failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    with open(str(out) + ".json") as f:
+        return json.load(f), proc.stdout
+
+
+def _check_common(data: dict, stdout: str, n_rows: int) -> None:
+    env = data["environment"]
+    for field in ("device", "world", "backend", "dtype", "torch", "cuda", "nccl", "python", "git_sha",
+                  "timestamp", "argv"):
+        assert field in env, field
+    assert env["device"] == "cpu" and env["world"] == 2 and env["backend"] == "gloo" and env["dtype"] == "float32"
+    assert env["git_sha"]  # from git, or FLUXINDUCTOR_GIT_SHA where there is no git
+    s = data["settings"]
+    assert s["config"] == "small" and s["warmup"] == 1 and s["iters"] == 3
+    assert s["timing"].startswith("perf_counter") and s["fx_graph_cache"] is False
+    assert data["complete"] is True and len(data["results"]) == n_rows
+    # The table is printed last: its legend ends stdout, one row per result.
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    assert lines[-1].startswith("ms = steady-state time per step")
+    rows = [ln for ln in lines if ln.startswith(("mlp ", "llama2 "))]
+    assert len(rows) == n_rows, rows
+
+
+def _check_measured(r: dict) -> None:
+    where = f"{r['model']} {r['phase']} {r['mode']}"
+    assert r["error"] is None, (where, r["error"])
+    assert r["ms"] > 0 and r["first_call_s"] > 0, where
+    assert r["ms"] == pytest.approx(max(r["rank_median_ms"])), where
+    assert len(r["iter_ms"]) == 2 and all(len(t) == 3 and all(v > 0 for v in t) for t in r["iter_ms"]), where
+    assert len(r["rank_first_call_s"]) == 2
+    if r["mode"] == "eager":  # the reference itself
+        assert "errors" not in r
+        return
+    keys = {"output", "grad_input", "grad_params"} if r["phase"] == "fwd_bwd" else {"output"}
+    assert set(r["errors"]) == keys, (where, r["errors"])
+    assert 0 <= r["max_error"] <= FP32_ERROR and r["error_ok"] is True, (where, r["errors"])
+    assert all(0 < e["norm_rel"] <= e["max_rel"] * 10 for e in r["errors"].values()), (where, r["errors"])
+
+
+def _check_flux(r: dict, n_layers: int) -> None:
+    where = f"{r['model']} {r['phase']} {r['mode']}"
+    rs = r["rewrite_stats"]
+    assert rs["fused_forward"].get(AG_MM, 0) >= n_layers and rs["fused_forward"].get(MM_RS, 0) >= n_layers, (where, rs)
+    if r["phase"] == "fwd_bwd":
+        assert rs["fused_backward"].get(AG_MM, 0) >= n_layers, (where, rs)
+        assert rs["fused_backward"].get(MM_RS, 0) >= n_layers, (where, rs)
+    else:
+        assert rs["fused_backward"] == {}, (where, rs)
+    assert r["rewrite_stats_per_rank_equal"] is True
+    # On CPU every fused-op call runs the decomposition, and says so.
+    assert r["path"].startswith("decomposed") and "cpu" in r["path"], (where, r["path"])
+    assert sum(rs["fallbacks_first_call"].get(AG_MM, {}).values()) >= 1
+
+
+def test_bench_model_cpu_mlp_all_modes(tmp_path):
+    data, stdout = _run(tmp_path, "mlp", ["--models", "mlp"], inject="flux_fused:fwd")
+    _check_common(data, stdout, n_rows=10)
+    rows = {(r["phase"], r["mode"]): r for r in data["results"]}
+    assert set(rows) == {(p, m) for p in ("fwd", "fwd_bwd")
+                         for m in ("eager", "inductor", "asynctp", "flux", "flux_fused")}
+    # Eager first (the reference), fluxinductor before async-TP.
+    assert [r["mode"] for r in data["results"][:5]] == ["eager", "inductor", "flux", "flux_fused", "asynctp"]
+
+    failed = rows[("fwd", "flux_fused")]
+    assert failed["ms"] is None and "injected by BENCH_MODEL_INJECT_ERROR" in failed["error"]
+    for key, r in rows.items():
+        if key == ("fwd", "flux_fused"):
+            continue
+        _check_measured(r)
+        if r["mode"] in ("flux", "flux_fused"):
+            _check_flux(r, n_layers=1)
+        if r["mode"] in ("inductor", "asynctp"):
+            # One post-grad graph per compiled graph, collectives still there (nothing fuses on CPU).
+            census = r["graph_census"]
+            assert len(census) == (2 if r["phase"] == "fwd_bwd" else 1), census
+            assert not any("symm_mem" in k for g in census for k in g)
+            assert any("all_gather" in k for k in census[0]) and any("reduce_scatter" in k for k in census[0])
+        assert r["speedup_vs_eager"] > 0
+    assert any("symmetric memory" in n for n in rows[("fwd", "asynctp")]["notes"])
+    assert "ERROR RuntimeError: injected" in stdout
+
+
+def test_bench_model_cpu_llama_layer(tmp_path):
+    data, stdout = _run(tmp_path, "llama", ["--models", "llama2", "--layers", "1", "--phases", "fwd_bwd",
+                                            "--modes", "eager,flux"])
+    _check_common(data, stdout, n_rows=2)
+    assert data["settings"]["models"]["llama2"]["layers"] == 1
+    eager, flux = data["results"]
+    assert (eager["mode"], flux["mode"]) == ("eager", "flux")
+    _check_measured(eager)
+    _check_measured(flux)
+    # One layer: attention (one gather feeds Q, K, V; o) and MLP (one gather feeds w1, w3; w2).
+    _check_flux(flux, n_layers=2)
+    assert flux["errors"]["grad_params"]["worst"].startswith("layers.0.")
+
+
+def test_bench_model_cli_rejects_unknown_mode(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), "--modes", "nope"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "unknown mode 'nope'" in proc.stderr
