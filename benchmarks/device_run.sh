@@ -2,12 +2,12 @@
 # One device call (nvidia-h200-x2) that builds the extension, runs the GPU tests (single-GPU N-rank and
 # 2-rank torchrun checks), the example on 2 GPUs and the op benchmark.  Everything lands in $OUT:
 #   build.log, _C*.so, gpu_tests.log, example.log, bench_ops.log, h200x2_tp2_ops.{json,png},
-#   tuning/<device>_tp2.json
+#   tuning/<device>_tp2.json, bench_model.log, h200x2_tp2_model.json
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="build tests example bench" bash benchmarks/device_run.sh
 set -u
 export PYTHONUNBUFFERED=1 FLUXINDUCTOR_BUILD_JOBS=16 FLUXINDUCTOR_REQUIRE_EXTENSION=1
 OUT=${OUT:-/tmp/fluxinductor_out}
-STEPS=${STEPS:-"build tests example bench"}
+STEPS=${STEPS:-"tests example bench model"}
 mkdir -p "$OUT/tuning"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl
@@ -32,6 +32,10 @@ for step in $STEPS; do
     example)
       timeout 240 torchrun --nproc-per-node 2 examples/sp_transformer_block.py > "$OUT/example.log" 2>&1
       echo "example rc=$?"; tail -25 "$OUT/example.log" ;;
+    model)
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} timeout 330 torchrun --nproc-per-node 2 benchmarks/bench_model.py \
+        --out "$OUT/h200x2_tp2_model" --contender-timeout 120 > "$OUT/bench_model.log" 2>&1
+      echo "bench_model rc=$?"; tail -c 5000 "$OUT/bench_model.log" ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
         torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \
