@@ -20,6 +20,12 @@ def disabled() -> bool:
     return os.environ.get("FLUXINDUCTOR_DISABLE", "0") not in ("", "0")
 
 
+def fuse_matmul_sums() -> bool:
+    """``FLUXINDUCTOR_FUSE_MATMUL_SUMS``: fuse ``sum_i a_i @ W_i -> reduce_scatter`` as one matmul over
+    ``cat(a_i)`` and ``cat(W_i)``, which copies those activations and weights every step."""
+    return os.environ.get("FLUXINDUCTOR_FUSE_MATMUL_SUMS", "1") not in ("", "0")
+
+
 def _group_name(group: Union[str, "dist.ProcessGroup", object]) -> str:
     if isinstance(group, str):
         return group

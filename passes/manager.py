@@ -23,8 +23,11 @@ class FluxPassManager(CustomGraphPass):
     inductor's FX graph cache never returns a graph rewritten by other code or settings.
     """
 
-    def __init__(self, tp_group_names: Optional[frozenset] = None):
+    def __init__(self, tp_group_names: Optional[frozenset] = None, fuse_matmul_sums: Optional[bool] = None):
+        from fluxinductor import config
+
         self.tp_group_names = tp_group_names
+        self.fuse_matmul_sums = config.fuse_matmul_sums() if fuse_matmul_sums is None else fuse_matmul_sums
 
     def group_allowed(self, group_name: str) -> bool:
         return self.tp_group_names is None or group_name in self.tp_group_names
@@ -34,7 +37,7 @@ class FluxPassManager(CustomGraphPass):
         from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_reduce_scatter
 
         fuse_all_gather_matmul(graph, self.group_allowed)
-        fuse_matmul_reduce_scatter(graph, self.group_allowed)
+        fuse_matmul_reduce_scatter(graph, self.group_allowed, fuse_sums=self.fuse_matmul_sums)
         graph.lint()
 
     def uuid(self) -> bytes:
@@ -49,6 +52,6 @@ class FluxPassManager(CustomGraphPass):
             with open(path, "rb") as f:
                 digest.update(os.path.basename(path).encode() + b"\0" + f.read())
         groups = "*" if self.tp_group_names is None else ",".join(sorted(self.tp_group_names))
-        digest.update(f"tp_groups={groups}".encode())
+        digest.update(f"tp_groups={groups};fuse_matmul_sums={self.fuse_matmul_sums}".encode())
         return digest.digest()
 

@@ -124,7 +124,7 @@ def _collect_terms(node: Node, rows: int, n: int, terms: List[_Term], biases: Li
         _collect_terms(child, rows, n, terms, biases, chain)
 
 
-def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _ReduceScatterMatch:
+def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_sums: bool) -> _ReduceScatterMatch:
     if len(rs.args) < 4:
         raise Skip("unexpected reduce_scatter signature", str(rs.args))
     inp, reduce_op, group_size, group_name = rs.args[:4]
@@ -175,6 +175,8 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool]) -> _Re
     biases: List[Node] = []
     chain: List[Node] = []
     _collect_terms(partial, rows, n, terms, biases, chain)
+    if len(terms) > 1 and not fuse_sums:
+        raise Skip("sum of matmuls (FLUXINDUCTOR_FUSE_MATMUL_SUMS=0)", f"{len(terms)} terms")
     if len(biases) > 1:
         raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
     bias = biases[0] if biases else None
@@ -253,9 +255,10 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}")
 
 
-def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool]) -> None:
+def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool], fuse_sums: bool = True) -> None:
     """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
-    ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone."""
+    ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone.
+    ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies)."""
     scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
     if not scatters:
         return
@@ -264,6 +267,6 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
         try:
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", rs.name)
-            _rewrite(graph, _match_reduce_scatter(rs, group_allowed), fake_mode)
+            _rewrite(graph, _match_reduce_scatter(rs, group_allowed, fuse_sums), fake_mode)
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or rs.name)
