@@ -176,7 +176,10 @@ def run(rank: int, world: int, device: torch.device, dtype: torch.dtype, seq: in
         "fused_backward": _fused_since(s1, s2),
         "skipped_forward": _skipped_since(s0, s1),
         "skipped_backward": _skipped_since(s1, s2),
-        "fused_op_calls": {op: sum(r.values()) for op, r in s2["fallbacks"].items()},
+        # Calls of the fused ops that ran the reference decomposition (all of them on CPU; on GPUs the
+        # ones the dispatcher kept off the fused kernels, e.g. shapes too small to win).
+        "decomposed_calls": {op: sum(r.values()) for op, r in s2["fallbacks"].items()},
+        "decomposed_reasons": {f"{op}: {reason}": n for op, r in s2["fallbacks"].items() for reason, n in r.items()},
         "max_error": errors,
     }
 
@@ -192,6 +195,8 @@ def report(result: dict, tolerance: float) -> bool:
         print(f"fused while compiling the {phase}: {listed}")
         for what, n in sorted(result[f"skipped_{phase}"].items()):
             print(f"    skipped {what} (x{n})")
+    for what, n in sorted(result["decomposed_reasons"].items()):
+        print(f"ran decomposed: {what} (x{n})")
     ok = True
     for what, err in result["max_error"].items():
         within = err <= tolerance

@@ -44,12 +44,13 @@ def test_example_runs_and_reports(disabled):
     if disabled:
         assert result["fluxinductor_disabled"]
         assert result["fused_forward"] == {} and result["fused_backward"] == {}, result["stdout"]
-        assert result["fused_op_calls"] == {}, result["stdout"]
+        assert result["decomposed_calls"] == {}, result["stdout"]
         assert "fused while compiling the forward: nothing" in result["stdout"]
     else:
         assert sum(result["fused_forward"].values()) >= 2, result["stdout"]
         assert sum(result["fused_backward"].values()) >= 2, result["stdout"]
-        # Both patterns, in both graphs, and the fused ops really ran.
+        # Both patterns, in both graphs, and the fused ops really ran (on CPU every call is decomposed).
         for phase in ("fused_forward", "fused_backward"):
             assert set(result[phase]) == {"all_gather_matmul", "matmul_reduce_scatter"}, result["stdout"]
-        assert all(n > 0 for n in result["fused_op_calls"].values()) and len(result["fused_op_calls"]) == 2
+        calls = result["decomposed_calls"]
+        assert set(calls) == {"all_gather_matmul", "matmul_reduce_scatter"} and min(calls.values()) > 0, calls
