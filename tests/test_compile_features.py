@@ -26,9 +26,11 @@ from _dist import run_ranks
 from test_compile_numerics import (
     AG_MM,
     BATCH,
+    CODE_CASE,
     HIDDEN,
     MLP,
     MM_RS,
+    _numerics_results,
     _seeded_full,
     build_sp_mlp,
     check_errors,
@@ -60,10 +62,7 @@ def _code_job(rank: int, world: int) -> Dict[str, object]:
     """Compile the SP MLP (forward and backward) capturing inductor's generated code."""
     from torch._inductor.utils import run_and_get_code
 
-    def compile_and_run():
-        return run_case(rank, world, "sp_mlp", "fp32")
-
-    result, codes = run_and_get_code(compile_and_run)
+    result, codes = run_and_get_code(run_case, rank, world, "sp_mlp", "fp32")
     result["code_mentions_fluxinductor"] = sum("fluxinductor" in code for code in codes)
     result["n_codes"] = len(codes)
     return result
@@ -71,13 +70,17 @@ def _code_job(rank: int, world: int) -> Dict[str, object]:
 
 @functools.lru_cache(maxsize=None)
 def _code_results(disabled: bool):
-    env = {"FLUXINDUCTOR_DISABLE": "1"} if disabled else {}
-    return run_ranks(_code_job, 2, env=env, timeout=300)
+    if not disabled:
+        # The enabled compile is one of the numerics cases; it captures its code too (saves a job).
+        assert CODE_CASE == ("sp_mlp", "fp32")
+        return [per_rank[CODE_CASE] for per_rank in _numerics_results(2)]
+    return run_ranks(_code_job, 2, env={"FLUXINDUCTOR_DISABLE": "1"}, timeout=300)
 
 
 def test_enabled_code_calls_fused_ops():
     for rank, r in enumerate(_code_results(False)):
         where = f"enabled rank={rank}"
+        _assert_ok(r, where)
         check_errors(r["errors"], "fp32", where)
         assert r["n_codes"] >= 2, f"{where}: expected forward and backward code, got {r['n_codes']}"
         assert r["code_mentions_fluxinductor"] >= 2, f"{where}: forward and backward code should call the fused ops"
