@@ -295,9 +295,11 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
                           f"return_gathered={return_gathered}, group={match.group_name}")
 
 
-def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool]) -> None:
+def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool],
+                           not_worth_fusing: Optional[Callable[..., Optional[str]]] = None) -> None:
     """Rewrite every ``all_gather -> matmul(s)`` in ``graph`` (in place) into one
-    ``fluxinductor.all_gather_matmul`` per all-gather; record a skip for each one left alone."""
+    ``fluxinductor.all_gather_matmul`` per all-gather; record a skip for each one left alone.
+    ``not_worth_fusing(op, device, world, m, k, n, dtype)`` (global GEMM shape) may veto a match."""
     all_gathers = [n for n in graph.nodes if m.is_call(n, m.ALL_GATHER)]
     if not all_gathers:
         return
@@ -312,6 +314,13 @@ def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool]) -
             if not matmuls:
                 readers = sorted({str(u.target) for c in closure for u in c.users if u not in closure})
                 raise Skip("no matmul reads the gathered tensor", ", ".join(readers))
+            if not_worth_fusing is not None:
+                shard = m.val(match.shard)
+                rows, k = match.rows_by_k
+                n = match.group_size * sum(mm.n for mm in matmuls)
+                why = not_worth_fusing(PATTERN, shard.device, match.group_size, rows, k, n, shard.dtype)
+                if why is not None:
+                    raise Skip("not worth fusing here", why)
             _rewrite(graph, match, closure, matmuls, fake_mode)
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or ag.name)

@@ -255,10 +255,13 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}")
 
 
-def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool], fuse_sums: bool = True) -> None:
+def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool],
+                               not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
+                               fuse_sums: bool = True) -> None:
     """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
     ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone.
-    ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies)."""
+    ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies).
+    ``not_worth_fusing(op, device, world, m, k, n, dtype)`` (global GEMM shape) may veto a match."""
     scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
     if not scatters:
         return
@@ -267,6 +270,15 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
         try:
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", rs.name)
-            _rewrite(graph, _match_reduce_scatter(rs, group_allowed, fuse_sums), fake_mode)
+            match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
+            if not_worth_fusing is not None:
+                a = m.val(match.terms[0].a)
+                world = rs.args[2]
+                rows = m.numel(match.partial_shape) // match.partial_shape[-1]
+                k = world * sum(m.val(t.a).shape[1] for t in match.terms)
+                why = not_worth_fusing(PATTERN, a.device, world, rows, k, match.partial_shape[-1], a.dtype)
+                if why is not None:
+                    raise Skip("not worth fusing here", why)
+            _rewrite(graph, match, fake_mode)
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or rs.name)

@@ -870,3 +870,49 @@ def test_all_gather_unfused_bias_gpu_form():
     assert fused("all_gather_matmul") == 1 and count(gm, aten.mm.default) == 0
     (add,) = nodes(gm, aten.add.Tensor)
     assert add.args[1].target == aten.reshape.default and add.args[1].args[0].target is operator.getitem
+
+
+def test_not_worth_fusing_veto_leaves_graph_and_sees_global_shapes():
+    """The pass manager's veto (the cost model on GPUs) gets each match's global GEMM shape; a veto
+    leaves the collectives and matmuls in place and is recorded as a skip with its reason."""
+    fn = sp_mlp_forward(WORLD, group(), 0)
+    args = (torch.randn(4, 3, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16))
+    gm = trace(fn, *args)
+    seen = []
+
+    def veto(op, device, world, m, k, n, dtype):
+        seen.append((op, device.type, world, m, k, n, dtype))
+        return "measured to lose"
+
+    fuse_all_gather_matmul(gm.graph, lambda name: True, veto)
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, veto)
+    gm.graph.lint()
+    # all_gather_matmul: gathered [8, 3, 16] -> M = 24, K = 16, N = world * 32;
+    # matmul_reduce_scatter: partial [8, 3, 16] from K_local = 32 -> M = 24, K = world * 32, N = 16.
+    assert seen == [("all_gather_matmul", "cpu", WORLD, 24, 16, WORLD * 32, torch.float32),
+                    ("matmul_reduce_scatter", "cpu", WORLD, 24, WORLD * 32, 16, torch.float32)]
+    assert fused("all_gather_matmul") == 0 and fused("matmul_reduce_scatter") == 0
+    assert skipped("all_gather_matmul") == {"not worth fusing here": 1}
+    assert skipped("matmul_reduce_scatter") == {"not worth fusing here": 1}
+    assert count(gm, AG_MM) == 0 and count(gm, MM_RS) == 0
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 1
+
+
+def test_manager_does_not_veto_cpu_graphs_and_keys_settings():
+    from fluxinductor.passes import FluxPassManager
+
+    manager = FluxPassManager()
+    assert manager.not_worth_fusing("all_gather_matmul", torch.device("cpu"), 2, 4096, 8192, 8192,
+                                    torch.bfloat16) is None
+    assert FluxPassManager(fuse_matmul_sums=False).uuid() != FluxPassManager(fuse_matmul_sums=True).uuid()
+    assert FluxPassManager(frozenset({"1"})).uuid() != FluxPassManager().uuid()
+
+
+def test_reduce_scatter_of_sum_of_matmuls_can_be_turned_off():
+    gm = trace(sum_of_matmuls(WORLD, group(), 0), *_sum_args())
+    fuse_all_gather_matmul(gm.graph, lambda name: True)
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, fuse_sums=False)
+    assert fused("matmul_reduce_scatter") == 0
+    assert skipped("matmul_reduce_scatter") == {"sum of matmuls (FLUXINDUCTOR_FUSE_MATMUL_SUMS=0)": 1}
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 1
