@@ -1,6 +1,7 @@
-"""Print a markdown table of a bench_ops JSON (what README.md's performance table is pasted from).
+"""Print a markdown table of a bench_ops or bench_model JSON (what README.md's tables are pasted from).
 
     python benchmarks/report.py benchmarks/results/h200x2_tp2_ops.json
+    python benchmarks/report.py benchmarks/results/h200x2_tp2_model.json
 """
 
 from __future__ import annotations
@@ -14,9 +15,28 @@ def efficiency(t: float, gemm: float, seq: float) -> float:
     return 1.0 - (t - gemm) / (seq - gemm)
 
 
+def model_table(bench: dict) -> None:
+    env = bench["environment"]
+    print(f"{env['device']} x{env['world']}, torch {env['torch']}, git {str(env['git_sha'])[:10]}; "
+          f"ms per step, max over ranks\n")
+    rows: dict = {}
+    for r in bench["results"]:
+        rows.setdefault((r["model"], r["phase"]), {})[r["mode"]] = r.get("ms")
+    modes = ["eager", "inductor", "asynctp", "flux", "flux_fused"]
+    print("| model | phase | " + " | ".join(modes) + " | flux vs inductor |")
+    print("|---|---|" + "---|" * (len(modes) + 1))
+    for (model, phase), t in rows.items():
+        cells = " | ".join("-" if t.get(m) is None else f"{t[m]:.3f}" for m in modes)
+        ratio = "-" if not (t.get("flux") and t.get("inductor")) else f"{t['inductor'] / t['flux']:.2f}x"
+        print(f"| {model} | {phase} | {cells} | {ratio} |")
+
+
 def main(path: str) -> None:
     with open(path) as f:
         bench = json.load(f)
+    if bench["results"] and "mode" in bench["results"][0]:
+        model_table(bench)
+        return
     env = bench["environment"]
     print(f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
           f"git {str(env['git_sha'])[:10]}, host overhead {env.get('host_overhead', 'exposed')}; ms, "
