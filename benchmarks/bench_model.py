@@ -59,12 +59,10 @@ import contextlib
 import datetime
 import faulthandler
 import gc
-import json
 import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -73,6 +71,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from _common import DTYPES, ContextBroken, git_sha, write_json
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -86,7 +85,6 @@ PHASES = ("fwd", "fwd_bwd")
 MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused")
 RUN_ORDER = ("eager", "inductor", "flux", "flux_fused", "asynctp")
 FLUX_DISPATCH = {"flux": "auto", "flux_fused": "fused"}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Norm-relative error against eager that counts as "ok" (the compiled graph reorders bf16 math).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
@@ -342,9 +340,6 @@ class Ctx:
             self.broken = self.broken or f"{type(e).__name__}: {e}"
             return False
 
-
-class ContextBroken(RuntimeError):
-    """A CUDA error left the context unusable: no further GPU work or collective can run."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -687,18 +682,6 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
 # ---------------------------------------------------------------------------------------------------
 
 
-def git_sha() -> Tuple[Optional[str], Optional[bool]]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if sha.returncode == 0 and sha.stdout.strip():
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                   capture_output=True, text=True, timeout=10)
-            return sha.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("FLUXINDUCTOR_GIT_SHA") or None, None
-
-
 def measure_sleep_ms(ctx: Ctx) -> Optional[float]:
     if not ctx.is_cuda:
         return None
@@ -755,25 +738,6 @@ def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
     except Exception as e:  # noqa: BLE001
         env["fluxinductor_extension"] = f"not loaded: {type(e).__name__}: {e}"
     return env
-
-
-def _sanitize(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {str(k): _sanitize(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_sanitize(v) for v in o]
-    return o
-
-
-def write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_sanitize(data), f, indent=1, allow_nan=False, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def anchors_apply(data: dict) -> bool:

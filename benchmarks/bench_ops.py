@@ -46,12 +46,10 @@ import argparse
 import datetime
 import faulthandler
 import importlib
-import json
 import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -61,6 +59,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from _common import DTYPES, ContextBroken, git_sha, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -86,11 +85,7 @@ QUICK_CPU_SHAPES = [(64, 40, 48), (96, 64, 56)]
 
 # ||out - ref|| / ||ref|| against the fp32 reference (issue 3: <= 1e-2 for bf16).
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-
-class ContextBroken(RuntimeError):
-    """A CUDA error left the context unusable: no further GPU work or collective can run."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -558,18 +553,6 @@ def derive(entry: dict) -> None:
     entry["fused_nocomm_over_gemm"] = (t_nc / t_gemm) if (t_nc and t_gemm) else None
 
 
-def git_sha() -> Tuple[Optional[str], Optional[bool]]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if sha.returncode == 0 and sha.stdout.strip():
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                   capture_output=True, text=True, timeout=10)
-            return sha.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("FLUXINDUCTOR_GIT_SHA") or None, None
-
-
 def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
     sha, dirty = git_sha()
     env = {
@@ -610,30 +593,6 @@ def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
     except Exception as e:  # noqa: BLE001
         env["fluxinductor_extension"] = f"not loaded: {type(e).__name__}: {e}"
     return env
-
-
-def write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, allow_nan=False, default=_json_default)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _json_default(o):
-    return str(o)
-
-
-def _sanitize(o):
-    """Replace inf/nan (not JSON) with strings."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {k: _sanitize(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_sanitize(v) for v in o]
-    return o
 
 
 def _f(x, fmt: str = "{:.3f}", width: int = 8) -> str:
@@ -828,7 +787,7 @@ def main(argv=None) -> int:
         if ctx.rank == 0:
             for entry in data["results"]:
                 derive(entry)
-            write_json(out_json, _sanitize(data))
+            write_json(out_json, data)
 
     progress = os.path.abspath(args.out + ".progress")
     if ctx.rank == 0:

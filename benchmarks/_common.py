@@ -1,0 +1,52 @@
+"""What the benchmark scripts share: dtypes by name, the broken-context error, the git revision, JSON output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from typing import Optional, Tuple
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ContextBroken(RuntimeError):
+    """A CUDA error left the context unusable: no further GPU work or collective can run."""
+
+
+def git_sha() -> Tuple[Optional[str], Optional[bool]]:
+    """(commit, dirty) of the checkout, or ``FLUXINDUCTOR_GIT_SHA`` where there is no git (the device copy)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        if sha.returncode == 0 and sha.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                   capture_output=True, text=True, timeout=10)
+            return sha.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("FLUXINDUCTOR_GIT_SHA") or None, None
+
+
+def sanitize(o):
+    """``o`` with inf/nan (not JSON) as strings and every dict key a string."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): sanitize(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [sanitize(v) for v in o]
+    return o
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` (sanitized) to ``path`` atomically, so a run killed mid-write leaves the last good file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(sanitize(data), f, indent=1, allow_nan=False, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
