@@ -3,12 +3,18 @@
 # 2-rank torchrun checks), the example on 2 GPUs and the op benchmark.  Everything lands in $OUT:
 #   build.log, _C*.so, gpu_tests.log, example.log, bench_ops.log, h200x2_tp2_ops.{json,png},
 #   tuning/<device>_tp2.json, bench_model.log, h200x2_tp2_model.json
-# Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="build tests example bench" bash benchmarks/device_run.sh
+#   sweep: sweep_ag.{json,log} (GPU 0) and sweep_rs.{json,log} (GPU 1), kernel configurations vs cuBLAS
+# Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
+# STEPS="none" only builds.  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
+# The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
+# runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
 set -u
 export PYTHONUNBUFFERED=1 FLUXINDUCTOR_BUILD_JOBS=16 FLUXINDUCTOR_REQUIRE_EXTENSION=1
 OUT=${OUT:-/tmp/fluxinductor_out}
 STEPS=${STEPS:-"tests example bench model"}
 mkdir -p "$OUT/tuning"
+cp fluxinductor/tuning/*.json "$OUT/tuning/"
+if [ "${TUNING:-0}" = 1 ]; then export CUDAFLAGS="${CUDAFLAGS:-} -DFLUXINDUCTOR_KERNEL_TUNING"; fi
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl
 start=$(date +%s)
@@ -33,9 +39,16 @@ for step in $STEPS; do
       timeout 240 torchrun --nproc-per-node 2 examples/sp_transformer_block.py > "$OUT/example.log" 2>&1
       echo "example rc=$?"; tail -25 "$OUT/example.log" ;;
     model)
-      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} timeout 330 torchrun --nproc-per-node 2 benchmarks/bench_model.py \
-        --out "$OUT/h200x2_tp2_model" --contender-timeout 120 > "$OUT/bench_model.log" 2>&1
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 330 torchrun --nproc-per-node 2 benchmarks/bench_model.py \
+        --out "$OUT/h200x2_tp2_model" --contender-timeout 120 ${MODEL_ARGS:-} > "$OUT/bench_model.log" 2>&1
       echo "bench_model rc=$?"; tail -c 5000 "$OUT/bench_model.log" ;;
+    sweep)
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/sweep_kernels.py \
+        --op ag --out "$OUT/sweep_ag.json" ${SWEEP_ARGS:-} > "$OUT/sweep_ag.log" 2>&1 &
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} CUDA_VISIBLE_DEVICES=1 timeout 300 python3 benchmarks/sweep_kernels.py \
+        --op rs --out "$OUT/sweep_rs.json" ${SWEEP_ARGS:-} > "$OUT/sweep_rs.log" 2>&1
+      wait
+      cat "$OUT/sweep_ag.log" "$OUT/sweep_rs.log" | grep -v "^   " ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
         torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \

@@ -85,6 +85,10 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
           return run_bf16_k_contiguous_coop256x128(p, stream);
         case Variant::kPingpong128x128Cluster1x2:
           return run_bf16_k_contiguous_pingpong(p, stream);
+        case Variant::kCooperative256x128Cluster2x1:
+          return run_bf16_k_contiguous_coop256x128_c2x1(p, stream);
+        case Variant::kCooperative128x256Cluster1x2:
+          return run_bf16_k_contiguous_coop128x256_c1x2(p, stream);
         default:
           return run_bf16_k_contiguous(p, stream);
       }

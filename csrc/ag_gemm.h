@@ -20,6 +20,9 @@ enum class Variant : int {
   kCooperative128x256Cluster2x1 = 0,  // the default
   kCooperative256x128Cluster1x2 = 1,
   kPingpong128x128Cluster1x2 = 2,
+  // Tuning builds only (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING); elsewhere they report an error.
+  kCooperative256x128Cluster2x1 = 3,
+  kCooperative128x256Cluster1x2 = 4,
 };
 
 // out[M, N] = A[M, K] @ B[K, N] (+ bias[N]), A read from the gathered buffer while it is being filled.

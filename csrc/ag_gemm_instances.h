@@ -1,5 +1,6 @@
 // The AG+GEMM instantiations, one function per kernel, spread over translation units so they build in
-// parallel (csrc/ag_gemm_bf16.cu, ag_gemm_fp16.cu, ag_gemm_bf16_variants.cu).  Called by csrc/ag_gemm.cu.
+// parallel (csrc/ag_gemm_bf16.cu, ag_gemm_fp16.cu, ag_gemm_bf16_variants.cu,
+// ag_gemm_bf16_tuning.cu).  Called by csrc/ag_gemm.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,5 +15,8 @@ Error run_fp16_k_contiguous(AllGatherGemmParams const& params, cudaStream_t stre
 Error run_fp16_n_contiguous(AllGatherGemmParams const& params, cudaStream_t stream);
 Error run_bf16_k_contiguous_coop256x128(AllGatherGemmParams const& params, cudaStream_t stream);  // variant 1
 Error run_bf16_k_contiguous_pingpong(AllGatherGemmParams const& params, cudaStream_t stream);     // variant 2
+// Tuning builds only (csrc/ag_gemm_bf16_tuning.cu); otherwise they return an error.
+Error run_bf16_k_contiguous_coop256x128_c2x1(AllGatherGemmParams const& params, cudaStream_t stream);  // 3
+Error run_bf16_k_contiguous_coop128x256_c1x2(AllGatherGemmParams const& params, cudaStream_t stream);  // 4
 
 }  // namespace fluxinductor::ag_gemm

@@ -2,6 +2,11 @@
 // checks, and the per-call handshake launch.  Torch-free; see gemm_rs.h for the contract.
 #include "gemm_rs.h"
 
+// CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING builds every kernel's tuning variants (AG+GEMM's too).
+#if defined(FLUXINDUCTOR_KERNEL_TUNING) && !defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+#define FLUXINDUCTOR_GEMM_RS_TUNING
+#endif
+
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -211,6 +216,8 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
 using TuningShape1 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 128, 256, 2, 1>;
 using TuningShape2 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 1, 2>;
 using TuningShape3 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 256, 128, 2, 1>;
+using TuningShape4 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 192, 2, 1>;
+using TuningShape5 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 1, 1>;
 int tuning_config() {
   char const* env = std::getenv("FLUXINDUCTOR_GEMM_RS_CONFIG");
   return env ? std::atoi(env) : 0;
@@ -226,6 +233,8 @@ int gemm_rs_tile_m() {
     case 1: return TuningShape1::kTileM;
     case 2: return TuningShape2::kTileM;
     case 3: return TuningShape3::kTileM;
+    case 4: return TuningShape4::kTileM;
+    case 5: return TuningShape5::kTileM;
   }
 #endif
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -240,6 +249,8 @@ int gemm_rs_tile_n() {
     case 1: return TuningShape1::kTileN;
     case 2: return TuningShape2::kTileN;
     case 3: return TuningShape3::kTileN;
+    case 4: return TuningShape4::kTileN;
+    case 5: return TuningShape5::kTileN;
   }
 #endif
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -306,7 +317,9 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
       case 1: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape1>>(args, stream);
       case 2: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape2>>(args, stream);
       case 3: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape3>>(args, stream);
-      default: return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..3");
+      case 4: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape4>>(args, stream);
+      case 5: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape5>>(args, stream);
+      default: return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..5");
     }
   }
 #endif

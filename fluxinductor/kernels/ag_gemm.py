@@ -31,10 +31,11 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
 GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
-# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2.
+# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2; tuning builds add
+# 3 cooperative 256x128 cluster 2x1 and 4 cooperative 128x256 cluster 1x2.
 VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
 # Rows of A one cluster row covers, per variant (tile M x cluster M).
-_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128}
+_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:

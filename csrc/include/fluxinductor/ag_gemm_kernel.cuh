@@ -34,6 +34,16 @@ using Cooperative256x128Cluster1x2 = TileConfig<
     cute::Shape<cute::_1, cute::_2, cute::_1>,             // 2 CTAs along N share A (multicast)
     cutlass::gemm::KernelTmaWarpSpecializedCooperative,
     cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Cooperative256x128Cluster2x1 = TileConfig<            // tuning builds only
+    cute::Shape<cute::_256, cute::_128, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Cooperative128x256Cluster1x2 = TileConfig<            // tuning builds only
+    cute::Shape<cute::_128, cute::_256, cute::_64>,
+    cute::Shape<cute::_1, cute::_2, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>;
 using Pingpong128x128Cluster1x2 = TileConfig<
     cute::Shape<cute::_128, cute::_128, cute::_64>,
     cute::Shape<cute::_1, cute::_2, cute::_1>,

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Kernel tuning sweep on one GPU: our fused GEMMs with communication off against cuBLAS, per configuration.
+
+    python3 benchmarks/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
+    python3 benchmarks/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
+
+Needs an extension built with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING for the tuning variants (AG variants
+3, 4; GEMM+RS configurations 1-5); a variant the build lacks is recorded with its error.
+
+Shapes are the *global* (M, K, N) of benchmarks/bench_ops.py at TP = ``--world``; the per-rank problem is
+AG: [M, K] @ [K, N/w] (the gathered input), GEMM+RS: [M, K/w] @ [K/w, N].  The weight is the transposed
+nn.Linear view (K-major), as in a model.
+
+Per shape: cuBLAS (``torch.mm``) is timed first and last (the GPU's clocks drift with temperature; both are
+kept), its kernel name is read from the profiler, and every configuration is timed in between: CUDA events
+around each call, a GPU sleep before the start event so host launch time is hidden, median of ``--iters``
+after ``--warmup``.  Each configuration's output is checked against cuBLAS's (relative Frobenius error);
+``ratio`` is its median over the mean of the two cuBLAS medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import git_sha, write_json  # noqa: E402
+
+SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
+          (1024, 8192, 8192), (512, 8192, 28672), (3072, 8192, 28672), (4096, 49152, 12288)]
+
+
+def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # keeps the GPU busy while the host enqueues the timed call
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def cublas_kernel_name(fn: Callable[[], object]) -> Optional[str]:
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [e.key for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        return max(names, key=len) if names else None
+    except Exception as e:  # noqa: BLE001 - the name is a diagnostic, never fatal
+        return f"(profiler failed: {e})"
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def configs(op: str, quick: bool) -> List[Dict[str, int]]:
+    if op == "ag":
+        variants = [0, 1, 3, 4] if not quick else [0]
+        groups = [4, 8, 16] if not quick else [8]
+        return [{"variant": v, "group_rows": g} for v, g in itertools.product(variants, groups)]
+    cfgs = [1, 0, 4, 5] if not quick else [0]
+    orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
+    return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
+
+
+def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor):
+    if op == "ag":
+        from fluxinductor.kernels import ag_gemm
+        return lambda: ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"])
+    from fluxinductor.kernels import gemm_rs
+    os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
+    os.environ["FLUXINDUCTOR_GEMM_RS_SWIZZLE"] = str(cfg["swizzle"])
+    os.environ["FLUXINDUCTOR_GEMM_RS_RASTER"] = str(cfg["raster"])
+    return lambda: gemm_rs.gemm_only(a, w_t, None, out=out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=["ag", "rs"], required=True)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--shapes", default=None, help="M,K,N;M,K,N (global shapes); default: bench_ops' list")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="default configuration only")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    sha, dirty = git_sha()
+    data = {"schema": 1, "op": args.op, "world": args.world, "device": torch.cuda.get_device_name(dev),
+            "torch": torch.__version__, "git_sha": sha, "dirty": dirty, "warmup": args.warmup, "iters": args.iters,
+            "results": []}
+    for m, k, n in shapes:
+        if args.op == "ag":
+            mm, kk, nn = m, k, n // args.world
+        else:
+            mm, kk, nn = m, k // args.world, n
+        a = torch.randn(mm, kk, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(nn, kk, device=dev, dtype=torch.bfloat16) / kk ** 0.5
+        w_t = w.t()  # [K, N], K-major: the transposed nn.Linear weight
+        ref = torch.mm(a, w_t)
+        out = torch.empty(mm, nn, device=dev, dtype=torch.bfloat16)
+        entry = {"M": m, "K": k, "N": n, "problem": [mm, kk, nn], "configs": []}
+        cublas_fn = lambda: torch.mm(a, w_t)  # noqa: E731
+        entry["cublas_kernel"] = cublas_kernel_name(cublas_fn)
+        first = statistics.median(time_ms(cublas_fn, args.warmup, args.iters))
+        for cfg in configs(args.op, args.quick):
+            row = dict(cfg)
+            try:
+                fn = run_config(args.op, cfg, a, w_t, out)
+                out.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                row["rel_err"] = rel(out, ref)
+                row["ms"] = statistics.median(time_ms(fn, args.warmup, args.iters))
+            except Exception as e:  # noqa: BLE001 - a variant this build lacks, or one that fails: record it
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            entry["configs"].append(row)
+        last = statistics.median(time_ms(cublas_fn, args.warmup, args.iters))
+        entry["cublas_ms"] = [first, last]
+        base = (first + last) / 2
+        for row in entry["configs"]:
+            if "ms" in row:
+                row["ratio"] = row["ms"] / base
+        ok = [r for r in entry["configs"] if "ms" in r and r["rel_err"] < 2e-2]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        entry["best"] = best
+        data["results"].append(entry)
+        print(f"{args.op} M={m} K={k} N={n} problem={mm}x{kk}x{nn} cuBLAS {first:.3f}/{last:.3f} ms "
+              f"[{entry['cublas_kernel']}]", flush=True)
+        for row in entry["configs"]:
+            cfg = {key: row[key] for key in row if key in ("variant", "group_rows", "config", "swizzle", "raster")}
+            if "ms" in row:
+                print(f"   {cfg} {row['ms']:.3f} ms  x{row['ratio']:.3f}  err {row['rel_err']:.1e}", flush=True)
+            else:
+                print(f"   {cfg} {row['error']}", flush=True)
+        write_json(args.out, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
