@@ -19,7 +19,10 @@ class ContextBroken(RuntimeError):
 
 
 def git_sha() -> Tuple[Optional[str], Optional[bool]]:
-    """(commit, dirty) of the checkout, or ``FLUXINDUCTOR_GIT_SHA`` where there is no git (the device copy)."""
+    """(commit, dirty): ``FLUXINDUCTOR_GIT_SHA`` when set (the device copy's .git may lag the working tree it
+    was given), else the checkout's."""
+    if os.environ.get("FLUXINDUCTOR_GIT_SHA"):
+        return os.environ["FLUXINDUCTOR_GIT_SHA"], None
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
         if sha.returncode == 0 and sha.stdout.strip():
