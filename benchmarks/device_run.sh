@@ -49,6 +49,14 @@ for step in $STEPS; do
         --op rs --out "$OUT/sweep_rs.json" ${SWEEP_ARGS:-} > "$OUT/sweep_rs.log" 2>&1
       wait
       cat "$OUT/sweep_ag.log" "$OUT/sweep_rs.log" | grep -v "^   " ;;
+    rstests)
+      timeout 300 python3 -m pytest -q -rs tests/gpu/test_gemm_rs.py -k "tuning or n_ranks or gemm_only" \
+        > "$OUT/rstests.log" 2>&1; echo "rstests rc=$?"; tail -5 "$OUT/rstests.log" ;;
+    rsbench)
+      # fused GEMM+RS per kernel configuration on 2 ranks (RS_CONFIGS: 'config,swizzle,raster;...')
+      timeout 300 torchrun --nproc-per-node 2 tests/gpu/run_gemm_rs_2rank.py --skip-checks --bench \
+        --configs "${RS_CONFIGS:-0,4,2;6,4,2}" --json "$OUT/rs_configs.json" > "$OUT/rsbench.log" 2>&1
+      echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench.log" | tail -30 | cut -c1-400 ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
         torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \
@@ -56,3 +64,6 @@ for step in $STEPS; do
       echo "bench rc=$?"; tail -c 6000 "$OUT/bench_ops.log" ;;
   esac
 done
+# The device tool brings back only a few files: pack the logs and JSON into one archive.
+( cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude '*.so' . && \
+  find . -mindepth 1 ! -name results.tgz ! -name '*.so' -delete )

@@ -5,17 +5,20 @@
     python3 benchmarks/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
 
 Needs an extension built with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING for the tuning variants (AG variants
-3, 4; GEMM+RS configurations 1-5); a variant the build lacks is recorded with its error.
+3, 4; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
 
 Shapes are the *global* (M, K, N) of benchmarks/bench_ops.py at TP = ``--world``; the per-rank problem is
 AG: [M, K] @ [K, N/w] (the gathered input), GEMM+RS: [M, K/w] @ [K/w, N].  The weight is the transposed
 nn.Linear view (K-major), as in a model.
 
-Per shape: cuBLAS (``torch.mm``) is timed first and last (the GPU's clocks drift with temperature; both are
-kept), its kernel name is read from the profiler, and every configuration is timed in between: CUDA events
-around each call, a GPU sleep before the start event so host launch time is hidden, median of ``--iters``
-after ``--warmup``.  Each configuration's output is checked against cuBLAS's (relative Frobenius error);
-``ratio`` is its median over the mean of the two cuBLAS medians.
+Per shape: cuBLAS (``torch.mm``, its kernel name read from the profiler) and every configuration are timed
+round-robin: ``--rounds`` rounds, each timing every contender ``--iters // --rounds`` times after one
+warm-up call.  An H200 under sustained GEMM load slows down by several percent within a minute (measured:
+cuBLAS 3.22 -> 3.35 ms over one shape's sweep when contenders were timed one after another), so timing them
+in blocks would favour whichever ran first.  CUDA events around each call, a GPU sleep before the start
+event so host launch time is hidden; ``ms`` is the median over all rounds, ``round_ms`` the per-round
+medians.  Each configuration's output is checked against cuBLAS's (relative Frobenius error) before
+timing; ``ratio`` is its median over cuBLAS's.
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> List[float]:
     return times
 
 
+def time_round_robin(fns: Dict[str, Callable[[], object]], warmup: int, iters: int,
+                     rounds: int) -> Dict[str, List[List[float]]]:
+    """Per contender, the times of each round (``rounds`` rounds of ``iters // rounds`` calls each)."""
+    for fn in fns.values():
+        time_ms(fn, warmup, 0)
+    per_round = max(1, iters // rounds)
+    times: Dict[str, List[List[float]]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_ms(fn, 1, per_round))
+    return times
+
+
 def cublas_kernel_name(fn: Callable[[], object]) -> Optional[str]:
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -72,7 +88,7 @@ def configs(op: str, quick: bool) -> List[Dict[str, int]]:
         variants = [0, 1, 3, 4] if not quick else [0]
         groups = [4, 8, 16] if not quick else [8]
         return [{"variant": v, "group_rows": g} for v, g in itertools.product(variants, groups)]
-    cfgs = [1, 0, 4, 5] if not quick else [0]
+    cfgs = [0, 1, 4, 5, 6] if not quick else [0]
     orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
     return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
 
@@ -82,10 +98,13 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
         from fluxinductor.kernels import ag_gemm
         return lambda: ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"])
     from fluxinductor.kernels import gemm_rs
-    os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
-    os.environ["FLUXINDUCTOR_GEMM_RS_SWIZZLE"] = str(cfg["swizzle"])
-    os.environ["FLUXINDUCTOR_GEMM_RS_RASTER"] = str(cfg["raster"])
-    return lambda: gemm_rs.gemm_only(a, w_t, None, out=out)
+
+    def call():  # the launcher reads these per call, so each contender sets its own
+        os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
+        os.environ["FLUXINDUCTOR_GEMM_RS_SWIZZLE"] = str(cfg["swizzle"])
+        os.environ["FLUXINDUCTOR_GEMM_RS_RASTER"] = str(cfg["raster"])
+        return gemm_rs.gemm_only(a, w_t, None, out=out)
+    return call
 
 
 def main(argv=None) -> int:
@@ -95,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help="M,K,N;M,K,N (global shapes); default: bench_ops' list")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="default configuration only")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -105,6 +125,7 @@ def main(argv=None) -> int:
     sha, dirty = git_sha()
     data = {"schema": 1, "op": args.op, "world": args.world, "device": torch.cuda.get_device_name(dev),
             "torch": torch.__version__, "git_sha": sha, "dirty": dirty, "warmup": args.warmup, "iters": args.iters,
+            "rounds": args.rounds,
             "results": []}
     for m, k, n in shapes:
         if args.op == "ag":
@@ -119,8 +140,8 @@ def main(argv=None) -> int:
         entry = {"M": m, "K": k, "N": n, "problem": [mm, kk, nn], "configs": []}
         cublas_fn = lambda: torch.mm(a, w_t)  # noqa: E731
         entry["cublas_kernel"] = cublas_kernel_name(cublas_fn)
-        first = statistics.median(time_ms(cublas_fn, args.warmup, args.iters))
-        for cfg in configs(args.op, args.quick):
+        fns: Dict[str, Callable[[], object]] = {"cublas": cublas_fn}
+        for i, cfg in enumerate(configs(args.op, args.quick)):
             row = dict(cfg)
             try:
                 fn = run_config(args.op, cfg, a, w_t, out)
@@ -128,21 +149,26 @@ def main(argv=None) -> int:
                 fn()
                 torch.cuda.synchronize()
                 row["rel_err"] = rel(out, ref)
-                row["ms"] = statistics.median(time_ms(fn, args.warmup, args.iters))
+                fns[str(i)] = fn
             except Exception as e:  # noqa: BLE001 - a variant this build lacks, or one that fails: record it
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             entry["configs"].append(row)
-        last = statistics.median(time_ms(cublas_fn, args.warmup, args.iters))
-        entry["cublas_ms"] = [first, last]
-        base = (first + last) / 2
-        for row in entry["configs"]:
-            if "ms" in row:
-                row["ratio"] = row["ms"] / base
+        times = time_round_robin(fns, args.warmup, args.iters, args.rounds)
+        med = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
+        entry["cublas_ms"] = med["cublas"]
+        entry["cublas_round_ms"] = [statistics.median(r) for r in times["cublas"]]
+        for i, row in enumerate(entry["configs"]):
+            if str(i) in med:
+                row["ms"] = med[str(i)]
+                row["round_ms"] = [statistics.median(r) for r in times[str(i)]]
+                row["ratio"] = row["ms"] / med["cublas"]
         ok = [r for r in entry["configs"] if "ms" in r and r["rel_err"] < 2e-2]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         entry["best"] = best
         data["results"].append(entry)
-        print(f"{args.op} M={m} K={k} N={n} problem={mm}x{kk}x{nn} cuBLAS {first:.3f}/{last:.3f} ms "
+        rounds = entry["cublas_round_ms"]
+        print(f"{args.op} M={m} K={k} N={n} problem={mm}x{kk}x{nn} cuBLAS {med['cublas']:.3f} ms "
+              f"(rounds {rounds[0]:.3f} .. {rounds[-1]:.3f}) "
               f"[{entry['cublas_kernel']}]", flush=True)
         for row in entry["configs"]:
             cfg = {key: row[key] for key in row if key in ("variant", "group_rows", "config", "swizzle", "raster")}

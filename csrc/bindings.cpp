@@ -164,6 +164,8 @@ void export_gemm_rs(py::module_& m) {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),
                           fluxinductor::gemm_rs_warps_per_tile());
   }, "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel: they fix its flag layout");
+  m.def("gemm_rs_tuning_build", &fluxinductor::gemm_rs_tuning_build,
+        "whether FLUXINDUCTOR_GEMM_RS_CONFIG can pick a tuning variant (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)");
   m.def("gemm_rs_alloc_host_word", [] {
     int64_t host = 0, device = 0;
     if (fluxinductor::gemm_rs_alloc_host_word(&host, &device) != 0) {

@@ -32,11 +32,13 @@ int fail(std::string message) {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 
 // One kernel configuration: (schedule, tile, cluster).  kThreads: the threads sharing a tile's epilogue.
-template <class Schedule_, int TileM_, int TileN_, int ClusterM_, int ClusterN_>
+// kAsyncPush: peer tiles leave by bulk copies, flags published late (GemmRsEpilogue).
+template <class Schedule_, int TileM_, int TileN_, int ClusterM_, int ClusterN_, bool AsyncPush_ = false>
 struct GemmRsShape {
   using KernelSchedule = Schedule_;
   static constexpr int kTileM = TileM_;
   static constexpr int kTileN = TileN_;
+  static constexpr bool kAsyncPush = AsyncPush_;
   static constexpr int kThreads =
       cute::is_same_v<Schedule_, cutlass::gemm::KernelTmaWarpSpecializedCooperative> ? 256 : 128;
   using TileShape = cute::Shape<cute::Int<TileM_>, cute::Int<TileN_>, cute::_64>;
@@ -56,8 +58,9 @@ struct GemmRsConfig {
   using TileShape = typename Shape::TileShape;                // one tile = one flag
   using ClusterShape = typename Shape::ClusterShape;          // B tile multicast along the cluster's M
   using KernelSchedule = typename Shape::KernelSchedule;
-  using Epilogue = GemmRsEpilogue<Element, Shape::kTileM, Shape::kTileN, Shape::kThreads>;  // staged, peer-aware
-  using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
+  using Epilogue =                                            // staged, peer-aware
+      GemmRsEpilogue<Element, Shape::kTileM, Shape::kTileN, Shape::kThreads, Shape::kAsyncPush>;
+  using CollectiveEpilogue = GemmRsCollectiveEpilogue<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementA, LayoutA, 8,                                     // 16-byte TMA alignment
@@ -218,6 +221,7 @@ using TuningShape2 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong
 using TuningShape3 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 256, 128, 2, 1>;
 using TuningShape4 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 192, 2, 1>;
 using TuningShape5 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 1, 1>;
+using TuningShape6 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 128, 256, 2, 1, true>;
 int tuning_config() {
   char const* env = std::getenv("FLUXINDUCTOR_GEMM_RS_CONFIG");
   return env ? std::atoi(env) : 0;
@@ -235,6 +239,7 @@ int gemm_rs_tile_m() {
     case 3: return TuningShape3::kTileM;
     case 4: return TuningShape4::kTileM;
     case 5: return TuningShape5::kTileM;
+    case 6: return TuningShape6::kTileM;
   }
 #endif
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -251,6 +256,7 @@ int gemm_rs_tile_n() {
     case 3: return TuningShape3::kTileN;
     case 4: return TuningShape4::kTileN;
     case 5: return TuningShape5::kTileN;
+    case 6: return TuningShape6::kTileN;
   }
 #endif
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -260,6 +266,13 @@ int gemm_rs_tile_n() {
 #endif
 }
 int gemm_rs_warps_per_tile() { return 1; }  // one flag per tile
+bool gemm_rs_tuning_build() {
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING) && defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  return true;
+#else
+  return false;
+#endif
+}
 const char* gemm_rs_last_error() { return g_last_error.c_str(); }
 
 int gemm_rs_alloc_host_word(int64_t* host_address, int64_t* device_address) {
@@ -319,7 +332,8 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
       case 3: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape3>>(args, stream);
       case 4: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape4>>(args, stream);
       case 5: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape5>>(args, stream);
-      default: return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..5");
+      case 6: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape6>>(args, stream);
+      default: return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..6");
     }
   }
 #endif

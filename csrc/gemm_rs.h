@@ -54,6 +54,8 @@ struct GemmRsArgs {
 int gemm_rs_tile_m();
 int gemm_rs_tile_n();
 int gemm_rs_warps_per_tile();
+// True in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING): FLUXINDUCTOR_GEMM_RS_CONFIG picks a variant.
+bool gemm_rs_tuning_build();
 
 // Enqueues the call on `stream` (a cudaStream_t). Returns 0, or a negative code with a message in gemm_rs_last_error().
 int gemm_rs_run(const GemmRsArgs& args, void* stream);

@@ -241,7 +241,7 @@ def main():
         if args.configs:
             names = ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER")
             configs = [{k: v for k, v in zip(names, variant.split(",")) if v} for variant in args.configs.split(";")]
-        shapes = [(4096, 12288, 49152), (2048, 8192, 28672), (8192, 8192, 28672), (1024, 8192, 8192)]
+        shapes = [(4096, 12288, 49152), (2048, 8192, 28672), (8192, 8192, 28672), (1024, 8192, 8192), (4096, 28672, 8192)]
         rows = bench(group_name, device, rank, world, shapes, configs)
         if rank == 0 and args.json:
             meta = dict(device=torch.cuda.get_device_name(device), world=world, torch=torch.__version__,

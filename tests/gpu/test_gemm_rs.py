@@ -187,6 +187,20 @@ def test_odd_n_two_ranks_one_gpu():
 
 
 @_gpu
+@pytest.mark.parametrize("config", [1, 4, 5, 6])
+@pytest.mark.parametrize("world,n", [(2, 520), (4, 520), (2, 1001)])
+def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
+    """The tuning variants (cooperative 128x256; ping-pong 128x192 and 128x128 cluster 1x1; cooperative with
+    bulk-copy pushes and late flags) against the fp32 reference; N=1001 takes the element-wise tail path."""
+    from fluxinductor.kernels import gemm_rs
+
+    if not gemm_rs._extension().gemm_rs_tuning_build():
+        pytest.skip("tuning variants need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_CONFIG", str(config))
+    assert _simulate(world, 200 * world, 264, n, calls=4) < 1e-2
+
+
+@_gpu
 def test_peer_never_signals_raises():
     """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises."""
     from fluxinductor.kernels import gemm_rs

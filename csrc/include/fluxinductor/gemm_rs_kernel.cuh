@@ -4,10 +4,13 @@
 //    rank walks the row segments of its peers first and its own segment last.  The GEMM is batched over
 //    L = world segments of M/world rows (A's batch stride is a segment, B's is 0), so no tile straddles
 //    two owners.
-//  * GemmRsEpilogue: accumulators (+ bias) are staged in shared memory, then written with 16-byte accesses.
-//    A peer's tile goes straight into that peer's symmetric buffer (slot = this rank) over NVLink, then one
-//    flag = epoch is published with release semantics at system scope.  An own tile waits for every peer's
-//    flag of that tile (acquire), adds the peers' slots, scales, and writes the output.
+//  * GemmRsEpilogue: accumulators (+ bias) are staged in shared memory, a column subtile at a time, then
+//    written with 16-byte accesses.  A peer's tile goes straight into that peer's symmetric buffer (slot = this
+//    rank) over NVLink, then one flag = epoch is published with release semantics at system scope.  An own
+//    tile waits for every peer's flag of that tile (acquire), adds the peers' slots, scales, and writes the
+//    output.  With AsyncPush the peer tile leaves shared memory by bulk copies (cp.async.bulk, the TMA unit)
+//    and its flag is published at the start of the next epilogue or in store_tail, once the copies landed,
+//    so the math warps never wait on NVLink (for the cooperative kernel, whose epilogue stalls both).
 //  * gemm_rs_hello_kernel: the per-call handshake that makes buffer reuse race-free and catches ranks
 //    that disagree on the problem.
 #pragma once
@@ -64,6 +67,22 @@ CUTLASS_DEVICE void rs_raise(int32_t* error, uint32_t* status, int32_t code) {
     *reinterpret_cast<int32_t volatile*>(error) = code;
   }
   atomicExch(status, kRsAborted);
+}
+
+// Bulk (TMA-unit) copies shared -> global, tracked by this thread's bulk async-groups.
+CUTLASS_DEVICE void rs_bulk_copy_s2g(void* gmem, void const* smem, uint32_t bytes) {
+  uint32_t const src = cute::cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(src), "r"(bytes)
+               : "memory");
+}
+CUTLASS_DEVICE void rs_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// The shared-memory sources of every committed copy have been read (the staging tile may be reused).
+CUTLASS_DEVICE void rs_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Every committed copy has been written; the fence orders those async-proxy writes before this thread's
+// later generic-proxy operations (the flag release).
+CUTLASS_DEVICE void rs_bulk_wait_written() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // Spins until *flag == epoch.  Returns false on timeout (after raising) or when the call was aborted.
@@ -240,7 +259,16 @@ struct GemmRsEpilogueArguments {
 // Threads_: the threads that share one output tile in the epilogue (256 for the cooperative kernel, whose two
 // math warp groups split a tile; 128 for ping-pong, whose warp groups take alternate tiles and run their
 // epilogues one after the other, so one staging tile in shared memory serves both).
-template <class Element_, int TileM_, int TileN_, int Threads_>
+//
+// SubN_: columns staged at a time (the staging tile is TileM x SubN; less shared memory leaves more mainloop
+// stages).  AsyncPush_: peer tiles leave by bulk copies and their flags are published late (see above).
+template <int TileN>
+constexpr int default_sub_n() {
+  return TileN <= 128 ? TileN : (TileN % 128 == 0 ? 128 : TileN / 2);
+}
+
+template <class Element_, int TileM_, int TileN_, int Threads_, bool AsyncPush_ = false,
+          int SubN_ = default_sub_n<TileN_>()>
 class GemmRsEpilogue {
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
@@ -261,15 +289,19 @@ class GemmRsEpilogue {
   static constexpr int kTileM = TileM_;
   static constexpr int kTileN = TileN_;
   static constexpr int kThreads = Threads_;
-  static constexpr int kPitch = kTileN + 8;          // elements: 16-byte rows, rows spread over the banks
+  static constexpr bool kAsyncPush = AsyncPush_;
+  static constexpr int kSubN = SubN_;                 // columns staged at a time
+  static constexpr int kSplits = kTileN / kSubN;
+  static constexpr int kPitch = kSubN + 8;            // elements: 16-byte rows, rows spread over the banks
   static constexpr int kVec = 16 / sizeof(Element_);  // elements per 16-byte access
-  static constexpr int kChunksPerRow = kTileN / kVec;
-  static_assert(kTileN % kVec == 0);
+  static constexpr int kChunksPerRow = kSubN / kVec;
+  static_assert(kTileN % kSubN == 0 && kSubN % kVec == 0);
+  static_assert(!kAsyncPush || kThreads >= 32);
 
   // The accumulators go through this tile so that every global access (local, or a peer's over NVLink) is a
   // 16-byte access of a warp-contiguous row segment.
   struct SharedStorage {
-    alignas(128) Element_ tile[kTileM * kPitch];
+    alignas(128) Element_ tile[kTileM * kPitch];  // one column subtile
   };
   using TensorStorage = SharedStorage;
   using Arguments = GemmRsEpilogueArguments<Element_>;
@@ -306,6 +338,9 @@ class GemmRsEpilogue {
     using namespace cute;
     static_assert(decltype(size<0>(BlockShapeMNK{}))::value == kTileM);
     static_assert(decltype(size<1>(BlockShapeMNK{}))::value == kTileN);
+    // 0. a peer tile pushed by the previous epilogue: publish its flag once its bulk copies landed.
+    flush_pending();
+
     int const M = int(get<0>(problem_shape_mnkl));  // rows per segment
     int const N = int(get<1>(problem_shape_mnkl));
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
@@ -328,30 +363,7 @@ class GemmRsEpilogue {
     // tile_sync below (another CTA may abort while this one is half-way through a tile).
     bool const active = !comm || rs_load_volatile(p_.local_status) == p_.epoch;
 
-    // 1. accumulators (+ bias) -> shared tile, rounded to the output type.
-    Tensor coord_mn = make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{}));
-    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor thr_coord = thr_mma.partition_C(coord_mn);  // (m, n) within the tile of each accumulator
-    static_assert(decltype(size(thr_coord))::value == decltype(size(accumulators))::value);
-    static_assert(decltype(size(accumulators))::value % 2 == 0);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accumulators); i += 2) {
-      // Accumulators 2j and 2j+1 are adjacent columns of one row (GMMA C layout), starting at an even column.
-      int const r = get<0>(thr_coord(i));
-      int const c = get<1>(thr_coord(i));
-      float v0 = accumulators(i);
-      float v1 = accumulators(i + 1);
-      if (p_.bias != nullptr) {
-        if (c < cols) v0 += float(p_.bias[col0 + c]);
-        if (c + 1 < cols) v1 += float(p_.bias[col0 + c + 1]);
-      }
-      cutlass::Array<Element_, 2> two;
-      two[0] = Element_(v0);
-      two[1] = Element_(v1);
-      *reinterpret_cast<cutlass::Array<Element_, 2>*>(stage + r * kPitch + c) = two;
-    }
-
-    // 2. own tile: wait until every peer delivered its part of it.
+    // 1. own tile: wait until every peer delivered its part of it.
     Element_ const* peer_slots = nullptr;
     int64_t const slot_elems = int64_t(M) * N;
     int64_t const tile_flag = int64_t(m_coord) * p_.tiles_n + int64_t(n_coord);
@@ -368,15 +380,13 @@ class GemmRsEpilogue {
           }
         }
       }
-      tile_sync();  // the shared tile is complete, and thread 0's acquire orders everyone's reads below
+      tile_sync();  // thread 0's acquire orders everyone's reads of the peers' slots below
       if (rs_load_volatile(p_.local_status) == p_.epoch) {
         peer_slots = reinterpret_cast<Element_ const*>(local + p_.data_offset);
       }
-    } else {
-      tile_sync();
     }
 
-    // 3. shared tile -> destination (own: + peers' slots, * scale -> out; peer: -> its slot for this rank).
+    // Destination: own (or no communication): + peers' slots, * scale -> out; peer: its slot for this rank.
     Element_* dst;
     int64_t ld;
     if (own || !comm) {
@@ -388,60 +398,132 @@ class GemmRsEpilogue {
     }
     float const scale = (own || !comm) ? p_.out_scale : 1.f;
     bool const vec = (N % kVec == 0) && (ld % kVec == 0);
-    int const first_chunk = (own || !comm || active) ? thread_idx : kTileM * kChunksPerRow;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int chunk = first_chunk; chunk < kTileM * kChunksPerRow; chunk += kThreads) {
-      int const r = chunk / kChunksPerRow;
-      int const c = (chunk % kChunksPerRow) * kVec;
-      if (r >= rows || c >= cols) {
-        continue;
+    bool const push = comm && !own && active;     // this tile goes to a peer
+    bool const bulk = kAsyncPush && push && vec;  // ... by bulk copies (16-byte multiples and alignment)
+
+    Tensor coord_mn = make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{}));
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor thr_coord = thr_mma.partition_C(coord_mn);  // (m, n) within the tile of each accumulator
+    static_assert(decltype(size(thr_coord))::value == decltype(size(accumulators))::value);
+    static_assert(decltype(size(accumulators))::value % 2 == 0);
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int split = 0; split < kSplits; ++split) {
+      int const sub0 = split * kSubN;  // first tile column of this subtile
+      if (sub0 >= cols) {
+        break;  // the same for every thread
       }
-      Element_ const* src = stage + r * kPitch + c;
-      int64_t const grow = int64_t(row0 + r);
-      int const gcol = col0 + c;
-      if (vec) {
-        cutlass::Array<Element_, kVec> v = *reinterpret_cast<cutlass::Array<Element_, kVec> const*>(src);
-        if (peer_slots != nullptr || scale != 1.f) {
-          float acc[kVec];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kVec; ++j) acc[j] = float(v[j]);
-          if (peer_slots != nullptr) {
-            for (int q = 0; q < p_.world; ++q) {
-              if (q == p_.rank) continue;
-              uint4 bits = __ldcg(reinterpret_cast<uint4 const*>(peer_slots + int64_t(q) * slot_elems +
-                                                                 grow * N + gcol));
-              auto const& w = reinterpret_cast<cutlass::Array<Element_, kVec> const&>(bits);
+      // 2. accumulators (+ bias) of this subtile -> shared tile, rounded to the output type.
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accumulators); i += 2) {
+        // Accumulators 2j and 2j+1 are adjacent columns of one row (GMMA C layout), starting at an even column.
+        int const r = get<0>(thr_coord(i));
+        int const c = get<1>(thr_coord(i));
+        if (c < sub0 || c >= sub0 + kSubN) {
+          continue;
+        }
+        float v0 = accumulators(i);
+        float v1 = accumulators(i + 1);
+        if (p_.bias != nullptr) {
+          if (c < cols) v0 += float(p_.bias[col0 + c]);
+          if (c + 1 < cols) v1 += float(p_.bias[col0 + c + 1]);
+        }
+        cutlass::Array<Element_, 2> two;
+        two[0] = Element_(v0);
+        two[1] = Element_(v1);
+        *reinterpret_cast<cutlass::Array<Element_, 2>*>(stage + r * kPitch + (c - sub0)) = two;
+      }
+      if (bulk) {
+        cutlass::arch::fence_view_async_shared();  // the bulk copies read through the async proxy
+      }
+      tile_sync();  // the shared subtile is complete
+
+      // 3. shared subtile -> destination.
+      if (bulk) {
+        if (thread_idx < 32) {  // one warp issues a bulk copy per row; the TMA unit moves the bytes
+          uint32_t const bytes = uint32_t(min(kSubN, cols - sub0)) * uint32_t(sizeof(Element_));
+          for (int r = thread_idx; r < rows; r += 32) {
+            rs_bulk_copy_s2g(dst + int64_t(row0 + r) * ld + col0 + sub0, stage + r * kPitch, bytes);
+          }
+          rs_bulk_commit();
+          rs_bulk_wait_read();  // the subtile may be overwritten once every row was read
+        }
+      } else if (own || !comm || active) {
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int chunk = thread_idx; chunk < kTileM * kChunksPerRow; chunk += kThreads) {
+          int const r = chunk / kChunksPerRow;
+          int const c = sub0 + (chunk % kChunksPerRow) * kVec;  // tile column
+          if (r >= rows || c >= cols) {
+            continue;
+          }
+          Element_ const* src = stage + r * kPitch + (c - sub0);
+          int64_t const grow = int64_t(row0 + r);
+          int const gcol = col0 + c;
+          if (vec) {
+            cutlass::Array<Element_, kVec> v = *reinterpret_cast<cutlass::Array<Element_, kVec> const*>(src);
+            if (peer_slots != nullptr || scale != 1.f) {
+              float acc[kVec];
               CUTLASS_PRAGMA_UNROLL
-              for (int j = 0; j < kVec; ++j) acc[j] += float(w[j]);
+              for (int j = 0; j < kVec; ++j) acc[j] = float(v[j]);
+              if (peer_slots != nullptr) {
+                for (int q = 0; q < p_.world; ++q) {
+                  if (q == p_.rank) continue;
+                  uint4 bits = __ldcg(reinterpret_cast<uint4 const*>(peer_slots + int64_t(q) * slot_elems +
+                                                                     grow * N + gcol));
+                  auto const& w = reinterpret_cast<cutlass::Array<Element_, kVec> const&>(bits);
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int j = 0; j < kVec; ++j) acc[j] += float(w[j]);
+                }
+              }
+              CUTLASS_PRAGMA_UNROLL
+              for (int j = 0; j < kVec; ++j) v[j] = Element_(acc[j] * scale);
+            }
+            *reinterpret_cast<uint4*>(dst + grow * ld + gcol) = reinterpret_cast<uint4 const&>(v);
+          } else {
+            for (int j = 0; j < kVec && c + j < cols; ++j) {
+              float acc = float(src[j]);
+              if (peer_slots != nullptr) {
+                for (int q = 0; q < p_.world; ++q) {
+                  if (q != p_.rank) acc += float(load_cg(peer_slots + int64_t(q) * slot_elems + grow * N + gcol + j));
+                }
+              }
+              dst[grow * ld + gcol + j] = Element_(acc * scale);
             }
           }
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kVec; ++j) v[j] = Element_(acc[j] * scale);
-        }
-        *reinterpret_cast<uint4*>(dst + grow * ld + gcol) = reinterpret_cast<uint4 const&>(v);
-      } else {
-        for (int j = 0; j < kVec && c + j < cols; ++j) {
-          float acc = float(src[j]);
-          if (peer_slots != nullptr) {
-            for (int q = 0; q < p_.world; ++q) {
-              if (q != p_.rank) acc += float(load_cg(peer_slots + int64_t(q) * slot_elems + grow * N + gcol + j));
-            }
-          }
-          dst[grow * ld + gcol + j] = Element_(acc * scale);
         }
       }
+      tile_sync();  // the shared subtile is read before it is written again (next subtile or next tile)
     }
 
     // 4. publish a peer tile: all its stores are performed at system scope before its flag is.
-    if (!own && comm) {
-      tile_sync();
-      if (thread_idx == 0 && active) {
-        auto* flags = reinterpret_cast<uint32_t*>(p_.buffers[segment] + p_.flags_offset);
-        __threadfence_system();
-        rs_store_release(flags + int64_t(p_.rank) * flags_per_src + tile_flag, p_.epoch);
+    if (push) {
+      uint32_t* flag = reinterpret_cast<uint32_t*>(p_.buffers[segment] + p_.flags_offset) +
+                       int64_t(p_.rank) * flags_per_src + tile_flag;
+      if (bulk) {
+        if (thread_idx < 32) {
+          pending_flag_ = flag;  // flush_pending() publishes it once the copies landed
+        }
+      } else if (thread_idx == 0) {
+        __threadfence_system();  // after the tile_sync above: every thread's stores to the peer are issued
+        rs_store_release(flag, p_.epoch);
       }
-    } else {
-      tile_sync();  // the shared tile is read before the next tile's step 1 writes it
+    }
+  }
+
+  // Publishes the flag of the tile this warp last pushed by bulk copies, once they have landed.  Called at the
+  // start of each epilogue and from store_tail (after the CTA's last tile).  All 32 lanes of the issuing warp
+  // hold the same pending flag, so they take the branch together.
+  CUTLASS_DEVICE void flush_pending() {
+    if constexpr (kAsyncPush) {
+      if (pending_flag_ != nullptr) {
+        rs_bulk_wait_written();
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) {
+          __threadfence_system();
+          rs_store_release(pending_flag_, p_.epoch);
+        }
+        pending_flag_ = nullptr;
+      }
     }
   }
 
@@ -452,6 +534,25 @@ class GemmRsEpilogue {
   }
 
   Params p_;
+  uint32_t* pending_flag_ = nullptr;  // AsyncPush: the flag of the last tile this warp pushed, not yet published
+};
+
+// The collective epilogue GemmUniversal drives: CUTLASS's adapter for a per-tile epilogue, plus a store_tail that
+// publishes the last pushed tile's flag (AsyncPush).  The cooperative kernel calls store_tail once, after the
+// CTA's last tile; the ping-pong kernel after every tile (so there the push waits for its copies each tile).
+template <class Epilogue>
+class GemmRsCollectiveEpilogue : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
+
+ public:
+  using Base::Base;
+
+  template <class LoadPipeline, class LoadPipelineState, class StorePipeline, class StorePipelineState>
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, LoadPipelineState load_state, StorePipeline,
+                                 StorePipelineState store_state) {
+    this->flush_pending();
+    return cute::make_tuple(load_state, store_state);
+  }
 };
 
 }  // namespace fluxinductor
