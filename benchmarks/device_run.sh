@@ -65,5 +65,5 @@ for step in $STEPS; do
   esac
 done
 # The device tool brings back only a few files: pack the logs and JSON into one archive.
-( cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude '*.so' . && \
-  find . -mindepth 1 ! -name results.tgz ! -name '*.so' -delete )
+tar czf /tmp/results.tgz -C "$OUT" --exclude '*.so' . && \
+  find "$OUT" -mindepth 1 ! -name '*.so' -delete && mv /tmp/results.tgz "$OUT/"

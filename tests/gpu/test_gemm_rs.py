@@ -197,6 +197,12 @@ def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
     if not gemm_rs._extension().gemm_rs_tuning_build():
         pytest.skip("tuning variants need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_CONFIG", str(config))
+    # Load the variant's kernel before the ranks' kernels wait on each other: with CUDA's lazy module loading a
+    # first launch while another rank's kernel spins on this GPU can stall until that kernel's flag wait times
+    # out (seen on H200: the first case of every variant failed with code 3, the later ones passed).
+    a = torch.randn(128, 264, dtype=torch.bfloat16, device="cuda")
+    gemm_rs.gemm_only(a, make_weight(264, n, True, torch.bfloat16, "cuda"), None)
+    torch.cuda.synchronize()
     assert _simulate(world, 200 * world, 264, n, calls=4) < 1e-2
 
 
