@@ -363,30 +363,11 @@ class GemmRsEpilogue {
     // tile_sync below (another CTA may abort while this one is half-way through a tile).
     bool const active = !comm || rs_load_volatile(p_.local_status) == p_.epoch;
 
-    // 1. own tile: wait until every peer delivered its part of it.
     Element_ const* peer_slots = nullptr;
     int64_t const slot_elems = int64_t(M) * N;
     int64_t const tile_flag = int64_t(m_coord) * p_.tiles_n + int64_t(n_coord);
     int64_t const flags_per_src = int64_t(p_.tiles_m) * p_.tiles_n;
-    if (own && comm) {
-      char* local = p_.buffers[p_.rank];
-      if (thread_idx == 0 && active) {
-        auto const* flags = reinterpret_cast<uint32_t const*>(local + p_.flags_offset);
-        for (int q = 0; q < p_.world; ++q) {
-          if (q != p_.rank &&
-              !rs_wait_flag(flags + int64_t(q) * flags_per_src + tile_flag, p_.epoch, p_.local_status, p_.error,
-                            p_.timeout_ns, 3 /* kGemmRsTileTimeout */)) {
-            break;
-          }
-        }
-      }
-      tile_sync();  // thread 0's acquire orders everyone's reads of the peers' slots below
-      if (rs_load_volatile(p_.local_status) == p_.epoch) {
-        peer_slots = reinterpret_cast<Element_ const*>(local + p_.data_offset);
-      }
-    }
 
-    // Destination: own (or no communication): + peers' slots, * scale -> out; peer: its slot for this rank.
     Element_* dst;
     int64_t ld;
     if (own || !comm) {
@@ -413,14 +394,17 @@ class GemmRsEpilogue {
       if (sub0 >= cols) {
         break;  // the same for every thread
       }
-      // 2. accumulators (+ bias) of this subtile -> shared tile, rounded to the output type.
+      // 1. accumulators (+ bias) of this subtile -> shared tile, rounded to the output type; an own tile's
+      // thread 0 then waits for the peers' parts (2).
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accumulators); i += 2) {
         // Accumulators 2j and 2j+1 are adjacent columns of one row (GMMA C layout), starting at an even column.
         int const r = get<0>(thr_coord(i));
         int const c = get<1>(thr_coord(i));
-        if (c < sub0 || c >= sub0 + kSubN) {
-          continue;
+        if constexpr (kSplits > 1) {
+          if (c < sub0 || c >= sub0 + kSubN) {
+            continue;
+          }
         }
         float v0 = accumulators(i);
         float v1 = accumulators(i + 1);
@@ -436,9 +420,24 @@ class GemmRsEpilogue {
       if (bulk) {
         cutlass::arch::fence_view_async_shared();  // the bulk copies read through the async proxy
       }
-      tile_sync();  // the shared subtile is complete
+      bool const first = split == 0;
+      if (first && own && comm && thread_idx == 0 && active) {
+        // own tile: wait (while the other threads stage) until every peer delivered its part of it.
+        auto const* flags = reinterpret_cast<uint32_t const*>(p_.buffers[p_.rank] + p_.flags_offset);
+        for (int q = 0; q < p_.world; ++q) {
+          if (q != p_.rank &&
+              !rs_wait_flag(flags + int64_t(q) * flags_per_src + tile_flag, p_.epoch, p_.local_status, p_.error,
+                            p_.timeout_ns, 3 /* kGemmRsTileTimeout */)) {
+            break;
+          }
+        }
+      }
+      tile_sync();  // the shared subtile is complete, and thread 0's acquire orders the slot reads below
+      if (first && own && comm && rs_load_volatile(p_.local_status) == p_.epoch) {
+        peer_slots = reinterpret_cast<Element_ const*>(p_.buffers[p_.rank] + p_.data_offset);
+      }
 
-      // 3. shared subtile -> destination.
+      // 3. shared subtile -> destination (own: + peers' slots, * scale -> out; peer: its slot for this rank).
       if (bulk) {
         if (thread_idx < 32) {  // one warp issues a bulk copy per row; the TMA unit moves the bytes
           uint32_t const bytes = uint32_t(min(kSubN, cols - sub0)) * uint32_t(sizeof(Element_));
