@@ -57,20 +57,6 @@ for step in $STEPS; do
       timeout 300 torchrun --nproc-per-node 2 tests/gpu/run_gemm_rs_2rank.py --skip-checks --bench \
         --configs "${RS_CONFIGS:-0,4,2;6,4,2}" --json "$OUT/rs_configs.json" > "$OUT/rsbench.log" 2>&1
       echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench.log" | tail -30 | cut -c1-400 ;;
-    pacebench)
-      # AG+GEMM pull pacing A/B: FLUXINDUCTOR_AG_PACE / FLUXINDUCTOR_AG_CHUNKS per run, unpaced again last
-      timeout 60 torchrun --nproc-per-node 2 tests/gpu/run_ag_gemm_2rank.py --calls 200 > "$OUT/pace_checks.log" 2>&1
-      FLUXINDUCTOR_AG_PACE=1 FLUXINDUCTOR_AG_CHUNKS=8 timeout 60 torchrun --nproc-per-node 2 \
-        tests/gpu/run_ag_gemm_2rank.py --calls 200 >> "$OUT/pace_checks.log" 2>&1
-      grep -E "PASSED|FAIL|Error" "$OUT/pace_checks.log" | head -6
-      for cfg in "0 2 a" "1 4 b" "1 8 c" "0 2 d"; do
-        set -- $cfg
-        FLUXINDUCTOR_AG_PACE=$1 FLUXINDUCTOR_AG_CHUNKS=$2 FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} timeout 150 \
-          torchrun --nproc-per-node 2 benchmarks/bench_ops.py --ops ag_gemm --no-plot \
-          --contenders gemm,nccl_seq,fused_nocomm,fused --shapes "${PACE_SHAPES:-4096x12288x49152,8192x8192x28672}" \
-          --out "$OUT/pace_p$1_c$2_$3" > "$OUT/pace_p$1_c$2_$3.log" 2>&1
-        echo "pace=$1 chunks=$2 ($3) rc=$?"; grep -E "^AG\+GEMM" "$OUT/pace_p$1_c$2_$3.log"
-      done ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
         torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \

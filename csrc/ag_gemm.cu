@@ -125,29 +125,6 @@ Error stream_write_value32(void* address, uint32_t value, void* stream) {
   return {};
 }
 
-Error stream_wait_value32_geq(void* address, uint32_t value, void* stream) {
-  static PFN_cuStreamWaitValue32_v11070 wait_value32 = nullptr;
-  static std::once_flag once;
-  static cudaError_t lookup_status = cudaSuccess;
-  std::call_once(once, [] {
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    lookup_status = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", reinterpret_cast<void**>(&wait_value32),
-                                                     12000, cudaEnableDefault, &found);
-    if (found != cudaDriverEntryPointSuccess) {
-      wait_value32 = nullptr;
-    }
-  });
-  if (wait_value32 == nullptr) {
-    return cuda_error("cuStreamWaitValue32 not available", lookup_status);
-  }
-  CUresult result = wait_value32(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
-                                 CU_STREAM_WAIT_VALUE_GEQ);
-  if (result != CUDA_SUCCESS) {
-    return make_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
-  }
-  return {};
-}
-
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
   cudaError_t status =
       cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));

@@ -47,7 +47,6 @@ struct AllGatherGemmParams {
   Variant variant = Variant::kCooperative128x256Cluster2x1;
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
-  uint32_t* progress = nullptr;   // optional: raised to (work unit + 1) as the GEMM hands out tiles (pacing)
 };
 
 // Checks and launches on `stream` (a cudaStream_t).
@@ -58,9 +57,6 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& params);
 
 // cuStreamWriteValue32(stream, address, value) through the driver entry point (no libcuda link).
 Error stream_write_value32(void* address, uint32_t value, void* stream);
-
-// cuStreamWaitValue32(stream, address, value, GEQ): the stream waits until *address >= value.
-Error stream_wait_value32_geq(void* address, uint32_t value, void* stream);
 
 // cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);

@@ -26,8 +26,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int64_t n, int64_t ldb, bool b_k_contiguous, int64_t bias, int64_t out,
                                              int64_t ldo, int64_t flags, uint32_t epoch, int rank, int world,
                                              int64_t shard_rows, int chunks_per_rank, int group_cluster_rows,
-                                             int sm_count, long long timeout_ns, int64_t error_word, int variant,
-                                             int64_t progress) {
+                                             int sm_count, long long timeout_ns, int64_t error_word, int variant) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -46,7 +45,6 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.timeout_ns = timeout_ns;
   p.error_word = reinterpret_cast<int*>(error_word);
   p.variant = agg::Variant(variant);
-  p.progress = reinterpret_cast<uint32_t*>(progress);
   return p;
 }
 
@@ -56,7 +54,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("flags") = 0, py::arg("epoch") = 0, py::arg("rank") = 0, py::arg("world") = 1,                 \
       py::arg("shard_rows") = 0, py::arg("chunks_per_rank") = 1, py::arg("group_cluster_rows") = 8,          \
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
-      py::arg("variant") = 0, py::arg("progress") = 0
+      py::arg("variant") = 0
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -64,11 +62,11 @@ void export_ag_gemm(py::module_& m) {
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
-         long long timeout_ns, int64_t error_word, int variant, int64_t progress, int64_t stream) {
+         long long timeout_ns, int64_t error_word, int variant, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, group_cluster_rows, sm_count, timeout_ns,
-                                error_word, variant, progress),
+                                error_word, variant),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -78,10 +76,10 @@ void export_ag_gemm(py::module_& m) {
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
-         long long timeout_ns, int64_t error_word, int variant, int64_t progress) {
+         long long timeout_ns, int64_t error_word, int variant) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
-            chunks_per_rank, group_cluster_rows, sm_count, timeout_ns, error_word, variant, progress)).message);
+            chunks_per_rank, group_cluster_rows, sm_count, timeout_ns, error_word, variant)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -90,14 +88,6 @@ void export_ag_gemm(py::module_& m) {
         check_ok(agg::stream_write_value32(reinterpret_cast<void*>(address), value, reinterpret_cast<void*>(stream)));
       },
       "cuStreamWriteValue32: write `value` to device `address` when `stream` reaches this point",
-      py::arg("address"), py::arg("value"), py::arg("stream"));
-  m.def(
-      "ag_stream_wait_value32",
-      [](int64_t address, uint32_t value, int64_t stream) {
-        check_ok(agg::stream_wait_value32_geq(reinterpret_cast<void*>(address), value,
-                                              reinterpret_cast<void*>(stream)));
-      },
-      "cuStreamWaitValue32 (GEQ): `stream` waits until the device word at `address` is >= `value`",
       py::arg("address"), py::arg("value"), py::arg("stream"));
   m.def(
       "ag_memcpy_async",

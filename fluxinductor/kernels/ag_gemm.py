@@ -34,35 +34,8 @@ GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2; tuning builds add
 # 3 cooperative 256x128 cluster 2x1 and 4 cooperative 128x256 cluster 1x2.
 VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
-# Rows of A one cluster row covers, per variant (tile M x cluster M), and columns one cluster column covers.
+# Rows of A one cluster row covers, per variant (tile M x cluster M).
 _CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}
-_CLUSTER_COL_WIDTH = {0: 256, 1: 256, 2: 256, 3: 128, 4: 512}
-_CTAS_PER_CLUSTER = 2
-# Pacing (experimental, off by default): pull peer chunk c only once the GEMM has handed out the work units
-# before the point where it needs it, minus one wave, instead of all at once at the start.  The copy engine
-# then moves the shard in bursts spread over the GEMM, not in one burst beside its first waves.
-PACE = os.environ.get("FLUXINDUCTOR_AG_PACE", "0") not in ("", "0")
-
-
-def pace_thresholds(m: int, n: int, world: int, chunks_per_rank: int, variant: int, sm_count: int) -> List[List[int]]:
-    """[step - 1][chunk]: the progress value (work units handed out) the pull of the peer at ``step`` waits for.
-
-    Work units are (cluster row, cluster column) pairs walked shard by shard from this rank's own (see
-    ag_gemm_scheduler.cuh), so the shard at position ``step`` is first read at unit ~step * units/world.
-    Chunk c of that peer is pulled from (step - 1 + c / chunks) * units/world minus one wave of clusters:
-    while the GEMM works on the shard before it, a chunk at a time, each ahead of need by at least a wave.
-    When shards are not whole cluster rows, a cluster row holding two shards' rows is walked with the shard
-    before, so later chunks could be needed before their threshold: no pacing then (all thresholds 0).
-    """
-    height = _CLUSTER_ROW_HEIGHT.get(variant, 256)
-    if (m // world) % height:
-        return [[0] * chunks_per_rank for _ in range(1, world)]
-    rows = -(-m // height)
-    cols = -(-n // _CLUSTER_COL_WIDTH.get(variant, 256))
-    per_position = rows * cols / world
-    wave = max(1, sm_count // _CTAS_PER_CLUSTER)
-    return [[max(0, int((step - 1 + c / chunks_per_rank) * per_position) - wave) for c in range(chunks_per_rank)]
-            for step in range(1, world)]
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
@@ -189,14 +162,12 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 epoch: int = 0, rank: int = 0, world: int = 1, shard_rows: int = 0,
                 chunks_per_rank: Optional[int] = None, sm_count: int = 0,
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
-                timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
-                progress: Optional[Tensor] = None) -> Tensor:
+                timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
     the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).
     ``group_rows``/``variant`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT).
-    ``progress`` (an int32 word, with ``flags``): raised to the work units handed out, for pacing the pulls.
     """
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     variant = VARIANT if variant is None else variant
@@ -216,7 +187,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
         shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
-        progress=0 if progress is None else progress.data_ptr(), stream=stream.cuda_stream)
+        stream=stream.cuda_stream)
     return out
 
 
@@ -228,15 +199,12 @@ def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]
 
 def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
                 epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                gathered_out: Optional[Tensor] = None, progress: Optional[Tensor] = None,
-                thresholds: Optional[Sequence[Sequence[int]]] = None) -> None:
+                gathered_out: Optional[Tensor] = None) -> None:
     """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
 
     dst: [M, K] (this rank's gathered buffer); sources[q]: [M, K] view of rank q's buffer (only rows of q
     are read; sources[rank] is not used).  Peers are pulled in the order r+1, r+2, ... (the kernel's tile
     order); chunk c of rank q sets flags[q * chunks_per_rank + c].  Then copies dst into ``gathered_out``.
-    With ``progress`` and ``thresholds`` (:func:`pace_thresholds`), the pull of chunk c of the peer at step s
-    first waits until ``progress >= thresholds[s - 1][c]`` (the GEMM raises it; it must run concurrently).
     """
     ext = symm.extension()
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
@@ -251,8 +219,6 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
         src_ptr = sources[peer].data_ptr()
         for c, (start, end) in enumerate(bounds):
             first = peer * shard_rows + start
-            if progress is not None and thresholds is not None and thresholds[step - 1][c] > 0:
-                ext.ag_stream_wait_value32(progress.data_ptr(), thresholds[step - 1][c], handle)
             if end > start:
                 ext.ag_memcpy_async(dst_ptr + first * row_bytes, src_ptr + first * row_bytes,
                                     (end - start) * row_bytes, handle)
@@ -311,12 +277,6 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     main = torch.cuda.current_stream(device)
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
     buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
-    progress = thresholds = None
-    if PACE:
-        progress = ws.progress[parity]
-        progress.zero_()  # on main, before the barrier: ordered before the side stream's waits and the GEMM
-        thresholds = pace_thresholds(m, weights[0].shape[1], world, chunks, VARIANT,
-                                     torch.cuda.get_device_properties(device).multi_processor_count)
     ws.barrier(parity)  # every slot written; every peer done with this buffer's previous use
 
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
@@ -324,13 +284,13 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     side = ws.side_stream
     side.wait_stream(main)
     sources = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
-    pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered, progress, thresholds)
+    pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered)
 
     outputs = []
     for weight, bias in zip(weights, biases):
         out = shard2d.new_empty((m, weight.shape[1]))
         launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
-                    shard_rows=shard_rows, chunks_per_rank=chunks, stream=main, progress=progress)
+                    shard_rows=shard_rows, chunks_per_rank=chunks, stream=main)
         outputs.append(out)
     main.wait_stream(side)
     return outputs, gathered

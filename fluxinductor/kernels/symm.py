@@ -110,8 +110,6 @@ class SymmetricWorkspace:
         self.handles = [None, None]  # _SymmetricMemory handles
         # flags: [parity, world * MAX_CHUNKS_PER_RANK] int32, set to the epoch when a chunk has landed
         self.flags = torch.zeros((2, self.world * MAX_CHUNKS_PER_RANK), dtype=torch.int32, device=device)
-        # progress: [parity] int32, raised by the GEMM as it hands out work units (AG pacing, see ag_gemm.py)
-        self.progress = torch.zeros(2, dtype=torch.int32, device=device)
         self.epoch = 0
         self.side_stream = torch.cuda.Stream(device=device)
         self.checked_layouts: set = set()

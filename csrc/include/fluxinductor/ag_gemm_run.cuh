@@ -58,7 +58,6 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   schedule.group_cluster_rows = p.group_cluster_rows > 0 ? p.group_cluster_rows : 8;
   schedule.timeout_ns = p.timeout_ns;
   schedule.error_word = p.error_word;
-  schedule.progress = p.flags ? p.progress : nullptr;
 
   cutlass::KernelHardwareInfo hw_info;
   cudaGetDevice(&hw_info.device_id);

@@ -39,9 +39,6 @@ struct AllGatherSchedule {
   int group_cluster_rows = 8;       // cluster rows per group (see above); >= 1
   long long timeout_ns = 5000000000LL;
   volatile int* error_word = nullptr;  // host-mapped; kErrorFlagTimeout on timeout
-  // Optional pacing (FLUXINDUCTOR_AG_PACE): raised to (unit + 1) as units are handed out, so the copy
-  // engine's stream can wait (cuStreamWaitValue32 >=) for the GEMM to reach a point before pulling a chunk.
-  uint32_t* progress = nullptr;
 };
 
 // Tag selecting AllGatherTileScheduler in CUTLASS's TileSchedulerSelector.
@@ -168,9 +165,6 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     WorkTileInfo work{int(row * scheduler_params.cluster_shape_m_) + cta_m_in_cluster_,
                       int(col * scheduler_params.cluster_shape_n_) + cta_n_in_cluster_, 0, true};
     if (waits_) {
-      if (schedule_.progress != nullptr && threadIdx.x == 0) {
-        atomicMax(schedule_.progress, unit + 1);  // before waiting: progress never depends on a pull
-      }
       wait_for_rows(work.M_idx);
     }
     return work;
