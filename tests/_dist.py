@@ -51,6 +51,8 @@ def _worker(
 ) -> None:
     try:
         os.environ.update(env)
+        if "TORCHINDUCTOR_CACHE_DIR" in env:  # one cache per rank (see run_ranks)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(env["TORCHINDUCTOR_CACHE_DIR"], f"rank{rank}")
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -92,10 +94,12 @@ def run_ranks(
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
 
-    ``env`` is set in every rank before torch is imported there.  ``cache_dir`` is the ranks'
-    ``TORCHINDUCTOR_CACHE_DIR``; by default each job gets a fresh empty one, so no compile is served
-    from an earlier job's FX graph cache.  The ranks of one job share it (inductor locks its entries),
-    so identical graphs are compiled once per job, not once per rank.
+    ``env`` is set in every rank before torch is imported there.  ``cache_dir`` holds the ranks'
+    ``TORCHINDUCTOR_CACHE_DIR``s (``<cache_dir>/rank<r>``); by default each job gets a fresh empty one, so
+    no compile is served from an earlier job's FX graph cache.  Each rank has its own: when ranks shared
+    one, a rank that compiled a graph identical to its peer's a moment later was served the peer's entry,
+    skipped the passes, and recorded no fusion decisions (test_integer_matmul_is_skipped_and_exact failed
+    that way in one CI run and in one of three reruns).  A later job given the same ``cache_dir`` hits rank by rank.
     """
     env = dict(env or {})
     # Scalar C++ kernels: without the vectorized ATen headers each kernel compiles ~4x faster, and the
