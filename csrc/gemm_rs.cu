@@ -226,45 +226,46 @@ int tuning_config() {
   char const* env = std::getenv("FLUXINDUCTOR_GEMM_RS_CONFIG");
   return env ? std::atoi(env) : 0;
 }
-#else
-int tuning_config() { return 0; }
+// The one list of tuning configurations: calls f(Shape{}) for `config`; false when there is no such config.
+template <class F>
+bool visit_tuning_shape(int config, F&& f) {
+  switch (config) {
+    case 1: f(TuningShape1{}); return true;
+    case 2: f(TuningShape2{}); return true;
+    case 3: f(TuningShape3{}); return true;
+    case 4: f(TuningShape4{}); return true;
+    case 5: f(TuningShape5{}); return true;
+    case 6: f(TuningShape6{}); return true;
+  }
+  return false;
+}
 #endif
 #endif
 
-int gemm_rs_tile_m() {
-#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  switch (tuning_config()) {
-    case 1: return TuningShape1::kTileM;
-    case 2: return TuningShape2::kTileM;
-    case 3: return TuningShape3::kTileM;
-    case 4: return TuningShape4::kTileM;
-    case 5: return TuningShape5::kTileM;
-    case 6: return TuningShape6::kTileM;
-  }
-#endif
+namespace {
+struct TileMN {
+  int m;
+  int n;
+};
+
+// The tile of the kernel gemm_rs_run picks (the flag layout follows it).
+TileMN current_tile() {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
-  return DefaultShape::kTileM;
+  TileMN tile{DefaultShape::kTileM, DefaultShape::kTileN};
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+  visit_tuning_shape(tuning_config(), [&](auto shape) {
+    tile = {decltype(shape)::kTileM, decltype(shape)::kTileN};
+  });
+#endif
+  return tile;
 #else
-  return 128;
+  return {128, 128};
 #endif
 }
-int gemm_rs_tile_n() {
-#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  switch (tuning_config()) {
-    case 1: return TuningShape1::kTileN;
-    case 2: return TuningShape2::kTileN;
-    case 3: return TuningShape3::kTileN;
-    case 4: return TuningShape4::kTileN;
-    case 5: return TuningShape5::kTileN;
-    case 6: return TuningShape6::kTileN;
-  }
-#endif
-#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
-  return DefaultShape::kTileN;
-#else
-  return 128;
-#endif
-}
+}  // namespace
+
+int gemm_rs_tile_m() { return current_tile().m; }
+int gemm_rs_tile_n() { return current_tile().n; }
 int gemm_rs_warps_per_tile() { return 1; }  // one flag per tile
 bool gemm_rs_tuning_build() {
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING) && defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -326,15 +327,13 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     if (args.dtype != 0 || !args.b_k_major) {
       return fail("tuning configurations exist for bf16 with a K-major weight only");
     }
-    switch (config) {
-      case 1: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape1>>(args, stream);
-      case 2: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape2>>(args, stream);
-      case 3: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape3>>(args, stream);
-      case 4: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape4>>(args, stream);
-      case 5: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape5>>(args, stream);
-      case 6: return run_config<GemmRsConfig<bfloat16_t, ColumnMajor, TuningShape6>>(args, stream);
-      default: return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..6");
+    int rc = 0;
+    if (!visit_tuning_shape(config, [&](auto shape) {
+          rc = run_config<GemmRsConfig<bfloat16_t, ColumnMajor, decltype(shape)>>(args, stream);
+        })) {
+      return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..6");
     }
+    return rc;
   }
 #endif
   if (args.dtype == 0) {
