@@ -79,6 +79,10 @@ ANCHOR_SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672),
                  (1024, 8192, 8192)]
 EXTRA_SHAPES = [(512, 8192, 28672), (3072, 8192, 28672), (4096, 49152, 12288)]
 DEFAULT_SHAPES = ANCHOR_SHAPES + EXTRA_SHAPES
+# Flux's demo shapes (arXiv 2406.06858, its TP=8 table on H800), each for one op: `--shapes flux`.
+FLUX_M = (1024, 2048, 4096, 8192, 16384)
+FLUX_DEMO = [("ag_gemm", (m, 12288, 49152)) for m in FLUX_M] + [("gemm_rs", (m, 49152, 12288)) for m in FLUX_M]
+OP_PREFIX = {"ag": "ag_gemm", "ag_gemm": "ag_gemm", "rs": "gemm_rs", "gemm_rs": "gemm_rs"}
 QUICK_CUDA_SHAPES = [(1024, 8192, 8192), (2048, 8192, 28672)]
 # Divisible by 2, 4 and 8 ranks; odd enough that a transposed or misindexed operand shows.
 QUICK_CPU_SHAPES = [(64, 40, 48), (96, 64, 56)]
@@ -708,13 +712,37 @@ def parse_shapes(spec: Optional[str], default: Sequence[Tuple[int, int, int]]) -
     return chosen
 
 
+def parse_work(spec: Optional[str], default: Sequence[Tuple[int, int, int]],
+               ops: Sequence[str]) -> List[Tuple[str, Tuple[int, int, int]]]:
+    """(op, shape) pairs to run, grouped by op in ``ops`` order.  ``--shapes`` items as parse_shapes takes
+    them run for every op in ``ops``; ``ag:MxKxN`` / ``rs:MxKxN`` (wildcards allowed) for that op only;
+    ``flux`` is Flux's demo set (AG+GEMM Mx12288x49152, GEMM+RS Mx49152x12288, M 1024..16384)."""
+    pairs: List[Tuple[str, Tuple[int, int, int]]] = []
+    items = [i.strip().lower() for i in spec.split(",") if i.strip()] if spec else [None]
+    for item in items:
+        if item == "flux":
+            found = list(FLUX_DEMO)
+        else:
+            only = None
+            if item is not None and ":" in item:
+                prefix, item = item.split(":", 1)
+                if prefix not in OP_PREFIX:
+                    raise SystemExit(f"--shapes: unknown op prefix {prefix!r} (one of {', '.join(OP_PREFIX)})")
+                only = OP_PREFIX[prefix]
+            found = [(op, s) for s in parse_shapes(item, default) for op in OPS if only in (None, op)]
+        pairs.extend(p for p in found if p[0] in ops and p not in pairs)
+    return [p for op in ops for p in pairs if p[0] == op]
+
+
 def build_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output prefix: writes <out>.json and <out>.png")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
-    p.add_argument("--shapes", default=None, help="comma-separated MxKxN (global); '*' wildcards filter the defaults")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated MxKxN (global); '*' wildcards filter the defaults; 'ag:' / 'rs:' before "
+                        "a shape runs it for that op only; 'flux' = Flux's demo shapes")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of " + ",".join(CONTENDERS))
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per contender (default 5)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per contender (default 20)")
@@ -756,17 +784,15 @@ def main(argv=None) -> int:
     default = (QUICK_CUDA_SHAPES if ctx.is_cuda else QUICK_CPU_SHAPES) if args.quick else DEFAULT_SHAPES
     if not ctx.is_cuda and not args.quick and not args.shapes:
         default = QUICK_CPU_SHAPES  # the GPU shapes take minutes per GEMM on a CPU
-    shapes = parse_shapes(args.shapes, default)
     notes: List[str] = []
     work: List[Tuple[str, Tuple[int, int, int]]] = []
-    for op in ops:
-        for (m, k, n) in shapes:
-            divisible = (m % ctx.world == 0 and n % ctx.world == 0) if op == "ag_gemm" else \
-                (m % ctx.world == 0 and k % ctx.world == 0)
-            if divisible:
-                work.append((op, (m, k, n)))
-            else:
-                notes.append(f"skipped {OP_LABEL[op]} {m}x{k}x{n}: does not split over {ctx.world} ranks")
+    for op, (m, k, n) in parse_work(args.shapes, default, ops):
+        divisible = (m % ctx.world == 0 and n % ctx.world == 0) if op == "ag_gemm" else \
+            (m % ctx.world == 0 and k % ctx.world == 0)
+        if divisible:
+            work.append((op, (m, k, n)))
+        else:
+            notes.append(f"skipped {OP_LABEL[op]} {m}x{k}x{n}: does not split over {ctx.world} ranks")
 
     data = {"schema": "fluxinductor.bench_ops/1", "complete": False, "environment": environment(ctx, args),
             "contenders": contenders, "notes": notes, "results": []}

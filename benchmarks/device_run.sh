@@ -1,21 +1,24 @@
 #!/bin/bash
-# One device call (nvidia-h200-x2) that builds the extension, runs the GPU tests (single-GPU N-rank and
+# One device call (nvidia-h200-x2, or NPROC=4 on nvidia-h200-x4) that builds the extension, runs the GPU tests (single-GPU N-rank and
 # 2-rank torchrun checks), the example on 2 GPUs and the op benchmark.  Everything lands in $OUT:
-#   build.log, _C*.so, gpu_tests.log, example.log, bench_ops.log, h200x2_tp2_ops.{json,png},
-#   tuning/<device>_tp2.json, bench_model.log, h200x2_tp2_model.json
+#   build.log, _C*.so, gpu_tests.log, example.log, bench_ops.log, h200x<N>_tp<N>_ops.{json,png},
+#   tuning/<device>_tp<N>.json, bench_model.log, h200x<N>_tp<N>_model.json  (N = NPROC, default 2)
 #   sweep: sweep_ag.{json,log} (GPU 0) and sweep_rs.{json,log} (GPU 1), kernel configurations vs cuBLAS
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
-# STEPS="none" only builds.  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
+# STEPS="none" only builds.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
 set -u
 export PYTHONUNBUFFERED=1 FLUXINDUCTOR_BUILD_JOBS=16 FLUXINDUCTOR_REQUIRE_EXTENSION=1
 OUT=${OUT:-/tmp/fluxinductor_out}
 STEPS=${STEPS:-"tests example bench model"}
+NPROC=${NPROC:-2}
+TAG=h200x${NPROC}_tp${NPROC}
 mkdir -p "$OUT/tuning"
 cp fluxinductor/tuning/*.json "$OUT/tuning/"
 if [ "${TUNING:-0}" = 1 ]; then export CUDAFLAGS="${CUDAFLAGS:-} -DFLUXINDUCTOR_KERNEL_TUNING"; fi
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
+if [ "$NPROC" -gt 2 ]; then nvidia-smi topo -m | head -8; fi
 python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl
 start=$(date +%s)
 if [ -n "${PREBUILT:-}" ]; then
@@ -32,15 +35,19 @@ for step in $STEPS; do
   case $step in
     tests)
       { timeout 300 python3 -m pytest -q -rs tests/gpu -k "not torchrun"
-        timeout 120 torchrun --nproc-per-node 2 tests/gpu/run_ag_gemm_2rank.py --calls 1000
-        timeout 120 torchrun --nproc-per-node 2 tests/gpu/run_gemm_rs_2rank.py; } > "$OUT/gpu_tests.log" 2>&1
+        timeout 120 torchrun --nproc-per-node "$NPROC" tests/gpu/run_ag_gemm_2rank.py --calls 1000
+        timeout 120 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py; } > "$OUT/gpu_tests.log" 2>&1
       grep -E "passed|failed|error|FAIL|OK|ok" "$OUT/gpu_tests.log" | tail -15 ;;
+    dtests)
+      { timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_ag_gemm_2rank.py --calls 1000
+        timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py; } > "$OUT/dist_tests.log" 2>&1
+      grep -E "PASSED|FAIL|Error|error" "$OUT/dist_tests.log" | sort | uniq -c | tail -15 ;;
     example)
-      timeout 240 torchrun --nproc-per-node 2 examples/sp_transformer_block.py > "$OUT/example.log" 2>&1
+      timeout 240 torchrun --nproc-per-node "$NPROC" examples/sp_transformer_block.py > "$OUT/example.log" 2>&1
       echo "example rc=$?"; tail -25 "$OUT/example.log" ;;
     model)
-      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 330 torchrun --nproc-per-node 2 benchmarks/bench_model.py \
-        --out "$OUT/h200x2_tp2_model" --contender-timeout 120 ${MODEL_ARGS:-} > "$OUT/bench_model.log" 2>&1
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${MODEL_TIMEOUT:-330} torchrun --nproc-per-node "$NPROC" benchmarks/bench_model.py \
+        --out "$OUT/${TAG}_model" --contender-timeout 120 ${MODEL_ARGS:-} > "$OUT/bench_model.log" 2>&1
       echo "bench_model rc=$?"; tail -c 5000 "$OUT/bench_model.log" ;;
     sweep)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/sweep_kernels.py \
@@ -54,12 +61,12 @@ for step in $STEPS; do
         > "$OUT/rstests.log" 2>&1; echo "rstests rc=$?"; tail -5 "$OUT/rstests.log" ;;
     rsbench)
       # fused GEMM+RS per kernel configuration on 2 ranks (RS_CONFIGS: 'config,swizzle,raster;...')
-      timeout 300 torchrun --nproc-per-node 2 tests/gpu/run_gemm_rs_2rank.py --skip-checks --bench \
+      timeout 300 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py --skip-checks --bench \
         --configs "${RS_CONFIGS:-0,4,2;6,4,2}" --json "$OUT/rs_configs.json" > "$OUT/rsbench.log" 2>&1
       echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench.log" | tail -30 | cut -c1-400 ;;
     bench)
-      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout 420 \
-        torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out "$OUT/h200x2_tp2_ops" \
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
+        torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops" \
         --emit-tuning "$OUT/tuning/{device_key}_tp{world}.json" ${BENCH_ARGS:-} > "$OUT/bench_ops.log" 2>&1
       echo "bench rc=$?"; tail -c 6000 "$OUT/bench_ops.log" ;;
   esac

@@ -109,6 +109,29 @@ def test_parse_shapes():
     assert (4096, 49152, 12288) in default and len(default) == 8
 
 
+def test_parse_work_op_prefixes_and_flux_preset():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_ops
+    finally:
+        sys.path.pop(0)
+    default = bench_ops.DEFAULT_SHAPES
+    ops = ("ag_gemm", "gemm_rs")
+    everything = bench_ops.parse_work(None, default, ops)
+    assert everything == [(op, s) for op in ops for s in default]
+    # a prefix restricts a shape to one op; output stays grouped by op, without duplicates
+    assert bench_ops.parse_work("rs:1x2x3,5x6x7,ag:1x2x3,5x6x7", default, ops) == [
+        ("ag_gemm", (5, 6, 7)), ("ag_gemm", (1, 2, 3)), ("gemm_rs", (1, 2, 3)), ("gemm_rs", (5, 6, 7))]
+    assert bench_ops.parse_work("ag:*x8192x8192", default, ops) == [("ag_gemm", (1024, 8192, 8192))]
+    flux = bench_ops.parse_work("flux", default, ops)
+    assert len(flux) == 10
+    assert ("ag_gemm", (4096, 12288, 49152)) in flux and ("gemm_rs", (4096, 49152, 12288)) in flux
+    assert ("gemm_rs", (4096, 12288, 49152)) not in flux
+    assert bench_ops.parse_work("flux", default, ("gemm_rs",)) == [p for p in flux if p[0] == "gemm_rs"]
+    with pytest.raises(SystemExit):
+        bench_ops.parse_work("xx:1x2x3", default, ops)
+
+
 # ---------------------------------------------------------------------------------------------------
 # measure(): the error paths a GPU run can hit, exercised on 2 gloo ranks with fake contenders.
 # ---------------------------------------------------------------------------------------------------
