@@ -62,7 +62,7 @@ for step in $STEPS; do
     rsbench)
       # fused GEMM+RS per kernel configuration on 2 ranks (RS_CONFIGS: 'config,swizzle,raster;...')
       timeout 300 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py --skip-checks --bench \
-        --configs "${RS_CONFIGS:-0,4,2;6,4,2}" --json "$OUT/rs_configs.json" > "$OUT/rsbench.log" 2>&1
+        --configs "${RS_CONFIGS:-0,4,2;6,4,2}" ${RS_SHAPES:+--shapes "$RS_SHAPES"} --json "$OUT/rs_configs.json" > "$OUT/rsbench.log" 2>&1
       echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench.log" | tail -30 | cut -c1-400 ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \

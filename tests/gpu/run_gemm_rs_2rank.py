@@ -51,14 +51,14 @@ def check_correctness(group_name, device, rank, world):
     from fluxinductor.kernels import gemm_rs
 
     cases = [
-        # (M, K, N, dtype, k_major, bias, reduce_op)
-        (2 * 200, 264, 520, torch.bfloat16, True, True, "sum"),
-        (2 * 200, 264, 520, torch.bfloat16, True, True, "avg"),
-        (2 * 333, 128, 1001, torch.bfloat16, True, False, "sum"),  # odd N: K-major weight only
-        (2 * 512, 512, 768, torch.bfloat16, False, True, "avg"),
-        (2 * 256, 256, 1024, torch.float16, True, True, "sum"),
-        (2 * 1000, 1024, 2048, torch.bfloat16, True, True, "sum"),
-        (2, 8, 8, torch.bfloat16, True, True, "sum"),  # one row per rank
+        # (M, K, N, dtype; M = world * rows per rank, k_major, bias, reduce_op)
+        (world * 200, 264, 520, torch.bfloat16, True, True, "sum"),
+        (world * 200, 264, 520, torch.bfloat16, True, True, "avg"),
+        (world * 333, 128, 1001, torch.bfloat16, True, False, "sum"),  # odd N: K-major weight only
+        (world * 512, 512, 768, torch.bfloat16, False, True, "avg"),
+        (world * 256, 256, 1024, torch.float16, True, True, "sum"),
+        (world * 1000, 1024, 2048, torch.bfloat16, True, True, "sum"),
+        (world, 8, 8, torch.bfloat16, True, True, "sum"),  # one row per rank
     ]
     for i, (m, k, n, dtype, k_major, with_bias, op) in enumerate(cases):
         gen = torch.Generator(device=device).manual_seed(100 * i + rank)
@@ -119,16 +119,16 @@ def check_disagreement(group_name, device, rank, world):
 
     # Shapes no rank has seen: caught by the store check before anything is launched.
     try:
-        call(2 * 160 if rank == 0 else 2 * 192)
+        call(world * 160 if rank == 0 else world * 192)
         raise AssertionError("no error for ranks disagreeing on a new shape")
     except RuntimeError as e:
         assert "disagree" in str(e), e
         log("new shapes that disagree ->", str(e)[:100])
     # Shapes every rank has agreed on before: caught by the device handshake.
-    for m in (2 * 128, 2 * 256):
+    for m in (world * 128, world * 256):
         call(m)
     gemm_rs.check_error(group_name)
-    call(2 * 128 if rank == 0 else 2 * 256)
+    call(world * 128 if rank == 0 else world * 256)
     try:
         gemm_rs.check_error(group_name)
         raise AssertionError("no error for ranks disagreeing on known shapes")
@@ -136,13 +136,13 @@ def check_disagreement(group_name, device, rank, world):
         assert "different shapes" in str(e), e
         log("known shapes that disagree ->", str(e)[:100])
     try:
-        call(2 * 128)
+        call(world * 128)
         raise AssertionError("the failed group did not keep raising")
     except RuntimeError:
         pass
     gemm_rs.reset(group_name)
     dist.barrier()
-    m = 2 * 128
+    m = world * 128
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     out = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
     gemm_rs.check_error(group_name)
@@ -221,6 +221,8 @@ def main():
     parser.add_argument("--configs", default="",
                         help="kernel variants to time, ';'-separated, each 'config,swizzle,raster' (empty = default); "
                         "config needs a tuning build (CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING)")
+    parser.add_argument("--shapes", default="4096x12288x49152,2048x8192x28672,8192x8192x28672,1024x8192x8192,"
+                        "4096x28672x8192", help="global MxKxN to time with --bench, comma-separated")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -241,7 +243,7 @@ def main():
         if args.configs:
             names = ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER")
             configs = [{k: v for k, v in zip(names, variant.split(",")) if v} for variant in args.configs.split(";")]
-        shapes = [(4096, 12288, 49152), (2048, 8192, 28672), (8192, 8192, 28672), (1024, 8192, 8192), (4096, 28672, 8192)]
+        shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",") if item]
         rows = bench(group_name, device, rank, world, shapes, configs)
         if rank == 0 and args.json:
             meta = dict(device=torch.cuda.get_device_name(device), world=world, torch=torch.__version__,
