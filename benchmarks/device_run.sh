@@ -57,13 +57,14 @@ for step in $STEPS; do
       wait
       cat "$OUT/sweep_ag.log" "$OUT/sweep_rs.log" | grep -v "^   " ;;
     rstests)
-      timeout 300 python3 -m pytest -q -rs tests/gpu/test_gemm_rs.py -k "tuning or n_ranks or gemm_only" \
+      timeout 300 python3 -m pytest -q -rs tests/gpu/test_gemm_rs.py -k "tuning or n_ranks or gemm_only or copy_engine or peer_never" \
         > "$OUT/rstests.log" 2>&1; echo "rstests rc=$?"; tail -5 "$OUT/rstests.log" ;;
     rsbench)
-      # fused GEMM+RS per kernel configuration on 2 ranks (RS_CONFIGS: 'config,swizzle,raster;...')
+      # fused GEMM+RS per kernel variant on NPROC ranks (RS_CONFIGS: 'config,swizzle,raster[,push=..][,bands=..];...')
       timeout 300 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py --skip-checks --bench \
-        --configs "${RS_CONFIGS:-0,4,2;6,4,2}" ${RS_SHAPES:+--shapes "$RS_SHAPES"} --json "$OUT/rs_configs.json" > "$OUT/rsbench.log" 2>&1
-      echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench.log" | tail -30 | cut -c1-400 ;;
+        --configs "${RS_CONFIGS:-0,4,2;6,4,2}" ${RS_SHAPES:+--shapes "$RS_SHAPES"} \
+        --json "$OUT/rs_configs_tp${NPROC}.json" > "$OUT/rsbench_tp${NPROC}.log" 2>&1
+      echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench_tp${NPROC}.log" | tail -30 | cut -c1-400 ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
         torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops" \

@@ -14,6 +14,7 @@
 #include "ag_gemm_instances.h"
 #include "cutlass/cutlass.h"
 #include "fluxinductor/ag_gemm_run.cuh"
+#include "fluxinductor/stream_memops.h"
 
 namespace fluxinductor::ag_gemm {
 namespace {
@@ -103,22 +104,10 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
 }
 
 Error stream_write_value32(void* address, uint32_t value, void* stream) {
-  static PFN_cuStreamWriteValue32_v11070 write_value32 = nullptr;
-  static std::once_flag once;
-  static cudaError_t lookup_status = cudaSuccess;
-  std::call_once(once, [] {
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    lookup_status = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", reinterpret_cast<void**>(&write_value32),
-                                                     12000, cudaEnableDefault, &found);
-    if (found != cudaDriverEntryPointSuccess) {
-      write_value32 = nullptr;
-    }
-  });
-  if (write_value32 == nullptr) {
-    return cuda_error("cuStreamWriteValue32 not available", lookup_status);
+  CUresult result = stream_write(static_cast<cudaStream_t>(stream), static_cast<uint32_t*>(address), value);
+  if (result == CUDA_ERROR_NOT_SUPPORTED && stream_memops().write_value32 == nullptr) {
+    return make_error("cuStreamWriteValue32 is not available from this driver");
   }
-  CUresult result = write_value32(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
-                                  CU_STREAM_WRITE_VALUE_DEFAULT);
   if (result != CUDA_SUCCESS) {
     return make_error("cuStreamWriteValue32 failed with CUresult " + std::to_string(int(result)));
   }

@@ -126,7 +126,8 @@ namespace gemm_rs_bindings {
 void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t lda, int64_t b, int64_t ldb,
          bool b_k_major, int64_t bias, int64_t out, int64_t ldo, float out_scale, std::vector<int64_t> buffers,
          int64_t flags_offset, int64_t data_offset, uint32_t epoch, uint64_t signature, int64_t error,
-         int64_t timeout_ns, int sm_count, int64_t stream) {
+         int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
+         int bands, int64_t copy_stream) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.m = m; args.n = n; args.k = k;
@@ -147,6 +148,11 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
   args.error = reinterpret_cast<int32_t*>(error);
   args.timeout_ns = timeout_ns;
   args.sm_count = sm_count;
+  args.outbox = reinterpret_cast<void*>(outbox);  // 0: NVLink stores from the epilogue
+  args.counters = reinterpret_cast<uint32_t*>(counters);
+  args.epoch_word = reinterpret_cast<uint32_t*>(epoch_word);
+  args.bands = bands;
+  args.copy_stream = reinterpret_cast<void*>(copy_stream);
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
@@ -159,7 +165,9 @@ void export_gemm_rs(py::module_& m) {
         py::arg("lda"), py::arg("b"), py::arg("ldb"), py::arg("b_k_major"), py::arg("bias"), py::arg("out"),
         py::arg("ldo"), py::arg("out_scale"), py::arg("buffers"), py::arg("flags_offset"), py::arg("data_offset"),
         py::arg("epoch"), py::arg("signature"), py::arg("error"), py::arg("timeout_ns"), py::arg("sm_count"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("epoch_word"), py::arg("bands"),
+        py::arg("copy_stream"));
+  m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),
                           fluxinductor::gemm_rs_warps_per_tile());

@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include "cutlass/cutlass.h"
@@ -18,6 +19,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "fluxinductor/gemm_rs_kernel.cuh"
+#include "fluxinductor/stream_memops.h"
 
 namespace fluxinductor {
 namespace {
@@ -104,6 +106,78 @@ int device_sm_count() {
   return count;
 }
 
+// Copy-engine mode: (tile rows per band, bands) for a segment of tiles_m tile rows.
+struct Bands {
+  int tile_rows;
+  int count;
+};
+Bands band_split(int tiles_m, int wanted) {
+  wanted = wanted < 1 ? 1 : (wanted > kGemmRsMaxBands ? kGemmRsMaxBands : wanted);
+  int const per = (tiles_m + wanted - 1) / wanted;
+  return {per, (tiles_m + per - 1) / per};
+}
+
+// Events that join the copy stream to the caller's stream, one pair per (host thread, device): a record is
+// followed at once by the wait on it, so reusing them across calls and streams is safe.
+struct JoinEvents {
+  cudaEvent_t start = nullptr;  // caller's stream -> copy stream: the handshake is done, counters are zero
+  cudaEvent_t done = nullptr;   // copy stream -> caller's stream: every band has left
+};
+cudaError_t join_events(JoinEvents** out) {
+  thread_local std::map<int, JoinEvents> events;
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  JoinEvents& ev = events[device];
+  if (ev.start == nullptr) {
+    if ((status = cudaEventCreateWithFlags(&ev.start, cudaEventDisableTiming)) != cudaSuccess) return status;
+    if ((status = cudaEventCreateWithFlags(&ev.done, cudaEventDisableTiming)) != cudaSuccess) return status;
+  }
+  *out = &ev;
+  return cudaSuccess;
+}
+
+// Enqueues on the copy stream, for each peer in the kernel's segment order and each band of its segment:
+// wait for the band's tile count, copy the band from the outbox into the peer's slot for this rank, then raise
+// the peer's flag of (this rank, band) by copying the epoch word (stream order: after the band's bytes).
+int enqueue_band_copies(GemmRsArgs const& args, int tile_m, int tiles_m, int tiles_n, Bands bands,
+                        size_t element_bytes) {
+  auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
+  int64_t const segment_rows = args.m / args.world;
+  int64_t const row_bytes = int64_t(args.n) * int64_t(element_bytes);
+  int64_t const flags_per_src = int64_t(tiles_m) * tiles_n;
+  CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
+  if (result != CUDA_SUCCESS) {
+    return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
+  }
+  for (int step = 1; step < args.world; ++step) {
+    int const peer = (args.rank + step) % args.world;
+    char* peer_base = static_cast<char*>(args.buffers[peer]);
+    for (int b = 0; b < bands.count; ++b) {
+      int const t0 = b * bands.tile_rows;
+      int const t1 = t0 + bands.tile_rows < tiles_m ? t0 + bands.tile_rows : tiles_m;
+      result = stream_wait_geq(copy_stream, args.counters + peer * bands.count + b, uint32_t((t1 - t0) * tiles_n));
+      if (result != CUDA_SUCCESS) {
+        return fail("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
+      }
+      int64_t const r0 = int64_t(t0) * tile_m;
+      int64_t const r1 = int64_t(t1) * tile_m < segment_rows ? int64_t(t1) * tile_m : segment_rows;
+      char const* src = static_cast<char const*>(args.outbox) + (peer * segment_rows + r0) * row_bytes;
+      char* dst = peer_base + args.data_offset + (args.rank * segment_rows + r0) * row_bytes;
+      cudaError_t status = cudaMemcpyAsync(dst, src, size_t((r1 - r0) * row_bytes), cudaMemcpyDeviceToDevice,
+                                           copy_stream);
+      if (status == cudaSuccess) {
+        status = cudaMemcpyAsync(peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + b),
+                                 args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
+      }
+      if (status != cudaSuccess) {
+        return fail(std::string("GEMM+RS band copy failed: ") + cudaGetErrorString(status));
+      }
+    }
+  }
+  return 0;
+}
+
 template <class Config>
 int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   using Gemm = typename Config::Gemm;
@@ -133,6 +207,14 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   epi.rank = args.rank;
   epi.tiles_m = (segment_rows + Config::kTileM - 1) / Config::kTileM;
   epi.tiles_n = (args.n + Config::kTileN - 1) / Config::kTileN;
+  bool const copy_engine = args.world > 1 && args.outbox != nullptr;
+  Bands const bands = band_split(epi.tiles_m, args.bands);
+  if (copy_engine) {
+    epi.outbox = static_cast<Element*>(args.outbox);
+    epi.counters = args.counters;
+    epi.band_tile_rows = bands.tile_rows;
+    epi.bands = bands.count;
+  }
   epi.epoch = args.epoch;
   epi.bias = static_cast<Element const*>(args.bias);
   epi.out = static_cast<Element*>(args.out);
@@ -195,6 +277,19 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
     }
   }
 
+  JoinEvents* join = nullptr;
+  if (copy_engine) {
+    // Counters start at zero; the copy stream starts after the handshake (every peer finished its previous
+    // call, so its slots are free) and the caller's stream continues only once every band has left.
+    cudaError_t prep = cudaMemsetAsync(args.counters, 0, sizeof(uint32_t) * args.world * bands.count, stream);
+    if (prep == cudaSuccess) prep = join_events(&join);
+    if (prep == cudaSuccess) prep = cudaEventRecord(join->start, stream);
+    if (prep == cudaSuccess) prep = cudaStreamWaitEvent(static_cast<cudaStream_t>(args.copy_stream), join->start, 0);
+    if (prep != cudaSuccess) {
+      return fail(std::string("GEMM+RS copy-engine setup failed: ") + cudaGetErrorString(prep));
+    }
+  }
+
   status = gemm.initialize(arguments, nullptr, stream);
   if (status != cutlass::Status::kSuccess) {
     return fail(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
@@ -204,6 +299,17 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
     cudaError_t launch = cudaGetLastError();
     return fail(std::string("GEMM+RS launch failed: ") + cutlassGetStatusString(status) + " / " +
                 cudaGetErrorString(launch));
+  }
+  if (copy_engine) {
+    if (int rc = enqueue_band_copies(args, Config::kTileM, epi.tiles_m, epi.tiles_n, bands, sizeof(Element));
+        rc != 0) {
+      return rc;
+    }
+    cudaError_t join_status = cudaEventRecord(join->done, static_cast<cudaStream_t>(args.copy_stream));
+    if (join_status == cudaSuccess) join_status = cudaStreamWaitEvent(stream, join->done, 0);
+    if (join_status != cudaSuccess) {
+      return fail(std::string("GEMM+RS copy-stream join failed: ") + cudaGetErrorString(join_status));
+    }
   }
   return 0;
 }
@@ -315,6 +421,11 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     }
     if (args.epoch == 0) {
       return fail("epoch must be >= 1");
+    }
+    if (args.outbox != nullptr &&
+        (args.counters == nullptr || args.epoch_word == nullptr || args.copy_stream == nullptr ||
+         args.copy_stream == stream_ptr)) {
+      return fail("copy-engine mode needs counters, an epoch word and a copy stream other than the kernel's");
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)

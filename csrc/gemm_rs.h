@@ -5,6 +5,9 @@
 // One persistent CUTLASS sm90a GEMM per rank computes the row segments owned by its peers first and stores
 // them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per tile;
 // its own segment comes last, and its epilogue adds the peers' slots once their flags carry this call's epoch.
+// Copy-engine mode (GemmRsArgs::outbox set): peer tiles are stored in a local outbox instead and counted per
+// band of tile rows; a copy stream waits for each band's count (cuStreamWaitValue32), copies the band into the
+// owner's slot (cudaMemcpyAsync: copy engine, no SMs) and then sets the owner's flag of (this rank, band).
 #pragma once
 
 #include <cstdint>
@@ -21,11 +24,15 @@ enum GemmRsError : int32_t {
   kGemmRsTileTimeout = 3,        // a peer entered the call but never delivered a tile
 };
 
+// Copy-engine mode: at most this many bands per segment (the counters hold world * this many words).
+constexpr int kGemmRsMaxBands = 32;
+
 // Layout of one rank's symmetric buffer (byte offsets; the same on every rank):
 //   [0, 256)                      hello words, uint32 per source rank (the epoch the source is in)
 //   [256, 512)                    signatures, uint64 per source rank
 //   [512, 516)                    status of this rank's current call (== epoch when all peers agreed)
 //   [flags_offset, ...)           uint32 flags [src][tile_m][tile_n] = epoch once delivered
+//                                 (copy-engine mode: flags [src][band], in the same region)
 //   [data_offset, ...)            slots [src][M/world][N] elements: the peers' partial products
 struct GemmRsArgs {
   int dtype = 0;            // 0 = bf16, 1 = fp16 (A, B, bias and out share it)
@@ -48,6 +55,12 @@ struct GemmRsArgs {
   int32_t* error = nullptr;    // host-mapped error word
   int64_t timeout_ns = 10'000'000'000LL;
   int sm_count = 0;            // CTAs of the persistent grid (0 = all SMs)
+  // Copy-engine mode (world > 1 and outbox != null):
+  void* outbox = nullptr;         // [world][m/world][n] elements on this rank's device (own segment unused)
+  uint32_t* counters = nullptr;   // [world * kGemmRsMaxBands] on this rank's device
+  uint32_t* epoch_word = nullptr; // one word on this rank's device: the source of the flag copies
+  int bands = 4;                  // bands per segment wanted (1..kGemmRsMaxBands; fewer when M is small)
+  void* copy_stream = nullptr;    // cudaStream_t the copies run on (not `stream`)
 };
 
 // The tile shape and flags per tile (1) fix the flag layout (the launcher and Python agree through these).

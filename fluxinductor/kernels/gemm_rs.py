@@ -9,6 +9,15 @@ tile (staged in shared memory, written with 16-byte stores) straight into that p
 (slot r) over NVLink and raises one flag per tile to the call's epoch.  The own segment's epilogue waits for those flags, adds the peers' slots and the bias and
 writes the output, so the reduction needs no extra kernel and no extra pass over memory.
 
+How the peer tiles travel (``FLUXINDUCTOR_GEMM_RS_PUSH``, read per call; every rank must use the same):
+  - ``store``: as above, 16-byte NVLink stores from the epilogue and one flag per tile;
+  - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
+    (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's count,
+    copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag of that
+    band, so the link keeps busy through the own segment too;
+  - ``auto`` (default): ``copy`` from :data:`COPY_ENGINE_MIN_WORLD` ranks up, ``store`` below (measured:
+    csrc/NOTES_gemm_rs.md).
+
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
 reuse race-free (a peer is in call e only once it finished call e-1, which read its slots) and catches ranks
 that disagree on the shape.  Every wait has a timeout (``FLUXINDUCTOR_TIMEOUT_S``, default 10 s); a timeout or
@@ -45,6 +54,11 @@ _ERRORS = {
     3: "a peer entered the call but never delivered its tiles",
 }
 
+PUSH_MODES = ("auto", "store", "copy")
+# From this many ranks up "auto" moves the peer tiles with the copy engine (csrc/NOTES_gemm_rs.md, session 3).
+COPY_ENGINE_MIN_WORLD = 4
+DEFAULT_BANDS = 4
+
 _ext = None
 _ext_reason: Optional[str] = None
 _ext_tried = False
@@ -74,6 +88,43 @@ def _extension():
 def timeout_ns() -> int:
     """How long a wait may take before the call is aborted (FLUXINDUCTOR_TIMEOUT_S, default 10 s)."""
     return int(float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
+
+
+def push_mode(world: int) -> str:
+    """"store" or "copy": how this call's peer tiles travel (module docstring)."""
+    value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "auto").strip().lower() or "auto"
+    if value not in PUSH_MODES:
+        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_PUSH must be one of {PUSH_MODES}, got {value!r}")
+    if value == "auto":
+        return "copy" if world >= COPY_ENGINE_MIN_WORLD else "store"
+    return value
+
+
+def bands() -> int:
+    value = int(os.environ.get("FLUXINDUCTOR_GEMM_RS_BANDS", str(DEFAULT_BANDS)))
+    if not 1 <= value <= _extension().GEMM_RS_MAX_BANDS:
+        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_BANDS must be in [1, {_extension().GEMM_RS_MAX_BANDS}], got {value}")
+    return value
+
+
+class CopyEngineWorkspace:
+    """One rank's copy-engine resources: the outbox (grown to the next power of two bytes), the band counters,
+    the epoch word the flag copies read, and the copy stream."""
+
+    def __init__(self, device: torch.device, world: int):
+        self.device = device
+        self.counters = torch.zeros(world * _extension().GEMM_RS_MAX_BANDS, dtype=torch.int32, device=device)
+        self.epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
+        self.stream = torch.cuda.Stream(device)
+        self.outbox: Optional[Tensor] = None
+
+    def outbox_address(self, nbytes: int) -> int:
+        if self.outbox is None or self.outbox.numel() < nbytes:
+            capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
+            self.outbox = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            # The copy stream reads it after the caller's stream moved on: keep it from reuse until then.
+            self.outbox.record_stream(self.stream)
+        return self.outbox.data_ptr()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -110,9 +161,9 @@ def buffer_layout(m: int, n: int, world: int, dtype: torch.dtype) -> Tuple[int, 
 
 
 @functools.lru_cache(maxsize=256)
-def signature(m: int, n: int, k: int, world: int, dtype: torch.dtype) -> int:
-    """64-bit digest of what every rank must agree on."""
-    packed = struct.pack("<qqqqq", m, n, k, world, _DTYPES[dtype])
+def signature(m: int, n: int, k: int, world: int, dtype: torch.dtype, transport: str = "store") -> int:
+    """64-bit digest of what every rank must agree on (``transport``: "store", or "copy/<bands>")."""
+    packed = struct.pack("<qqqqq", m, n, k, world, _DTYPES[dtype]) + transport.encode()
     return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
 
 
@@ -143,10 +194,12 @@ def launch(
     timeout: Optional[int] = None,
     sm_count: int = 0,
     stream: Optional[torch.cuda.Stream] = None,
+    copy: Optional[CopyEngineWorkspace] = None,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
     ``buffers`` are every rank's buffer base addresses as mapped on this device (``buffer_layout`` bytes).
+    ``copy``: move the peer tiles with the copy engine, with these resources (None: NVLink stores).
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -158,6 +211,8 @@ def launch(
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
+        *((copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(), copy.epoch_word.data_ptr(),
+           bands(), copy.stream.cuda_stream) if copy is not None and world > 1 else (0, 0, 0, 0, 0)),
     )
 
 
@@ -202,6 +257,7 @@ class _GroupState:
         self.agreed: set = set()
         self.agree_calls = 0
         self.generation = _generations.get(group_name, 0)  # store keys of a reset state never collide
+        self.copy: Optional[CopyEngineWorkspace] = None
         with torch.cuda.device(device):
             self.error = ErrorWord()
 
@@ -260,6 +316,11 @@ class _GroupState:
         handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)  # peers zeroed before anyone writes
         self.buffer, self.handle, self.capacity = buffer, handle, capacity
         self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
+
+    def copy_workspace(self) -> CopyEngineWorkspace:
+        if self.copy is None:
+            self.copy = CopyEngineWorkspace(self.device, self.world)
+        return self.copy
 
     def next_epoch(self) -> int:
         self.epoch = (self.epoch % 0xFFFFFFFE) + 1
@@ -395,7 +456,8 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=a2d.dtype, device=a2d.device)
-    sig = signature(m, n, k, world, a2d.dtype)
+    copy = state.copy_workspace() if world > 1 and push_mode(world) == "copy" else None
+    sig = signature(m, n, k, world, a2d.dtype, f"copy/{bands()}" if copy is not None else "store")
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
     state.reserve(nbytes)
@@ -412,6 +474,7 @@ def matmul_reduce_scatter(
         sig=sig,
         error_address=state.error.device,
         out_scale=(1.0 / world) if reduce_op == "avg" else 1.0,
+        copy=copy,
     )
     return out
 

@@ -192,7 +192,7 @@ def bench(group_name, device, rank, world, shapes, configs=(None,)):
         t_comm = time_ms(comm_only)
         t_seq = time_ms(nccl_seq)
         for config in configs:
-            for key in ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER"):
+            for key in VARIANT_KEYS:
                 os.environ.pop(key, None)
             os.environ.update(config or {})
             t_only = time_ms(lambda: gemm_rs.gemm_only(a, w, None))
@@ -208,9 +208,28 @@ def bench(group_name, device, rank, world, shapes, configs=(None,)):
             rows.append(row)
             if rank == 0:
                 log(json.dumps(row))
-        for key in ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER"):
+        for key in VARIANT_KEYS:
             os.environ.pop(key, None)
     return rows
+
+
+POSITIONAL_KEYS = ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER")
+VARIANT_KEYS = POSITIONAL_KEYS + ("FLUXINDUCTOR_GEMM_RS_PUSH", "FLUXINDUCTOR_GEMM_RS_BANDS")
+
+
+def parse_variant(text):
+    """'config,swizzle,raster[,push=copy][,bands=4]' -> the environment of one kernel variant."""
+    env, position = {}, 0
+    for item in text.split(","):
+        item = item.strip()
+        if "=" in item:
+            key, value = item.split("=", 1)
+            env["FLUXINDUCTOR_GEMM_RS_" + key.strip().upper()] = value.strip()
+        else:
+            if item:
+                env[POSITIONAL_KEYS[position]] = item
+            position += 1
+    return env
 
 
 def main():
@@ -219,8 +238,9 @@ def main():
     parser.add_argument("--json", default="")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--configs", default="",
-                        help="kernel variants to time, ';'-separated, each 'config,swizzle,raster' (empty = default); "
-                        "config needs a tuning build (CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING)")
+                        help="kernel variants to time, ';'-separated, each 'config,swizzle,raster[,push=store|copy]"
+                        "[,bands=N]' (empty fields = default); config needs a tuning build "
+                        "(CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING)")
     parser.add_argument("--shapes", default="4096x12288x49152,2048x8192x28672,8192x8192x28672,1024x8192x8192,"
                         "4096x28672x8192", help="global MxKxN to time with --bench, comma-separated")
     args = parser.parse_args()
@@ -241,8 +261,7 @@ def main():
     if args.bench:
         configs = [None]
         if args.configs:
-            names = ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER")
-            configs = [{k: v for k, v in zip(names, variant.split(",")) if v} for variant in args.configs.split(";")]
+            configs = [parse_variant(variant) for variant in args.configs.split(";")]
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",") if item]
         rows = bench(group_name, device, rank, world, shapes, configs)
         if rank == 0 and args.json:

@@ -126,8 +126,10 @@ def test_gemm_only_odd_n_k_major():
     assert "K=60" in gemm_rs.unsupported_reason(a[:, :60], w[:60], None, "sum", None)
 
 
-def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3):
-    """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls."""
+def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
+              copy_engine=False):
+    """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
+    copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy)."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -139,6 +141,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
+    copies = [gemm_rs.CopyEngineWorkspace(device, world) for _ in range(world)] if copy_engine else [None] * world
     worst = 0.0
     for call in range(1, calls + 1):
         torch.manual_seed(1000 * call + world)
@@ -155,7 +158,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
                 gemm_rs.launch(
                     a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
                     error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
-                    timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r],
+                    timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r],
                 )
         torch.cuda.synchronize()
         assert error.read() == 0, gemm_rs.error_message(error.read())
@@ -172,6 +175,23 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
 def test_n_ranks_one_gpu(world, reduce_op):
     # 200 rows per rank: not a multiple of the 128-row tile; N=520 leaves a partial 256-column tile.
     assert _simulate(world, 200 * world, 264, 520, reduce_op=reduce_op) < 1e-2
+
+
+@_gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("bands", [1, 3, 32])
+def test_copy_engine_n_ranks_one_gpu(world, bands, monkeypatch):
+    """Copy-engine transport: peer tiles through the outbox, band counters, copy-stream waits and flag copies.
+    1000 rows per rank = 8 tile rows (the last partial): 3 bands split them 3/3/2, 32 bands give one each."""
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    assert _simulate(world, 1000 * world, 264, 520, reduce_op="avg", copy_engine=True, calls=4) < 1e-2
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_copy_engine_layouts_and_odd_n(dtype):
+    assert _simulate(2, 2 * 384, 512, 1024, dtype=dtype, k_major=False, with_bias=False, copy_engine=True) < 1e-2
+    assert _simulate(4, 4 * 130, 64, 1001, dtype=dtype, copy_engine=True) < 1e-2
 
 
 @_gpu
@@ -207,8 +227,10 @@ def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
 
 
 @_gpu
-def test_peer_never_signals_raises():
-    """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises."""
+@pytest.mark.parametrize("copy_engine", [False, True])
+def test_peer_never_signals_raises(copy_engine):
+    """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises.  With the copy
+    engine, the aborted kernel still counts every band, so the copy stream drains instead of waiting forever."""
     from fluxinductor.kernels import gemm_rs
 
     m, k, n, world = 256, 64, 256, 2
@@ -222,6 +244,7 @@ def test_peer_never_signals_raises():
     gemm_rs.launch(
         a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
         sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=200_000_000,
+        copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), world) if copy_engine else None,
     )
     torch.cuda.synchronize()  # returns: the kernel gave up instead of hanging
     assert error.read() == 1

@@ -11,6 +11,10 @@
 //    output.  With AsyncPush the peer tile leaves shared memory by bulk copies (cp.async.bulk, the TMA unit)
 //    and its flag is published at the start of the next epilogue or in store_tail, once the copies landed,
 //    so the math warps never wait on NVLink (for the cooperative kernel, whose epilogue stalls both).
+//    Copy-engine mode (outbox != null): a peer's tile is written to this rank's local outbox instead, and
+//    the tile is counted per (segment, band of tile rows); the launcher's copy stream waits for a band's
+//    count, copies the band into the owner's slot and then raises the owner's flag of (this rank, band),
+//    so NVLink carries the data without SMs and own tiles wait per band instead of per tile.
 //  * gemm_rs_hello_kernel: the per-call handshake that makes buffer reuse race-free and catches ranks
 //    that disagree on the problem.
 #pragma once
@@ -254,6 +258,12 @@ struct GemmRsEpilogueArguments {
   int32_t* error = nullptr;
   int64_t timeout_ns = 0;
   uint32_t* local_status = nullptr;  // null when world == 1
+  // Copy-engine mode: peer tiles go to outbox [world][M/world][N] (this rank's memory), and each one adds 1
+  // to counters[segment * bands + band] once stored; flags are then per (source rank, band).
+  Element* outbox = nullptr;
+  uint32_t* counters = nullptr;
+  int band_tile_rows = 1;           // tile rows per band
+  int bands = 1;                    // bands per segment: ceil(tiles_m / band_tile_rows)
 };
 
 // Threads_: the threads that share one output tile in the epilogue (256 for the cooperative kernel, whose two
@@ -359,13 +369,16 @@ class GemmRsEpilogue {
 
     bool const own = segment == p_.rank;
     bool const comm = p_.world > 1;
+    bool const copy_engine = comm && p_.outbox != nullptr;  // peer tiles go to the local outbox
     // false once the call was aborted: compute, but touch no peer memory.  Every thread still takes every
     // tile_sync below (another CTA may abort while this one is half-way through a tile).
     bool const active = !comm || rs_load_volatile(p_.local_status) == p_.epoch;
 
     Element_ const* peer_slots = nullptr;
     int64_t const slot_elems = int64_t(M) * N;
-    int64_t const tile_flag = int64_t(m_coord) * p_.tiles_n + int64_t(n_coord);
+    int const band = int(m_coord) / p_.band_tile_rows;
+    // Copy-engine mode: one flag per (source, band), raised by the source's copy stream.
+    int64_t const tile_flag = copy_engine ? int64_t(band) : int64_t(m_coord) * p_.tiles_n + int64_t(n_coord);
     int64_t const flags_per_src = int64_t(p_.tiles_m) * p_.tiles_n;
 
     Element_* dst;
@@ -373,13 +386,16 @@ class GemmRsEpilogue {
     if (own || !comm) {
       dst = p_.out;
       ld = p_.ldo;
+    } else if (copy_engine) {
+      dst = p_.outbox + int64_t(segment) * slot_elems;
+      ld = N;
     } else {
       dst = reinterpret_cast<Element_*>(p_.buffers[segment] + p_.data_offset) + int64_t(p_.rank) * slot_elems;
       ld = N;
     }
     float const scale = (own || !comm) ? p_.out_scale : 1.f;
     bool const vec = (N % kVec == 0) && (ld % kVec == 0);
-    bool const push = comm && !own && active;     // this tile goes to a peer
+    bool const push = comm && !own && active && !copy_engine;  // this tile goes to a peer by SM stores
     bool const bulk = kAsyncPush && push && vec;  // ... by bulk copies (16-byte multiples and alignment)
 
     Tensor coord_mn = make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{}));
@@ -447,7 +463,7 @@ class GemmRsEpilogue {
           rs_bulk_commit();
           rs_bulk_wait_read();  // the subtile may be overwritten once every row was read
         }
-      } else if (own || !comm || active) {
+      } else if (own || !comm || active || copy_engine) {
         CUTLASS_PRAGMA_NO_UNROLL
         for (int chunk = thread_idx; chunk < kTileM * kChunksPerRow; chunk += kThreads) {
           int const r = chunk / kChunksPerRow;
@@ -494,6 +510,12 @@ class GemmRsEpilogue {
       tile_sync();  // the shared subtile is read before it is written again (next subtile or next tile)
     }
 
+    // 4. copy-engine mode: count the tile in its band, after its stores (even when aborted: the copy
+    // stream must never wait forever).  The copy engine reads the outbox once the count is complete.
+    if (copy_engine && !own && thread_idx == 0) {
+      __threadfence_system();
+      atomicAdd(p_.counters + int64_t(segment) * p_.bands + band, 1u);
+    }
     // 4. publish a peer tile: all its stores are performed at system scope before its flag is.
     if (push) {
       uint32_t* flag = reinterpret_cast<uint32_t*>(p_.buffers[segment] + p_.flags_offset) +
