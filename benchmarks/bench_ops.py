@@ -654,6 +654,7 @@ def tuning_table(data: dict, out_json: str):
             "sequential_ms": seq,
             "gemm_ms": c.get("gemm", {}).get("ms"),
             "asynctp_ms": c.get("asynctp", {}).get("ms"),
+            "asynctp_ok": c.get("asynctp", {}).get("rel_ok") if c.get("asynctp", {}).get("ms") is not None else None,
             "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),
         })
     source = {"bench_json": os.path.relpath(out_json, REPO) if out_json.startswith(REPO) else out_json,

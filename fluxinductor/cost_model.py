@@ -1,9 +1,11 @@
-"""Measured cost model: run the fused kernel only where it was measured to beat NCCL-then-GEMM.
+"""Measured cost model: run an overlapped path only where it was measured to beat NCCL-then-GEMM.
 
 The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json``, written by
 ``benchmarks/bench_ops.py --emit-tuning`` from a real run on that device at that world size and kept
 under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
-fused kernel and of the sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL).
+sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the overlapped paths
+(:data:`PATHS`): ``fused`` (fluxinductor's kernels) and ``asynctp`` (PyTorch's async-TP ops,
+``torch.ops.symm_mem.fused_*``, which the dispatcher runs instead where they measured faster).
 
 Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
 
@@ -22,10 +24,12 @@ Lookup rule of :func:`choose`, in order:
    log(flops) = log(2*M*K*N), if it is within a factor :data:`MAX_FLOPS_RATIO`; its gain.
 4. Otherwise ``("sequential", "no measured shape near ...")``.
 
-The gain of a row is ``(t_sequential - t_fused) / t_sequential``; a row whose fused time is missing
-(the kernel was unavailable, raised, or failed its correctness check) has gain -inf.  ``"fused"`` is
-returned only when the gain is above :data:`MIN_GAIN`, so a difference within timing noise, an
-unmeasured shape or an unmeasured device always means ``"sequential"``.  Forcing the fused kernel
+The gain of a path in a row is ``(t_sequential - t_path) / t_sequential``; a path whose time is missing
+(unavailable, raised, failed its correctness check, or not measured: older tables have no ``asynctp_ms``)
+has gain -inf.  Each path's gain is interpolated on its own; the path with the highest gain is returned if
+that gain is above :data:`MIN_GAIN`, so a difference within timing noise, an unmeasured shape or an
+unmeasured device always means ``"sequential"``.  ``choose(..., paths=...)`` limits the candidates (the
+dispatcher leaves out ``asynctp`` where PyTorch's ops are missing or ``FLUXINDUCTOR_ASYNCTP=0``).  Forcing the fused kernel
 regardless of this table is the dispatcher's business (``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
 
 ``FLUXINDUCTOR_TUNING_DIR`` replaces the packaged table folder (used by the tests, and to try a table
@@ -49,6 +53,9 @@ MIN_GAIN = 0.01
 SIMILAR_KN = 2.0
 # ... and the nearest row must be within this factor in flops.
 MAX_FLOPS_RATIO = 4.0
+
+# The overlapped paths a table row can time, besides the "sequential" reference.
+PATHS = ("fused", "asynctp")
 
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
@@ -141,11 +148,15 @@ def clear_cache() -> None:
         _tables.clear()
 
 
-def _gain(row: dict) -> float:
-    fused, seq = row.get("fused_ms"), row.get("sequential_ms")
-    if row.get("fused_ok") is False or fused is None or seq is None or not fused > 0 or not seq > 0:
+def _gain(row: dict, path: str = "fused") -> float:
+    t, seq = row.get(f"{path}_ms"), row.get("sequential_ms")
+    if row.get(f"{path}_ok") is False or t is None or seq is None or not t > 0 or not seq > 0:
         return -math.inf
-    return (seq - fused) / seq
+    return (seq - t) / seq
+
+
+def _gains(row: dict, paths: Tuple[str, ...]) -> Dict[str, float]:
+    return {p: _gain(row, p) for p in paths}
 
 
 def _wins(gain: float) -> bool:
@@ -153,26 +164,37 @@ def _wins(gain: float) -> bool:
     return gain > MIN_GAIN + 1e-9
 
 
-def _describe(row: dict) -> str:
-    fused = row.get("fused_ms")
-    fused_s = "unavailable" if fused is None else f"{fused:.3f} ms"
-    if row.get("fused_ok") is False:
-        fused_s += " (failed its check)"
+def _describe(row: dict, paths: Tuple[str, ...] = ("fused",)) -> str:
+    parts = []
+    for path in paths:
+        t = row.get(f"{path}_ms")
+        if t is None and path != "fused":
+            continue  # an optional path this table did not measure
+        text = f"{path} " + ("unavailable" if t is None else f"{t:.3f} ms")
+        if row.get(f"{path}_ok") is False:
+            text += " (failed its check)"
+        parts.append(text)
     seq = row.get("sequential_ms")
     seq_s = "?" if seq is None else f"{seq:.3f} ms"
-    return f"M={row['m']} K={row['k']} N={row['n']}: fused {fused_s} vs sequential {seq_s}"
+    return f"M={row['m']} K={row['k']} N={row['n']}: {', '.join(parts)} vs sequential {seq_s}"
 
 
-def _decide(gain: float, basis: str) -> Tuple[str, str]:
+def _decide(gains: Dict[str, float], basis: str) -> Tuple[str, str]:
+    best = max(gains, key=lambda p: gains[p])
+    gain = gains[best]
     gain_s = "-inf" if gain == -math.inf else f"{gain * 100:+.1f}%"
     if _wins(gain):
-        return "fused", f"{basis}; gain {gain_s} > {MIN_GAIN * 100:.0f}%"
-    return "sequential", f"{basis}; gain {gain_s} <= {MIN_GAIN * 100:.0f}%"
+        return best, f"{basis}; {best} gain {gain_s} > {MIN_GAIN * 100:.0f}%"
+    return "sequential", f"{basis}; best gain {gain_s} ({best}) <= {MIN_GAIN * 100:.0f}%"
 
 
-def choose_from_table(table: dict, op: str, m: int, k: int, n: int) -> Tuple[str, str]:
+def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
+                      paths: Tuple[str, ...] = PATHS) -> Tuple[str, str]:
     """Apply the lookup rule (module docstring) to one loaded table."""
     op = canonical_op(op)
+    paths = tuple(p for p in PATHS if p in paths)
+    if not paths:
+        return "sequential", "no overlapped path is allowed"
     rows = [r for r in table["entries"] if canonical_op(r["op"]) == op]
     if not rows:
         return "sequential", f"no {op} rows in the tuning table"
@@ -181,23 +203,23 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int) -> Tuple[str
     if same_kn:
         for r in same_kn:
             if r["m"] == m:
-                return _decide(_gain(r), "measured " + _describe(r))
+                return _decide(_gains(r, paths), "measured " + _describe(r, paths))
         if m < same_kn[0]["m"]:
             r = same_kn[0]
-            return _decide(_gain(r), f"nearest measured M (below the range) {_describe(r)}")
+            return _decide(_gains(r, paths), f"nearest measured M (below the range) {_describe(r, paths)}")
         if m > same_kn[-1]["m"]:
             r = same_kn[-1]
-            return _decide(_gain(r), f"nearest measured M (above the range) {_describe(r)}")
+            return _decide(_gains(r, paths), f"nearest measured M (above the range) {_describe(r, paths)}")
         lo = max((r for r in same_kn if r["m"] < m), key=lambda r: r["m"])
         hi = min((r for r in same_kn if r["m"] > m), key=lambda r: r["m"])
-        g_lo, g_hi = _gain(lo), _gain(hi)
-        if g_lo == -math.inf or g_hi == -math.inf:
-            gain = -math.inf  # never interpolate towards a shape where fused was not measured to work
-        else:
-            t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
-            gain = g_lo + t * (g_hi - g_lo)
-        basis = f"interpolated in log M between [{_describe(lo)}] and [{_describe(hi)}]"
-        return _decide(gain, basis)
+        t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
+        gains = {}
+        for path in paths:
+            g_lo, g_hi = _gain(lo, path), _gain(hi, path)
+            # never interpolate towards a shape where the path was not measured to work
+            gains[path] = -math.inf if -math.inf in (g_lo, g_hi) else g_lo + t * (g_hi - g_lo)
+        basis = f"interpolated in log M between [{_describe(lo, paths)}] and [{_describe(hi, paths)}]"
+        return _decide(gains, basis)
 
     kn = float(k) * float(n)
     similar = [r for r in rows if abs(math.log(float(r["k"]) * r["n"] / kn)) <= math.log(SIMILAR_KN)]
@@ -206,16 +228,19 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int) -> Tuple[str
         best = min(similar, key=lambda r: abs(math.log(2.0 * r["m"] * r["k"] * r["n"] / flops)))
         ratio = abs(math.log(2.0 * best["m"] * best["k"] * best["n"] / flops))
         if ratio <= math.log(MAX_FLOPS_RATIO):
-            return _decide(_gain(best), f"nearest measured shape by flops with similar K*N {_describe(best)}")
+            return _decide(_gains(best, paths),
+                           f"nearest measured shape by flops with similar K*N {_describe(best, paths)}")
     return "sequential", f"no measured {op} shape near M={m} K={k} N={n}"
 
 
-def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype) -> Tuple[str, str]:
-    """Choose the fused kernel or the sequential path for one call: ``("fused" | "sequential", reason)``.
+def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
+           paths: Tuple[str, ...] = PATHS) -> Tuple[str, str]:
+    """Choose the path for one call: ``("fused" | "asynctp" | "sequential", reason)``.
 
     ``op``: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"`` (aliases: ``"ag_gemm"``, ``"AG+GEMM"``,
     ``"gemm_rs"``, ``"GEMM+RS"``).  ``device_name``: e.g. ``torch.cuda.get_device_name()``.
     (m, k, n): the *global* GEMM shape (see :func:`global_mkn`).  ``dtype``: torch dtype or its name.
+    ``paths``: the overlapped paths that may be chosen (a subset of :data:`PATHS`).
     """
     key = device_key(device_name)
     table = load_table(table_path(device_name, world))
@@ -225,7 +250,7 @@ def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype)
     have = dtype_name(table.get("dtype", "bfloat16"))
     if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
         return "sequential", f"the tuning table for {key} tp{int(world)} was measured in {have}, not {want}"
-    return choose_from_table(table, op, int(m), int(k), int(n))
+    return choose_from_table(table, op, int(m), int(k), int(n), tuple(paths))
 
 
 def make_table(
@@ -234,8 +259,8 @@ def make_table(
     """A table in the format :func:`choose` reads.
 
     ``entries``: dicts with ``op, m, k, n, fused_ms, sequential_ms`` (``fused_ms`` None where the fused
-    kernel was unavailable) and optionally ``fused_ok`` (False when its output failed the check) and any
-    other measured numbers, which are kept for the record.
+    kernel was unavailable), optionally ``asynctp_ms``, ``<path>_ok`` (False when that path's output failed
+    the check) and any other measured numbers, which are kept for the record.
     """
     rows = []
     for e in entries:
@@ -243,7 +268,7 @@ def make_table(
         row["op"] = canonical_op(row["op"])
         for field in ("m", "k", "n"):
             row[field] = int(row[field])
-        row["choice"] = "fused" if _wins(_gain(row)) else "sequential"
+        row["choice"] = _decide(_gains(row, PATHS), "")[0]
         rows.append(row)
     rows.sort(key=lambda r: (r["op"], r["k"], r["n"], r["m"]))
     return {

@@ -5,8 +5,9 @@ Each function returns the op's result when it ran a fused kernel, or ``None`` (a
 reference decomposition: the collective through the process group, then the matmul (plain sequential).
 
 ``FLUXINDUCTOR_DISPATCH`` (read at every call):
-  - ``auto`` (default): the fused kernel where it is eligible and the measured cost model
-    (:mod:`fluxinductor.cost_model`) says it wins for this device, world size and shape;
+  - ``auto`` (default): the path the measured cost model (:mod:`fluxinductor.cost_model`) found fastest for
+    this device, world size and shape: the fused kernel (where it is eligible), PyTorch's async-TP op
+    (``torch.ops.symm_mem.fused_*``; off with ``FLUXINDUCTOR_ASYNCTP=0``), or the decomposition;
   - ``fused``: the fused kernel wherever it is eligible (benchmarks and tests);
   - ``decomposed``: never the fused kernel.
 
@@ -55,14 +56,63 @@ def _world_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
-def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype) -> Optional[str]:
-    """None when the cost model picks the fused kernel, else its reason for not doing so."""
+def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
+                     fused_eligible: bool = True) -> Tuple[str, str]:
+    """(path, reason): the cost model's choice among the paths that can run here."""
     try:
         from fluxinductor import cost_model
     except ImportError as e:
-        return f"no cost model ({e})"
-    choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype)
-    return None if choice == "fused" else f"cost model chose {choice}: {reason}"
+        return "sequential", f"no cost model ({e})"
+    paths = (("fused",) if fused_eligible else ()) + (("asynctp",) if _asynctp_ops() is not None else ())
+    choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype, paths)
+    return choice, f"cost model chose {choice}: {reason}"
+
+
+@functools.lru_cache(maxsize=None)
+def _asynctp_registered():
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+
+        return torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
+    except Exception:  # noqa: BLE001 - an older or CPU-only torch: the path is simply not offered
+        return None
+
+
+def _asynctp_ops():
+    """PyTorch's async-TP ops (all-gather matmul, matmul reduce-scatter), or None when not offered here."""
+    if os.environ.get("FLUXINDUCTOR_ASYNCTP", "1").strip() == "0":
+        return None
+    return _asynctp_registered()
+
+
+_asynctp_groups: set = set()
+
+
+def _asynctp_group(group_name: str) -> None:
+    """torch <= 2.11 needs a group registered with symmetric memory before its async-TP ops run on it."""
+    if group_name not in _asynctp_groups:
+        from fluxinductor.kernels.symm import _enable_group
+
+        _enable_group(group_name)
+        _asynctp_groups.add(group_name)
+
+
+def _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered):
+    _asynctp_group(group_name)
+    gathered, outs = _asynctp_ops()[0](shard, list(weights), gather_dim, group_name, return_A=return_gathered)
+    outs = [o if b is None else o + b for o, b in zip(outs, biases)]
+    if not return_gathered or gathered is None:
+        gathered = shard.new_empty(0)
+    return outs, gathered
+
+
+def _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world):
+    _asynctp_group(group_name)
+    out = _asynctp_ops()[1](a, weight, reduce_op, scatter_dim, group_name)
+    if bias is not None:
+        # every rank adds the bias before the reduction: world times in a sum, once in an average
+        out = out + (bias * world if reduce_op == "sum" else bias)
+    return out
 
 
 def _rows_first(t: Tensor, dim: int) -> Tensor:
@@ -108,10 +158,15 @@ def all_gather_matmul(
     # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0.
     shard2d = _rows_first(shard, gather_dim)
     why = kernels.unsupported_reason(shard2d, weights, biases, group_name)
-    if why is None and mode() == "auto":
+    if mode() == "auto":
         n_global = world * sum(w.shape[1] for w in weights)
-        why = _cost_model_says(op, shard.device, world, world * shard2d.shape[0], shard2d.shape[1], n_global,
-                               shard.dtype)
+        path, reason = _cost_model_says(op, shard.device, world, world * shard2d.shape[0], shard2d.shape[1],
+                                        n_global, shard.dtype, fused_eligible=why is None)
+        if path == "asynctp":
+            record_fallback(op, reason, "PyTorch async-TP")
+            return _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
+        if why is None and path != "fused":
+            why = reason
     if why is not None:
         record_fallback(op, why)
         return None
@@ -141,8 +196,14 @@ def matmul_reduce_scatter(
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
     a2d = _rows_first(a, scatter_dim)
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
-    if why is None and mode() == "auto":
-        why = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
+    if mode() == "auto":
+        path, reason = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
+                                        a.dtype, fused_eligible=why is None)
+        if path == "asynctp":
+            record_fallback(op, reason, "PyTorch async-TP")
+            return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
+        if why is None and path != "fused":
+            why = reason
     if why is not None:
         record_fallback(op, why)
         return None

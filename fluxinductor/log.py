@@ -47,14 +47,15 @@ def record_skip(pattern: str, reason: str, detail: str = "") -> None:
     logger.info("skipped %s: %s%s", pattern, reason, f" ({detail})" if detail else "")
 
 
-def record_fallback(op: str, reason: str) -> None:
-    """Count one run time call of a fused op that took the decomposed path instead of a fused kernel."""
+def record_fallback(op: str, reason: str, path: str = "decomposed") -> None:
+    """Count one run time call of a fused op that did not run fluxinductor's fused kernel: it took ``path``
+    (the decomposition, or PyTorch's async-TP op where the cost model measured that faster)."""
     with _lock:
         first = _fallbacks[(op, reason)] == 0
         _fallbacks[(op, reason)] += 1
     # Logged once per (op, reason): the same fallback repeats every step.
     if first:
-        logger.info("%s runs decomposed: %s", op, reason)
+        logger.info("%s runs %s: %s", op, path, reason)
 
 
 def rewrite_stats() -> dict:

@@ -204,3 +204,53 @@ def test_gain_values():
     assert cost_model._gain(_row(AG, 1, 1, 1, None, 2.0)) == -math.inf
     assert cost_model._gain(_row(AG, 1, 1, 1, 1.0, None)) == -math.inf
     assert cost_model._gain(_row(AG, 1, 1, 1, 1.0, 2.0, fused_ok=False)) == -math.inf
+
+
+# ---- async-TP as a third path ------------------------------------------------------------------------
+
+ATP_ROWS = [
+    # fused wins at M=2048, async-TP at M=8192; at M=4096 both lose.
+    _row(RS, 2048, 8192, 28672, 0.80, 1.00, asynctp_ms=0.95),
+    _row(RS, 4096, 8192, 28672, 1.60, 1.58, asynctp_ms=1.59),
+    _row(RS, 8192, 8192, 28672, 3.00, 3.60, asynctp_ms=2.50),
+    # async-TP fastest but its output failed the check: fused (second best) is chosen.
+    _row(AG, 4096, 12288, 49152, 1.90, 2.20, asynctp_ms=1.50, asynctp_ok=False),
+]
+
+
+@pytest.fixture
+def atp_table_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    table = cost_model.make_table(DEVICE, 4, torch.bfloat16, ATP_ROWS)
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp4.json"), table, merge=False)
+    yield table
+    cost_model.clear_cache()
+
+
+def test_asynctp_is_chosen_where_it_measured_fastest(atp_table_dir):
+    assert [r["choice"] for r in atp_table_dir["entries"]] == ["fused", "fused", "sequential", "asynctp"]
+    pick = lambda m, **kw: cost_model.choose(RS, DEVICE, 4, m, 8192, 28672, torch.bfloat16, **kw)  # noqa: E731
+    choice, reason = pick(8192)
+    assert choice == "asynctp" and "asynctp 2.500 ms" in reason and "fused 3.000 ms" in reason
+    assert pick(2048)[0] == "fused"
+    assert pick(4096)[0] == "sequential"
+    # Limited to the fused kernel (async-TP unavailable or FLUXINDUCTOR_ASYNCTP=0): fused wins at 8192 too.
+    assert pick(8192, paths=("fused",))[0] == "fused"
+    # Fused not eligible for this call: only async-TP may be chosen (M=2048: +5% > 1%).
+    assert pick(2048, paths=("asynctp",))[0] == "asynctp"
+    assert pick(4096, paths=("asynctp",))[0] == "sequential"
+    assert pick(8192, paths=())[0] == "sequential"
+
+
+def test_asynctp_interpolates_on_its_own_and_respects_failed_checks(atp_table_dir):
+    # Between M=4096 (async-TP -0.6%) and M=8192 (+30.6%): async-TP's own gain is interpolated.
+    choice, reason = cost_model.choose(RS, DEVICE, 4, 6000, 8192, 28672, torch.bfloat16)
+    assert choice == "asynctp" and "interpolated" in reason
+    choice, reason = cost_model.choose(AG, DEVICE, 4, 4096, 12288, 49152, torch.bfloat16)
+    assert choice == "fused" and "failed its check" in reason
+
+
+def test_tables_without_asynctp_times_never_choose_it(table_dir):
+    for m in (512, 2048, 4096, 16384):
+        assert cost_model.choose(AG, DEVICE, 2, m, 8192, 28672, torch.bfloat16)[0] in ("fused", "sequential")

@@ -9,14 +9,13 @@ tile (staged in shared memory, written with 16-byte stores) straight into that p
 (slot r) over NVLink and raises one flag per tile to the call's epoch.  The own segment's epilogue waits for those flags, adds the peers' slots and the bias and
 writes the output, so the reduction needs no extra kernel and no extra pass over memory.
 
-How the peer tiles travel (``FLUXINDUCTOR_GEMM_RS_PUSH``, read per call; every rank must use the same):
-  - ``store``: as above, 16-byte NVLink stores from the epilogue and one flag per tile;
-  - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
-    (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's count,
-    copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag of that
-    band, so the link keeps busy through the own segment too;
-  - ``auto`` (default): ``copy`` from :data:`COPY_ENGINE_MIN_WORLD` ranks up, ``store`` below (measured:
-    csrc/NOTES_gemm_rs.md).
+How the peer tiles travel (``FLUXINDUCTOR_GEMM_RS_PUSH``, read per call; ranks that differ get an error):
+  - ``store`` (default): as above, 16-byte NVLink stores from the epilogue and one flag per tile;
+  - ``copy`` (experimental): the epilogue stores a peer's tile in a local outbox and counts it per band of
+    tile rows (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each
+    band's count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's
+    flag of that band.  Measured on 2 and 4 H200s it was not faster than ``store`` on most shapes
+    (csrc/NOTES_gemm_rs.md, session 3), so it is not the default.
 
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
 reuse race-free (a peer is in call e only once it finished call e-1, which read its slots) and catches ranks
@@ -54,9 +53,7 @@ _ERRORS = {
     3: "a peer entered the call but never delivered its tiles",
 }
 
-PUSH_MODES = ("auto", "store", "copy")
-# From this many ranks up "auto" moves the peer tiles with the copy engine (csrc/NOTES_gemm_rs.md, session 3).
-COPY_ENGINE_MIN_WORLD = 4
+PUSH_MODES = ("store", "copy")
 DEFAULT_BANDS = 4
 
 _ext = None
@@ -90,13 +87,11 @@ def timeout_ns() -> int:
     return int(float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
 
 
-def push_mode(world: int) -> str:
+def push_mode() -> str:
     """"store" or "copy": how this call's peer tiles travel (module docstring)."""
-    value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "auto").strip().lower() or "auto"
+    value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "store").strip().lower() or "store"
     if value not in PUSH_MODES:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_PUSH must be one of {PUSH_MODES}, got {value!r}")
-    if value == "auto":
-        return "copy" if world >= COPY_ENGINE_MIN_WORLD else "store"
     return value
 
 
@@ -456,7 +451,7 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=a2d.dtype, device=a2d.device)
-    copy = state.copy_workspace() if world > 1 and push_mode(world) == "copy" else None
+    copy = state.copy_workspace() if world > 1 and push_mode() == "copy" else None
     sig = signature(m, n, k, world, a2d.dtype, f"copy/{bands()}" if copy is not None else "store")
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)

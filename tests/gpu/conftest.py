@@ -6,7 +6,15 @@ an sm_90 device and the built extension, and ``@pytest.mark.gpu(min_gpus=2)`` te
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The N-ranks-on-one-GPU tests run up to 16 streams at once (a kernel stream and, for the GEMM+RS copy-engine
+# transport, a copy stream per rank) and the copy streams block in cuStreamWaitValue32.  With CUDA's default of
+# 8 hardware queues streams share queues, and a blocked wait can hold back another rank's kernel queued behind
+# it until that rank's peers time out (seen at world 8).  Set before any CUDA context exists.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 
 def _gpu_skip_reason(min_gpus: int):
