@@ -417,6 +417,13 @@ def kernel_error_check(op: str, ctx: "Ctx") -> None:
     call()
 
 
+def _path_label(fell_back: Dict[str, int]) -> str:
+    """"asynctp: ..." when every call the dispatcher did not fuse ran PyTorch's async-TP op, else
+    "decomposed: ..." (with the recorded reasons)."""
+    kind = "asynctp" if all(r.startswith("cost model chose asynctp") for r in fell_back) else "decomposed"
+    return f"{kind}: " + "; ".join(fell_back)
+
+
 def _reset_fallbacks() -> None:
     from fluxinductor.log import reset_rewrite_stats
 
@@ -475,7 +482,7 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
                 del out
                 if uses_dispatch:
                     fell_back = _fallbacks(op)
-                    local["path"] = "decomposed: " + "; ".join(fell_back) if fell_back else "fused"
+                    local["path"] = _path_label(fell_back) if fell_back else "fused"
                     if name == "fused" and fell_back:
                         local["error"] = "unavailable: the op fell back to the decomposition: " + "; ".join(fell_back)
         except Exception as e:  # noqa: BLE001
@@ -510,7 +517,7 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
             if uses_dispatch:
                 fell_back = _fallbacks(op)
                 if fell_back:
-                    local["path"] = "decomposed: " + "; ".join(fell_back)
+                    local["path"] = _path_label(fell_back)
                     if name == "fused":
                         local["error"] = "the op fell back to the decomposition while timed: " + "; ".join(fell_back)
         local["times"] = times

@@ -39,7 +39,8 @@ class FluxPassManager(CustomGraphPass):
         On a GPU under ``FLUXINDUCTOR_DISPATCH=auto`` a fused op that would run decomposed anyway (no
         kernel, or the measured cost model says the fused kernel loses there) is slower than the graph
         inductor already has, whose collective can overlap other work (measured: a Llama-style block ran
-        2-7% slower with such rewrites).  So the rewrite is kept only where the fused kernel is picked.
+        2-7% slower with such rewrites).  So the rewrite is kept only where the cost model picks an
+        overlapped path: the fused kernel, or PyTorch's async-TP op (which the fused op then runs).
         Elsewhere (CPU, ``fused`` or ``decomposed`` modes) every match is rewritten.
         """
         if device.type != "cuda" or self.dispatch_mode != "auto":
@@ -50,10 +51,11 @@ class FluxPassManager(CustomGraphPass):
         if kernels is None:
             return why
         try:
-            choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype)
+            paths = ("fused",) + (("asynctp",) if dispatch._asynctp_ops() is not None else ())
+            choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype, paths)
         except Exception as e:  # noqa: BLE001 - an unreadable table must not stop compilation
             return f"cost model failed ({type(e).__name__}: {e})"
-        return None if choice == "fused" else f"cost model chose {choice}: {reason}"
+        return None if choice != "sequential" else f"cost model chose {choice}: {reason}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul
