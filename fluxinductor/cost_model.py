@@ -26,7 +26,8 @@ Lookup rule of :func:`choose`, in order:
 
 The gain of a path in a row is ``(t_sequential - t_path) / t_sequential``; a path whose time is missing
 (unavailable, raised, failed its correctness check, or not measured: older tables have no ``asynctp_ms``)
-has gain -inf.  Each path's gain is interpolated on its own; the path with the highest gain is returned if
+has gain -inf, and so has ``asynctp`` on shapes faster than :data:`ASYNCTP_MIN_SEQUENTIAL_MS` sequentially.
+Each path's gain is interpolated on its own; the path with the highest gain is returned if
 that gain is above :data:`MIN_GAIN`, so a difference within timing noise, an unmeasured shape or an
 unmeasured device always means ``"sequential"``.  ``choose(..., paths=...)`` limits the candidates (the
 dispatcher leaves out ``asynctp`` where PyTorch's ops are missing or ``FLUXINDUCTOR_ASYNCTP=0``).  Forcing the fused kernel
@@ -56,6 +57,11 @@ MAX_FLOPS_RATIO = 4.0
 
 # The overlapped paths a table row can time, besides the "sequential" reference.
 PATHS = ("fused", "asynctp")
+# async-TP is not chosen for shapes whose sequential time is below this (ms): through the dispatcher its
+# host-side work (many small launches and barriers) was not hidden there.  Measured on 2xH200 (81149a4):
+# GEMM+RS 1024x8192x8192 async-TP alone 0.138 ms, the same op picked by auto 0.229 ms, sequential 0.149 ms;
+# from 0.6 ms sequential up auto matched async-TP alone within noise.
+ASYNCTP_MIN_SEQUENTIAL_MS = 0.3
 
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
@@ -151,6 +157,8 @@ def clear_cache() -> None:
 def _gain(row: dict, path: str = "fused") -> float:
     t, seq = row.get(f"{path}_ms"), row.get("sequential_ms")
     if row.get(f"{path}_ok") is False or t is None or seq is None or not t > 0 or not seq > 0:
+        return -math.inf
+    if path == "asynctp" and seq < ASYNCTP_MIN_SEQUENTIAL_MS:
         return -math.inf
     return (seq - t) / seq
 

@@ -251,6 +251,15 @@ def test_asynctp_interpolates_on_its_own_and_respects_failed_checks(atp_table_di
     assert choice == "fused" and "failed its check" in reason
 
 
+def test_asynctp_not_for_tiny_shapes():
+    # async-TP 7% faster than sequential, but the whole op takes 0.15 ms: its host-side cost is not hidden.
+    tiny = _row(RS, 1024, 8192, 8192, 0.20, 0.149, asynctp_ms=0.138)
+    assert cost_model._gain(tiny, "asynctp") == -math.inf
+    assert cost_model.make_table(DEVICE, 2, "bf16", [tiny])["entries"][0]["choice"] == "sequential"
+    big = _row(RS, 4096, 8192, 8192, 0.60, 0.521, asynctp_ms=0.463)
+    assert cost_model._gain(big, "asynctp") == pytest.approx((0.521 - 0.463) / 0.521)
+
+
 def test_tables_without_asynctp_times_never_choose_it(table_dir):
     for m in (512, 2048, 4096, 16384):
         assert cost_model.choose(AG, DEVICE, 2, m, 8192, 28672, torch.bfloat16)[0] in ("fused", "sequential")
