@@ -129,13 +129,16 @@ def test_outside_measured_m_range_uses_the_end_row(table_dir):
 
 
 def test_nearest_by_flops_with_similar_kn(table_dir):
-    # K*N = 8192*30720 is within 2x of 8192*28672 but not an exact (K, N): nearest flops row is M=4096.
+    # (8192, 30720) is within 2x of (8192, 28672) in K and in N but not exact: nearest flops row is M=4096.
     choice, reason = choose(AG, 4096, 8192, 30720)
     assert choice == "fused" and "nearest measured shape by flops" in reason
     # Same K*N neighbourhood, but M so small the nearest row by flops is M=512 (fused loses).
     assert choose(AG, 512, 8192, 30720)[0] == "sequential"
     # Nothing with similar K*N at all.
     choice, reason = choose(AG, 4096, 1024, 1024)
+    assert choice == "sequential" and "no measured" in reason
+    # The same K*N with K and N swapped is not similar: for GEMM+RS it moves 3.5x fewer bytes.
+    choice, reason = choose(RS, 8192, 28672, 8192)
     assert choice == "sequential" and "no measured" in reason
     # Similar K*N but flops too far from every row (M = 64: 8x below the smallest row).
     choice, reason = choose(AG, 64, 8192, 30720)
@@ -230,6 +233,9 @@ def atp_table_dir(tmp_path, monkeypatch):
 
 def test_asynctp_is_chosen_where_it_measured_fastest(atp_table_dir):
     assert [r["choice"] for r in atp_table_dir["entries"]] == ["fused", "fused", "sequential", "asynctp"]
+    # A near tie (async-TP ahead by less than MIN_GAIN) keeps the fused kernel.
+    tie = _row(AG, 8192, 8192, 28672, 1.359, 1.596, asynctp_ms=1.351)
+    assert cost_model.make_table(DEVICE, 4, "bf16", [tie])["entries"][0]["choice"] == "fused"
     pick = lambda m, **kw: cost_model.choose(RS, DEVICE, 4, m, 8192, 28672, torch.bfloat16, **kw)  # noqa: E731
     choice, reason = pick(8192)
     assert choice == "asynctp" and "asynctp 2.500 ms" in reason and "fused 3.000 ms" in reason
