@@ -6,8 +6,11 @@ reference decomposition: the collective through the process group, then the matm
 
 ``FLUXINDUCTOR_DISPATCH`` (read at every call):
   - ``auto`` (default): the path the measured cost model (:mod:`fluxinductor.cost_model`) found fastest for
-    this device, world size and shape: the fused kernel (where it is eligible), PyTorch's async-TP op
-    (``torch.ops.symm_mem.fused_*``; off with ``FLUXINDUCTOR_ASYNCTP=0``), or the decomposition;
+    this device, world size and shape: the fused kernel (where it is eligible) or the decomposition; with
+    ``FLUXINDUCTOR_ASYNCTP=1`` (experimental, off by default) also PyTorch's async-TP op
+    (``torch.ops.symm_mem.fused_*``).  Measured on 4xH200 (benchmarks/results/h200x4_tp4_model_asynctp_path.json):
+    the op benchmark gained up to 1.5x over NCCL-sequential through it, but in compiled models the same
+    choice ran the 2-layer Llama forward at 0.60x inductor's speed (cause not found), so it stays opt-in;
   - ``fused``: the fused kernel wherever it is eligible (benchmarks and tests);
   - ``decomposed``: never the fused kernel.
 
@@ -79,8 +82,9 @@ def _asynctp_registered():
 
 
 def _asynctp_ops():
-    """PyTorch's async-TP ops (all-gather matmul, matmul reduce-scatter), or None when not offered here."""
-    if os.environ.get("FLUXINDUCTOR_ASYNCTP", "1").strip() == "0":
+    """PyTorch's async-TP ops (all-gather matmul, matmul reduce-scatter) when FLUXINDUCTOR_ASYNCTP=1 and torch
+    has them, else None."""
+    if os.environ.get("FLUXINDUCTOR_ASYNCTP", "0").strip() != "1":
         return None
     return _asynctp_registered()
 

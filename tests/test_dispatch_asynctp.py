@@ -56,6 +56,10 @@ def test_asynctp_all_gather_matmul_biases_and_gathered_output(fake_asynctp, retu
     assert fake_asynctp == [("ag", 0, "g", return_gathered)]
 
 
-def test_asynctp_can_be_switched_off(monkeypatch):
+def test_asynctp_is_opt_in(monkeypatch):
+    monkeypatch.delenv("FLUXINDUCTOR_ASYNCTP", raising=False)
+    assert dispatch._asynctp_ops() is None
     monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "0")
     assert dispatch._asynctp_ops() is None
+    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    assert dispatch._asynctp_ops() is dispatch._asynctp_registered()
