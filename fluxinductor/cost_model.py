@@ -282,7 +282,9 @@ def make_table(
         row["op"] = canonical_op(row["op"])
         for field in ("m", "k", "n"):
             row[field] = int(row[field])
-        row["choice"] = _decide(_gains(row, PATHS), "")[0]
+        # What the default dispatch picks (the fused kernel or sequential), and with async-TP allowed.
+        row["choice"] = _decide(_gains(row, ("fused",)), "")[0]
+        row["choice_with_asynctp"] = _decide(_gains(row, PATHS), "")[0]
         rows.append(row)
     rows.sort(key=lambda r: (r["op"], r["k"], r["n"], r["m"]))
     return {
