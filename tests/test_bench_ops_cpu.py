@@ -94,12 +94,17 @@ def test_bench_ops_cli_rejects_unknown_contender(tmp_path):
     assert proc.returncode != 0 and "unknown contender" in proc.stderr
 
 
-def test_parse_shapes():
+def _bench_ops():
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
         import bench_ops
     finally:
         sys.path.pop(0)
+    return bench_ops
+
+
+def test_parse_shapes():
+    bench_ops = _bench_ops()
     default = bench_ops.DEFAULT_SHAPES
     assert bench_ops.parse_shapes(None, default) == default
     assert bench_ops.parse_shapes("*x8192x28672", default) == [
@@ -110,11 +115,7 @@ def test_parse_shapes():
 
 
 def test_parse_work_op_prefixes_and_flux_preset():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import bench_ops
-    finally:
-        sys.path.pop(0)
+    bench_ops = _bench_ops()
     default = bench_ops.DEFAULT_SHAPES
     ops = ("ag_gemm", "gemm_rs")
     everything = bench_ops.parse_work(None, default, ops)
