@@ -5,7 +5,7 @@ The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json
 under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
 sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the overlapped paths
 (:data:`PATHS`): ``fused`` (fluxinductor's kernels) and ``asynctp`` (PyTorch's async-TP ops,
-``torch.ops.symm_mem.fused_*``, which the dispatcher runs instead where they measured faster).
+``torch.ops.symm_mem.fused_*``, which the dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
 
 Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
 
@@ -29,11 +29,12 @@ Lookup rule of :func:`choose`, in order:
 The gain of a path in a row is ``(t_sequential - t_path) / t_sequential``; a path whose time is missing
 (unavailable, raised, failed its correctness check, or not measured: older tables have no ``asynctp_ms``)
 has gain -inf, and so has ``asynctp`` on shapes faster than :data:`ASYNCTP_MIN_SEQUENTIAL_MS` sequentially.
-Each path's gain is interpolated on its own; the path with the highest gain is returned if
-that gain is above :data:`MIN_GAIN`, so a difference within timing noise, an unmeasured shape or an
-unmeasured device always means ``"sequential"``.  ``choose(..., paths=...)`` limits the candidates (the
-dispatcher leaves out ``asynctp`` where PyTorch's ops are missing or ``FLUXINDUCTOR_ASYNCTP=0``).  Forcing the fused kernel
-regardless of this table is the dispatcher's business (``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
+Each path's gain is interpolated on its own; the path with the highest gain (``fused`` on a tie within
+:data:`MIN_GAIN`) is returned if that gain is above :data:`MIN_GAIN`, so a difference within timing noise,
+an unmeasured shape or an unmeasured device always means ``"sequential"``.  ``choose(..., paths=...)``
+limits the candidates (the dispatcher offers ``asynctp`` only with ``FLUXINDUCTOR_ASYNCTP=1`` and PyTorch's
+ops present).  Forcing the fused kernel regardless of this table is the dispatcher's business
+(``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
 
 ``FLUXINDUCTOR_TUNING_DIR`` replaces the packaged table folder (used by the tests, and to try a table
 before committing it).
