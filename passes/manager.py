@@ -89,7 +89,8 @@ class FluxPassManager(CustomGraphPass):
 
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         kernels = dispatch._kernels("all_gather_matmul")[0] is not None, dispatch._kernels("matmul_reduce_scatter")[0] is not None
+        asynctp = dispatch._asynctp_ops() is not None  # FLUXINDUCTOR_ASYNCTP: the veto may keep more matches
         digest.update(f"tp_groups={groups};fuse_matmul_sums={self.fuse_matmul_sums};dispatch={self.dispatch_mode};"
-                      f"device={device};kernels={kernels}".encode())
+                      f"device={device};kernels={kernels};asynctp={asynctp}".encode())
         return digest.digest()
 

@@ -909,6 +909,19 @@ def test_manager_does_not_veto_cpu_graphs_and_keys_settings():
     assert FluxPassManager(frozenset({"1"})).uuid() != FluxPassManager().uuid()
 
 
+def test_manager_keys_the_async_tp_setting(monkeypatch):
+    """FLUXINDUCTOR_ASYNCTP=1 lets the GPU veto keep matches the cost model sends to async-TP: a cached graph
+    compiled without it must not be reused with it."""
+    from fluxinductor import dispatch
+    from fluxinductor.passes import FluxPassManager
+
+    monkeypatch.setattr(dispatch, "_asynctp_registered", lambda: ("ag", "rs"))
+    monkeypatch.delenv("FLUXINDUCTOR_ASYNCTP", raising=False)
+    off = FluxPassManager().uuid()
+    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    assert FluxPassManager().uuid() != off
+
+
 def test_reduce_scatter_of_sum_of_matmuls_can_be_turned_off():
     gm = trace(sum_of_matmuls(WORLD, group(), 0), *_sum_args())
     fuse_all_gather_matmul(gm.graph, lambda name: True)
