@@ -482,23 +482,6 @@ def compare(snap: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict
     return errors
 
 
-def _stats_delta(after: dict, before: dict) -> dict:
-    fused = {k: v - before["fused"].get(k, 0) for k, v in after["fused"].items()}
-    skipped: Dict[str, Dict[str, int]] = {}
-    for pattern, reasons in after["skipped"].items():
-        for reason, n in reasons.items():
-            n -= before["skipped"].get(pattern, {}).get(reason, 0)
-            if n:
-                skipped.setdefault(pattern, {})[reason] = n
-    fallbacks: Dict[str, Dict[str, int]] = {}
-    for op, reasons in after["fallbacks"].items():
-        for reason, n in reasons.items():
-            n -= before["fallbacks"].get(op, {}).get(reason, 0)
-            if n:
-                fallbacks.setdefault(op, {})[reason] = n
-    return {"fused": {k: v for k, v in fused.items() if v}, "skipped": skipped, "fallbacks": fallbacks}
-
-
 # ---------------------------------------------------------------------------------------------------
 # Measuring one mode
 # ---------------------------------------------------------------------------------------------------
@@ -555,6 +538,7 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
     Returns (the record every rank agrees on, this rank's output / gradient snapshot from the first call).
     """
     import fluxinductor
+    from fluxinductor.log import rewrite_stats_delta
 
     backward = grad is not None
     local: dict = {"error": None, "notes": []}
@@ -585,11 +569,11 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
         local["errors"] = compare(snap, ref) if ref is not None else None
         local["snapshot"] = snap
         if is_flux:
-            fwd, bwd = _stats_delta(s1, s0), _stats_delta(s2, s1)
+            fwd, bwd = rewrite_stats_delta(s1, s0), rewrite_stats_delta(s2, s1)
             local["rewrite_stats"] = {
                 "fused_forward": fwd["fused"], "fused_backward": bwd["fused"],
                 "skipped_forward": fwd["skipped"], "skipped_backward": bwd["skipped"],
-                "fallbacks_first_call": _stats_delta(s2, s0)["fallbacks"],
+                "fallbacks_first_call": rewrite_stats_delta(s2, s0)["fallbacks"],
             }
         if census is not None:
             local["graph_census"] = list(census.graphs)
@@ -645,7 +629,7 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
         times, host = time_steps(ctx, fn, model, x, grad)
         local.update(times=times, host=host)
         if is_flux:
-            local["fallbacks_timed"] = _stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"]
+            local["fallbacks_timed"] = rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"]
     except Exception as e:  # noqa: BLE001
         local["error"] = f"while timing: {type(e).__name__}: {e}"
         if not ctx.context_ok():

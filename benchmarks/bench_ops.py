@@ -334,13 +334,9 @@ def _setup_asynctp(ctx: Ctx) -> Optional[str]:
     if not ctx.is_cuda:
         return "unavailable: async-TP needs CUDA tensors and torch symmetric memory"
     try:
-        import torch.distributed._symmetric_memory as symm_mem
+        from fluxinductor.kernels.symm import _enable_group  # registers the group where torch needs it
 
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # required up to torch 2.8, a deprecated no-op-ish registration after
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(ctx.group_name)
+        _enable_group(ctx.group_name)
         torch.ops.symm_mem.fused_all_gather_matmul  # noqa: B018 - raises if the op is not registered
         torch.ops.symm_mem.fused_matmul_reduce_scatter  # noqa: B018
     except Exception as e:  # noqa: BLE001

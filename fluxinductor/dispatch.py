@@ -66,9 +66,14 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
         from fluxinductor import cost_model
     except ImportError as e:
         return "sequential", f"no cost model ({e})"
-    paths = (("fused",) if fused_eligible else ()) + (("asynctp",) if _asynctp_ops() is not None else ())
-    choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype, paths)
+    choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
+                                       overlapped_paths(fused_eligible))
     return choice, f"cost model chose {choice}: {reason}"
+
+
+def overlapped_paths(fused_eligible: bool = True) -> Tuple[str, ...]:
+    """The cost model's paths this process can run: the fused kernel (where eligible), async-TP (opt-in)."""
+    return (("fused",) if fused_eligible else ()) + (("asynctp",) if _asynctp_ops() is not None else ())
 
 
 @functools.lru_cache(maxsize=None)

@@ -74,6 +74,24 @@ def rewrite_stats() -> dict:
         return {"fused": dict(_fused), "skipped": skipped, "fallbacks": fallbacks}
 
 
+def rewrite_stats_delta(after: dict, before: dict) -> dict:
+    """``after - before`` for two :func:`rewrite_stats` snapshots, in the same layout, zero counts left out."""
+
+    def nested(a: dict, b: dict) -> dict:
+        out: dict = {}
+        for key, reasons in a.items():
+            for reason, n in reasons.items():
+                n -= b.get(key, {}).get(reason, 0)
+                if n:
+                    out.setdefault(key, {})[reason] = n
+        return out
+
+    fused = {k: v - before["fused"].get(k, 0) for k, v in after["fused"].items()}
+    return {"fused": {k: v for k, v in fused.items() if v},
+            "skipped": nested(after["skipped"], before["skipped"]),
+            "fallbacks": nested(after["fallbacks"], before["fallbacks"])}
+
+
 def reset_rewrite_stats() -> None:
     """Zero the counts that :func:`rewrite_stats` reports."""
     with _lock:

@@ -51,8 +51,8 @@ class FluxPassManager(CustomGraphPass):
         if kernels is None:
             return why
         try:
-            paths = ("fused",) + (("asynctp",) if dispatch._asynctp_ops() is not None else ())
-            choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype, paths)
+            choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
+                                               dispatch.overlapped_paths())
         except Exception as e:  # noqa: BLE001 - an unreadable table must not stop compilation
             return f"cost model failed ({type(e).__name__}: {e})"
         return None if choice != "sequential" else f"cost model chose {choice}: {reason}"

@@ -293,22 +293,11 @@ def stats_delta(after: dict, before: dict) -> Dict[str, Dict[str, int]]:
     counts run time calls of the fused ops (on CPU every call is a recorded fallback to the
     decomposition, so it shows the op really ran).
     """
-    fused = {k: v - before["fused"].get(k, 0) for k, v in after["fused"].items()}
-    calls = {
-        op: sum(reasons.values()) - sum(before["fallbacks"].get(op, {}).values())
-        for op, reasons in after["fallbacks"].items()
-    }
-    skipped: Dict[str, Dict[str, int]] = {}
-    for pattern, reasons in after["skipped"].items():
-        for reason, n in reasons.items():
-            n -= before["skipped"].get(pattern, {}).get(reason, 0)
-            if n:
-                skipped.setdefault(pattern, {})[reason] = n
-    return {
-        "fused": {k: v for k, v in fused.items() if v},
-        "calls": {k: v for k, v in calls.items() if v},
-        "skipped": skipped,
-    }
+    from fluxinductor.log import rewrite_stats_delta
+
+    delta = rewrite_stats_delta(after, before)
+    calls = {op: sum(reasons.values()) for op, reasons in delta["fallbacks"].items()}
+    return {"fused": delta["fused"], "calls": {k: v for k, v in calls.items() if v}, "skipped": delta["skipped"]}
 
 
 def run_case(
