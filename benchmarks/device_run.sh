@@ -5,7 +5,7 @@
 #   tuning/<device>_tp<N>.json, bench_model.log, h200x<N>_tp<N>_model.json  (N = NPROC, default 2)
 #   sweep: sweep_ag.{json,log} (GPU 0) and sweep_rs.{json,log} (GPU 1), kernel configurations vs cuBLAS
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
-# STEPS="none" only builds.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
+# STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
 set -u
@@ -65,6 +65,16 @@ for step in $STEPS; do
         --configs "${RS_CONFIGS:-0,4,2;6,4,2}" ${RS_SHAPES:+--shapes "$RS_SHAPES"} \
         --json "$OUT/rs_configs_tp${NPROC}.json" > "$OUT/rsbench_tp${NPROC}.log" 2>&1
       echo "rsbench rc=$?"; grep -v Warning "$OUT/rsbench_tp${NPROC}.log" | tail -30 | cut -c1-400 ;;
+    host)
+      # host cost per call of each dispatch path (benchmarks/host_overhead.py)
+      timeout 300 torchrun --nproc-per-node "$NPROC" benchmarks/host_overhead.py --out "$OUT/${TAG}_host_overhead.json" \
+        ${HOST_ARGS:-} > "$OUT/host_overhead.log" 2>&1
+      echo "host rc=$?"; grep -v Warning "$OUT/host_overhead.log" | tail -c 9000 ;;
+    probe)
+      # NVLink transport probe: copy engine / SM, push / pull, alone and beside a GEMM (benchmarks/probe_transport.py)
+      timeout 240 torchrun --nproc-per-node "$NPROC" benchmarks/probe_transport.py --out "$OUT/${TAG}_transport.json" \
+        ${PROBE_ARGS:-} > "$OUT/probe_transport.log" 2>&1
+      echo "probe rc=$?"; grep -v Warning "$OUT/probe_transport.log" | tail -30 ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
         torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops" \
