@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     from fluxinductor.kernels.symm import _enable_group
 
     _enable_group(group_name)
-    import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+    import torch.distributed._symmetric_memory as _symm_mem  # noqa: F401 - registers torch.ops.symm_mem
 
     rows = []
     for text in args.shapes.split(","):
