@@ -70,6 +70,18 @@ for step in $STEPS; do
       timeout 300 torchrun --nproc-per-node "$NPROC" benchmarks/host_overhead.py --out "$OUT/${TAG}_host_overhead.json" \
         ${HOST_ARGS:-} > "$OUT/host_overhead.log" 2>&1
       echo "host rc=$?"; grep -v Warning "$OUT/host_overhead.log" | tail -c 9000 ;;
+    trace)
+      # GPU timeline of one call per TRACES entry ('shape path [K=V ...]' separated by ';'; benchmarks/trace_op.py)
+      IFS=';' read -ra traces <<< "${TRACES:-rs:8192x8192x28672 fused}"
+      i=0
+      for t in "${traces[@]}"; do
+        read -ra words <<< "$t"; envs=()
+        for w in "${words[@]:2}"; do envs+=(--env "$w"); done
+        timeout 120 torchrun --nproc-per-node "$NPROC" benchmarks/trace_op.py --shape "${words[0]}" --path "${words[1]}" \
+          "${envs[@]}" --out "$OUT/${TAG}_trace_$i.json" > "$OUT/trace_$i.log" 2>&1
+        echo "trace $i ($t) rc=$?"; grep -v Warning "$OUT/trace_$i.log" | grep -E "^(---|  stream)" | head -${TRACE_LINES:-60}
+        i=$((i+1))
+      done ;;
     probe)
       # NVLink transport probe: copy engine / SM, push / pull, alone and beside a GEMM (benchmarks/probe_transport.py)
       timeout 240 torchrun --nproc-per-node "$NPROC" benchmarks/probe_transport.py --out "$OUT/${TAG}_transport.json" \

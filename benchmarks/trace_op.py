@@ -1,0 +1,100 @@
+"""GPU timeline of one call of a fused op (torchrun, any world size, CUDA): every kernel and copy it ran,
+with stream, start and duration relative to the call's first GPU activity, from torch.profiler (CUPTI).
+
+Shows where a path's time goes: whether the copy engine keeps pace with the GEMM, how long a wait held a
+stream, what runs after the GEMM ends.  Paths and shapes as in ``host_overhead.py``; ``--env K=V`` sets
+variables for the traced calls (e.g. ``FLUXINDUCTOR_GEMM_RS_PUSH=copy``).
+
+Usage: torchrun --nproc-per-node 4 benchmarks/trace_op.py --shape rs:8192x8192x28672 --path fused \\
+           --env FLUXINDUCTOR_GEMM_RS_PUSH=copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import git_sha, write_json  # noqa: E402
+from host_overhead import _ENV, PATHS, _wait, env, make_call, parse_shape  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", required=True, help="ag:MxKxN or rs:MxKxN (global shape)")
+    p.add_argument("--path", default="fused", choices=PATHS)
+    p.add_argument("--env", action="append", default=[], help="K=V set for the traced calls (repeatable)")
+    p.add_argument("--calls", type=int, default=3, help="calls traced; the last one is reported")
+    p.add_argument("--out", default=None, help="JSON with every rank's events (rank 0 writes)")
+    args = p.parse_args(argv)
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group_name = dist.group.WORLD.group_name
+    import fluxinductor  # noqa: F401 - registers torch.ops.fluxinductor
+    import torch.distributed._symmetric_memory as _symm_mem  # noqa: F401 - registers torch.ops.symm_mem
+    from fluxinductor.kernels.symm import _enable_group
+
+    _enable_group(group_name)
+    extra = dict(kv.split("=", 1) for kv in args.env)
+    op, m, k, n = parse_shape(args.shape)
+    with env({**_ENV.get(args.path, {}), **extra}):
+        call = make_call(args.path, op, m, k, n, world, group_name, device)
+        for _ in range(3):
+            _wait(call())
+        torch.cuda.synchronize()
+        marks = []
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(args.calls):
+                dist.barrier()
+                torch.cuda.synchronize()
+                with torch.profiler.record_function(f"call{i}"):
+                    _wait(call())
+                torch.cuda.synchronize()
+    events = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        events.append({"name": e.name[:80], "start_us": e.time_range.start, "dur_us": e.time_range.elapsed_us(),
+                       "stream": getattr(e, "device_resource_id", None)})
+    events.sort(key=lambda e: e["start_us"])
+    # The last call: events after the last gap > 2 ms between GPU activities (calls are separated by syncs).
+    last, prev_end = 0, None
+    for i, ev in enumerate(events):
+        if prev_end is not None and ev["start_us"] - prev_end > 2000:
+            last = i
+        prev_end = max(prev_end or 0, ev["start_us"] + ev["dur_us"])
+    events = events[last:]
+    t0 = events[0]["start_us"] if events else 0
+    for e in events:
+        e["start_us"] -= t0
+    everyone = [None] * world
+    dist.all_gather_object(everyone, events)
+    if rank == 0:
+        for r, evs in enumerate(everyone):
+            end = max((e["start_us"] + e["dur_us"] for e in evs), default=0)
+            print(f"--- rank {r}: {args.shape} {args.path} {extra or ''}: {len(evs)} GPU events, {end / 1e3:.3f} ms "
+                  "from first to last ---", flush=True)
+            for e in evs:
+                print(f"  stream {e['stream']!s:>4} {e['start_us'] / 1e3:8.3f} +{e['dur_us'] / 1e3:7.3f} ms  {e['name']}",
+                      flush=True)
+        if args.out:
+            sha, dirty = git_sha()
+            write_json(args.out, {"schema": "fluxinductor.trace_op/1", "device": torch.cuda.get_device_name(),
+                                  "world": world, "shape": args.shape, "path": args.path, "env": extra,
+                                  "git_sha": sha, "git_dirty": dirty, "events_by_rank": everyone})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
