@@ -49,7 +49,6 @@ def main(argv=None) -> int:
         for _ in range(3):
             _wait(call())
         torch.cuda.synchronize()
-        marks = []
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
