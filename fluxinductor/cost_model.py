@@ -155,6 +155,7 @@ def clear_cache() -> None:
     """Forget every loaded table (they are also re-read whenever their file's mtime changes)."""
     with _lock:
         _tables.clear()
+        _choices.clear()
 
 
 def _gain(row: dict, path: str = "fused") -> float:
@@ -248,6 +249,13 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
     return "sequential", f"no measured {op} shape near M={m} K={k} N={n}"
 
 
+# choose() results by (table file, its mtime, arguments): the dispatcher asks on every call of a fused op,
+# and a model repeats a few shapes; the lookup itself (filtering rows, interpolating, formatting the reason)
+# cost ~100 us of host time per call on the 4xH200 machine (benchmarks/host_overhead.py).
+_choices: Dict[tuple, Tuple[str, str]] = {}
+_MAX_CHOICES = 4096
+
+
 def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
            paths: Tuple[str, ...] = PATHS) -> Tuple[str, str]:
     """Choose the path for one call: ``("fused" | "asynctp" | "sequential", reason)``.
@@ -256,9 +264,30 @@ def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
     ``"gemm_rs"``, ``"GEMM+RS"``).  ``device_name``: e.g. ``torch.cuda.get_device_name()``.
     (m, k, n): the *global* GEMM shape (see :func:`global_mkn`).  ``dtype``: torch dtype or its name.
     ``paths``: the overlapped paths that may be chosen (a subset of :data:`PATHS`).
+    Answers are remembered per table file version (its mtime), so an edited table takes effect at once.
     """
+    path = table_path(device_name, world)
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        mtime = None
+    memo = (path, mtime, op, int(m), int(k), int(n), str(dtype), tuple(paths))
+    with _lock:
+        hit = _choices.get(memo)
+    if hit is not None:
+        return hit
+    answer = _choose(op, device_name, world, m, k, n, dtype, paths, path)
+    with _lock:
+        if len(_choices) >= _MAX_CHOICES:
+            _choices.clear()
+        _choices[memo] = answer
+    return answer
+
+
+def _choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
+            path: str) -> Tuple[str, str]:
     key = device_key(device_name)
-    table = load_table(table_path(device_name, world))
+    table = load_table(path)
     if table is None:
         return "sequential", f"no tuning table for {key} tp{int(world)}"
     want = dtype_name(dtype)

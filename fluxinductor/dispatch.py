@@ -66,9 +66,14 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
         from fluxinductor import cost_model
     except ImportError as e:
         return "sequential", f"no cost model ({e})"
-    choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
+    choice, reason = cost_model.choose(op, _device_name(device.index), world, m, k, n, dtype,
                                        overlapped_paths(fused_eligible))
     return choice, f"cost model chose {choice}: {reason}"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def overlapped_paths(fused_eligible: bool = True) -> Tuple[str, ...]:
@@ -179,7 +184,8 @@ def all_gather_matmul(
     if why is not None:
         record_fallback(op, why)
         return None
-    outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered)
+    outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
+                                                      checked=True)
     lead = world * shard.shape[gather_dim]
     outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
     gathered = _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
@@ -216,5 +222,5 @@ def matmul_reduce_scatter(
     if why is not None:
         record_fallback(op, why)
         return None
-    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name)
+    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True)
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)

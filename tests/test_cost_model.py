@@ -270,3 +270,23 @@ def test_asynctp_not_for_tiny_shapes():
 def test_tables_without_asynctp_times_never_choose_it(table_dir):
     for m in (512, 2048, 4096, 16384):
         assert cost_model.choose(AG, DEVICE, 2, m, 8192, 28672, torch.bfloat16)[0] in ("fused", "sequential")
+
+
+def test_answers_are_remembered_per_table_version(table_dir):
+    path = table_dir / "nvidia_h200_tp2.json"
+    first = choose(RS, 8192, 8192, 28672)
+    assert first[0] == "fused"
+    assert choose(RS, 8192, 8192, 28672) == first  # served from the memo
+    # A rewritten table (new mtime) is read again, without clear_cache(): the memo is keyed by the file version.
+    slower = [_row(RS, 8192, 8192, 28672, 3.90, 3.60)]
+    data = cost_model.make_table(DEVICE, 2, torch.bfloat16, slower, source={"test": True})
+    path.write_text(json.dumps(data))
+    stat = path.stat()
+    import os
+
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    choice, reason = choose(RS, 8192, 8192, 28672)
+    assert choice == "sequential", reason
+    # A table that disappears means "sequential" again, not a stale memo.
+    path.unlink()
+    assert choose(RS, 8192, 8192, 28672) == ("sequential", "no tuning table for nvidia_h200 tp2")

@@ -17,6 +17,7 @@ A wait that times out writes an error code to a host-mapped word and the kernel 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -85,14 +86,20 @@ def _kernel_reason(m: int, k: int, lda: int, a_ptr: int, weight: Tensor, bias: O
     return why or None
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> Optional[str]:
     reason = symm.extension_available()
     if reason is not None:
         return reason
     if not a2d.is_cuda:
         return "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(a2d.device) != (9, 0):
-        return f"the kernel is built for sm_90a; device has capability {torch.cuda.get_device_capability(a2d.device)}"
+    capability = _capability(a2d.device.index)
+    if capability != (9, 0):
+        return f"the kernel is built for sm_90a; device has capability {capability}"
     if a2d.dtype not in _DTYPE_CODES:
         return f"dtype {a2d.dtype} (the kernel supports bfloat16 and float16)"
     if a2d.dim() != 2 or not a2d.is_contiguous():
@@ -250,15 +257,16 @@ def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor) -> None:
 
 
 def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                      group_name: str, return_gathered: bool) -> Tuple[List[Tensor], Tensor]:
+                      group_name: str, return_gathered: bool, *, checked: bool = False) -> Tuple[List[Tensor], Tensor]:
     """Fused ``A = all_gather(shard2d, dim 0)``; ``outputs[i] = A @ weights[i] + biases[i]``.
 
     shard2d: [M/world, K] contiguous bf16/fp16 CUDA; weights[i]: [K, N_i] (either dim contiguous, read in
     place); biases[i]: [N_i] or None.  Returns (outputs [M, N_i], A [M, K] or an empty tensor).
     Raises ValueError when unsupported (see ``unsupported_reason``) or when ranks disagree on the layout,
-    AllGatherGemmError when an earlier call's wait timed out.
+    AllGatherGemmError when an earlier call's wait timed out.  ``checked``: the caller has just had
+    ``unsupported_reason`` return None for these arguments (the dispatcher does), so it is not asked again.
     """
-    reason = unsupported_reason(shard2d, weights, biases, group_name)
+    reason = None if checked else unsupported_reason(shard2d, weights, biases, group_name)
     if reason is not None:
         raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
     device = shard2d.device

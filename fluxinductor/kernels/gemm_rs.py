@@ -431,7 +431,8 @@ def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tens
 
 
 def matmul_reduce_scatter(
-    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *, out: Optional[Tensor] = None
+    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *,
+    out: Optional[Tensor] = None, checked: bool = False
 ) -> Tensor:
     """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
 
@@ -439,8 +440,10 @@ def matmul_reduce_scatter(
     rank before the reduction).  Returns [M/world, N]: rows [rank*M/world, (rank+1)*M/world) of the sum over
     ranks (divided by world for "avg").  ``out`` (tests): a [M/world, N] row-major tensor to write into.
     Raises RuntimeError when an earlier fused call on the group failed (see module docstring).
+    ``checked``: the caller has just had ``unsupported_reason`` return None for these arguments (the
+    dispatcher does), so it is not asked again.
     """
-    reason = unsupported_reason(a2d, weight, bias, reduce_op, group_name)
+    reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
     state = _state(group_name, a2d.device)
