@@ -2,6 +2,11 @@
 
     python benchmarks/report.py benchmarks/results/h200x2_tp2_ops.json
     python benchmarks/report.py benchmarks/results/h200x2_tp2_model.json
+    python benchmarks/report.py benchmarks/results/h200x4_tp4_ops.json fluxinductor/tuning/nvidia_h200_tp4.json
+
+With a cost-model table as second argument, an op table shows the fused kernel against each contender and
+the path that table picks by default for each shape (the "auto" column of a run is measured with the table
+the run started from, which the run itself then replaces).
 """
 
 from __future__ import annotations
@@ -31,11 +36,36 @@ def model_table(bench: dict) -> None:
         print(f"| {model} | {phase} | {cells} | {ratio} |")
 
 
-def main(path: str) -> None:
+def fused_table(bench: dict, table: dict) -> None:
+    choice = {(r["op"], r["m"], r["k"], r["n"]): r.get("choice", "-") for r in table["entries"]}
+    ops = {"AG+GEMM": "all_gather_matmul", "GEMM+RS": "matmul_reduce_scatter"}
+    print("| op | M | K | N | cuBLAS | NCCL seq | async-TP | fused nocomm | fused | E fused | E async-TP "
+          "| fused vs seq | fused vs async-TP | default path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    for row in bench["results"]:
+        c = {name: rec.get("ms") for name, rec in row["contenders"].items()}
+        gemm, seq, atp, fused, nocomm = c["gemm"], c["nccl_seq"], c["asynctp"], c["fused"], c.get("fused_nocomm")
+        path = choice.get((ops.get(row["op"], row["op"]), row["M"], row["K"], row["N"]), "-")
+        print(f"| {row['op']} | {row['M']} | {row['K']} | {row['N']} | {fmt(gemm)} | {fmt(seq)} | {fmt(atp)} "
+              f"| {fmt(nocomm)} | {fmt(fused)} | {efficiency(fused, gemm, seq):.2f} | {efficiency(atp, gemm, seq):.2f} "
+              f"| {seq / fused:.2f}x | {atp / fused:.2f}x | {path} |")
+
+
+def main(path: str, table_path: str = "") -> None:
     with open(path) as f:
         bench = json.load(f)
     if bench["results"] and "mode" in bench["results"][0]:
         model_table(bench)
+        return
+    if table_path:
+        with open(table_path) as f:
+            table = json.load(f)
+        env = bench["environment"]
+        print(f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
+              f"git {str(env['git_sha'])[:10]}, host overhead {env.get('host_overhead', 'exposed')}; ms, "
+              f"median of {env['iters']}, max over ranks; default path from {table_path.split('/')[-1]}\n")
+        fused_table(bench, table)
         return
     env = bench["environment"]
     print(f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
@@ -55,4 +85,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/h200x2_tp2_ops.json")
+    main(*(sys.argv[1:3] if len(sys.argv) > 1 else ["benchmarks/results/h200x2_tp2_ops.json"]))

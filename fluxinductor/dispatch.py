@@ -10,7 +10,9 @@ reference decomposition: the collective through the process group, then the matm
     ``FLUXINDUCTOR_ASYNCTP=1`` (experimental, off by default) also PyTorch's async-TP op
     (``torch.ops.symm_mem.fused_*``).  Measured on 4xH200 (benchmarks/results/h200x4_tp4_model_asynctp_path.json):
     the op benchmark gained up to 1.5x over NCCL-sequential through it, but in compiled models the same
-    choice ran the 2-layer Llama forward at 0.60x inductor's speed (cause not found), so it stays opt-in;
+    choice ran the 2-layer Llama forward at 0.60x inductor's speed: with torch 2.11 each async-TP call costs
+    0.5-1.1 ms of host time (benchmarks/host_overhead.py; most of it in symm_mem.get_buffer), more than the
+    GPU time of those layers, so it stays opt-in;
   - ``fused``: the fused kernel wherever it is eligible (benchmarks and tests);
   - ``decomposed``: never the fused kernel.
 
