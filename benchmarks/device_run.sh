@@ -10,6 +10,8 @@
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
 set -u
 export PYTHONUNBUFFERED=1 FLUXINDUCTOR_BUILD_JOBS=16 FLUXINDUCTOR_REQUIRE_EXTENSION=1
+# The device copy's .git can lag the working tree it was given: results record GIT_SHA when it is set.
+if [ -n "${GIT_SHA:-}" ]; then export FLUXINDUCTOR_GIT_SHA=$GIT_SHA; fi
 OUT=${OUT:-/tmp/fluxinductor_out}
 STEPS=${STEPS:-"tests example bench model"}
 NPROC=${NPROC:-2}
