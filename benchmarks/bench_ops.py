@@ -21,6 +21,8 @@ Contenders (``--contenders``), each timed on the same inputs:
   asynctp       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter (PyTorch async-TP)
   fused         torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=fused (a call that falls back to the
                 decomposition is reported as unavailable, with the fallback's reason)
+  fused_copy    GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=copy (peer tiles moved by the copy
+                engine; the cost model may pick this transport per shape)
   fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
@@ -28,7 +30,7 @@ Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synch
 iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  Every contender's
 output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over ranks.
 
-Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused), then
+Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused, fused_copy), then
 (asynctp), then (auto).  fluxinductor runs before async-TP because torch's symmetric memory lets a backend
 be chosen (``set_backend``) only before its first allocation, and async-TP allocates with the default
 backend.  With ``--emit-tuning`` the cost-model table is written from this run's numbers before the auto
@@ -67,12 +69,15 @@ REPO = os.path.dirname(HERE)
 OPS = ("ag_gemm", "gemm_rs")
 OP_LABEL = {"ag_gemm": "AG+GEMM", "gemm_rs": "GEMM+RS"}
 OP_NAME = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
-CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "auto")
-PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "fused"), ("asynctp",), ("auto",))
+CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "fused_copy", "auto")
+PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "fused", "fused_copy"), ("asynctp",), ("auto",))
 # Contenders whose overlap efficiency and speedups are reported.
-OVERLAPPED = ("fused", "auto", "asynctp")
+OVERLAPPED = ("fused", "fused_copy", "auto", "asynctp")
 # Contenders that may run fluxinductor's kernels (whose device-side errors are checked after they run).
-KERNEL_CONTENDERS = ("fused", "auto", "fused_nocomm")
+KERNEL_CONTENDERS = ("fused", "fused_copy", "auto", "fused_nocomm")
+# Contenders that go through the dispatcher: the FLUXINDUCTOR_DISPATCH mode and extra variables of each.
+DISPATCHED = {"fused": ("fused", {}), "fused_copy": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "copy"}),
+              "auto": ("auto", {})}
 
 # shared/anchors/README.md shapes, M in {512, 3072} at K=8192 N=28672, and Flux's GEMM+RS demo shape.
 ANCHOR_SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
@@ -292,7 +297,7 @@ class Problem:
                 fused_rs = torch.ops.symm_mem.fused_matmul_reduce_scatter
                 gn = ctx.group_name
                 return (lambda: fused_rs(a, b, "sum", 0, gn)), self.ref_out
-            if name in ("fused", "auto"):
+            if name in DISPATCHED:
                 op = torch.ops.fluxinductor.matmul_reduce_scatter
                 gn = ctx.group_name
                 return (lambda: op(a, b, None, "sum", 0, gn)), self.ref_out
@@ -354,7 +359,9 @@ def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
         if "asynctp:*" not in _setup_errors:
             _setup_errors["asynctp:*"] = _setup_asynctp(ctx)
         err = _setup_errors["asynctp:*"]
-    elif name in ("fused", "auto"):
+    elif name == "fused_copy" and op != "gemm_rs":
+        err = "unavailable: the copy-engine transport is GEMM+RS's"
+    elif name in DISPATCHED:
         err = _import_fluxinductor()
     elif name == "fused_nocomm":
         if not ctx.is_cuda:
@@ -371,24 +378,25 @@ def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
 
 
 class DispatchMode:
-    """Set FLUXINDUCTOR_DISPATCH for one contender (dispatch reads os.environ at call time)."""
+    """Set FLUXINDUCTOR_DISPATCH (and the contender's other variables, :data:`DISPATCHED`) for one contender;
+    the dispatcher reads os.environ at call time.  ``None``: a contender that does not go through it."""
 
-    def __init__(self, mode: Optional[str]):
-        self.mode = mode
-        self.prev: Optional[str] = None
+    def __init__(self, name: Optional[str]):
+        mode, extra = DISPATCHED.get(name, (None, {})) if name is not None else (None, {})
+        self.values = dict(extra, **({"FLUXINDUCTOR_DISPATCH": mode} if mode is not None else {}))
+        self.prev: Dict[str, Optional[str]] = {}
 
     def __enter__(self):
-        self.prev = os.environ.get("FLUXINDUCTOR_DISPATCH")
-        if self.mode is not None:
-            os.environ["FLUXINDUCTOR_DISPATCH"] = self.mode
+        self.prev = {key: os.environ.get(key) for key in self.values}
+        os.environ.update(self.values)
         return self
 
     def __exit__(self, *exc):
-        if self.mode is not None:
-            if self.prev is None:
-                os.environ.pop("FLUXINDUCTOR_DISPATCH", None)
+        for key, value in self.prev.items():
+            if value is None:
+                os.environ.pop(key, None)
             else:
-                os.environ["FLUXINDUCTOR_DISPATCH"] = self.prev
+                os.environ[key] = value
         return False
 
 
@@ -463,7 +471,7 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
     op = problem.op
     local: dict = {"error": None, "rel_err": None, "times": None, "path": None}
     err = setup_error(name, op, ctx)
-    uses_dispatch = name in ("fused", "auto")
+    uses_dispatch = name in DISPATCHED
     if err is None:
         try:
             with DispatchMode(name if uses_dispatch else None):
@@ -479,7 +487,7 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
                 if uses_dispatch:
                     fell_back = _fallbacks(op)
                     local["path"] = _path_label(fell_back) if fell_back else "fused"
-                    if name == "fused" and fell_back:
+                    if name != "auto" and fell_back:
                         local["error"] = "unavailable: the op fell back to the decomposition: " + "; ".join(fell_back)
         except Exception as e:  # noqa: BLE001
             local["error"] = f"{type(e).__name__}: {e}"
@@ -514,7 +522,7 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
                 fell_back = _fallbacks(op)
                 if fell_back:
                     local["path"] = _path_label(fell_back)
-                    if name == "fused":
+                    if name != "auto":
                         local["error"] = "the op fell back to the decomposition while timed: " + "; ".join(fell_back)
         local["times"] = times
     except Exception as e:  # noqa: BLE001
@@ -615,7 +623,7 @@ def format_table(data: dict) -> str:
         f"(median of {env['iters']} after {env['warmup']} warm-ups, max over ranks; ms)",
     ]
     head = (f"{'op':8}{'M':>6}{'K':>6}{'N':>6} |{'gemm':>8}{'comm':>8}{'seq':>8}{'asynctp':>8}{'nocomm':>8}"
-            f"{'fused':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
+            f"{'fused':>8}{'f_copy':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
             f"{'aut/seq':>8}{'nc/gemm':>8} |{'maxerr':>8} path(auto)")
     lines += [head, "-" * len(head)]
     for r in data["results"]:
@@ -627,7 +635,8 @@ def format_table(data: dict) -> str:
         auto_path = (r["contenders"].get("auto", {}).get("path") or "-").split(":")[0]
         lines.append(
             f"{r['op']:8}{r['M']:>6}{r['K']:>6}{r['N']:>6} |"
-            + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "auto"))
+            + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused",
+                                               "fused_copy", "auto"))
             + " |" + "".join(_f(E.get(c), "{:.2f}", 6) for c in ("fused", "auto", "asynctp"))
             + " |" + _f(s_seq.get("fused"), "{:.2f}x") + _f(s_atp.get("fused"), "{:.2f}x")
             + _f(s_seq.get("auto"), "{:.2f}x") + _f(r.get("fused_nocomm_over_gemm"), "{:.3f}")
@@ -656,6 +665,8 @@ def tuning_table(data: dict, out_json: str):
             "fused_error": fused.get("error"),
             "sequential_ms": seq,
             "gemm_ms": c.get("gemm", {}).get("ms"),
+            "fused_copy_ms": c.get("fused_copy", {}).get("ms"),
+            "fused_copy_ok": c.get("fused_copy", {}).get("rel_ok") if c.get("fused_copy", {}).get("ms") is not None else None,
             "asynctp_ms": c.get("asynctp", {}).get("ms"),
             "asynctp_ok": c.get("asynctp", {}).get("rel_ok") if c.get("asynctp", {}).get("ms") is not None else None,
             "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),

@@ -4,8 +4,9 @@ The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json
 ``benchmarks/bench_ops.py --emit-tuning`` from a real run on that device at that world size and kept
 under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
 sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the overlapped paths
-(:data:`PATHS`): ``fused`` (fluxinductor's kernels) and ``asynctp`` (PyTorch's async-TP ops,
-``torch.ops.symm_mem.fused_*``, which the dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
+(:data:`PATHS`): ``fused`` (fluxinductor's kernels), ``fused_copy`` (the GEMM+RS kernel with its
+copy-engine transport) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
+dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
 
 Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
 
@@ -58,8 +59,12 @@ SIMILAR_KN = 2.0
 # ... and the nearest row must be within this factor in flops.
 MAX_FLOPS_RATIO = 4.0
 
-# The overlapped paths a table row can time, besides the "sequential" reference.
-PATHS = ("fused", "asynctp")
+# The overlapped paths a table row can time, besides the "sequential" reference: fluxinductor's fused
+# kernel (GEMM+RS peer tiles by NVLink stores), the same kernel with the copy-engine transport (GEMM+RS only),
+# PyTorch's async-TP op.  The order breaks near ties.
+PATHS = ("fused", "fused_copy", "asynctp")
+# What the dispatcher offers by default (async-TP is opt-in).
+DEFAULT_PATHS = ("fused", "fused_copy")
 # async-TP is not chosen for shapes whose sequential time is below this (ms): through the dispatcher its
 # host-side work (many small launches and barriers) was not hidden there.  Measured on 2xH200 (81149a4):
 # GEMM+RS 1024x8192x8192 async-TP alone 0.138 ms, the same op picked by auto 0.229 ms, sequential 0.149 ms;
@@ -312,8 +317,8 @@ def make_table(
         row["op"] = canonical_op(row["op"])
         for field in ("m", "k", "n"):
             row[field] = int(row[field])
-        # What the default dispatch picks (the fused kernel or sequential), and with async-TP allowed.
-        row["choice"] = _decide(_gains(row, ("fused",)), "")[0]
+        # What the default dispatch picks (a fused kernel or sequential), and with async-TP allowed.
+        row["choice"] = _decide(_gains(row, DEFAULT_PATHS), "")[0]
         row["choice_with_asynctp"] = _decide(_gains(row, PATHS), "")[0]
         rows.append(row)
     rows.sort(key=lambda r: (r["op"], r["k"], r["n"], r["m"]))

@@ -79,8 +79,9 @@ def _device_name(index: int) -> str:
 
 
 def overlapped_paths(fused_eligible: bool = True) -> Tuple[str, ...]:
-    """The cost model's paths this process can run: the fused kernel (where eligible), async-TP (opt-in)."""
-    return (("fused",) if fused_eligible else ()) + (("asynctp",) if _asynctp_ops() is not None else ())
+    """The cost model's paths this process can run: the fused kernel with either GEMM+RS transport (where
+    eligible; the tables time ``fused_copy`` for GEMM+RS only), async-TP (opt-in)."""
+    return (("fused", "fused_copy") if fused_eligible else ()) + (("asynctp",) if _asynctp_ops() is not None else ())
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,16 +214,20 @@ def matmul_reduce_scatter(
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
     a2d = _rows_first(a, scatter_dim)
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
+    transport = "store"
     if mode() == "auto":
         path, reason = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
                                         a.dtype, fused_eligible=why is None)
         if path == "asynctp":
             record_fallback(op, reason, "PyTorch async-TP")
             return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
-        if why is None and path != "fused":
+        if path == "fused_copy":
+            transport = "copy"
+        elif why is None and path != "fused":
             why = reason
     if why is not None:
         record_fallback(op, why)
         return None
-    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True)
+    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
+                                          transport=transport)
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)

@@ -290,3 +290,25 @@ def test_answers_are_remembered_per_table_version(table_dir):
     # A table that disappears means "sequential" again, not a stale memo.
     path.unlink()
     assert choose(RS, 8192, 8192, 28672) == ("sequential", "no tuning table for nvidia_h200 tp2")
+
+
+def test_copy_transport_is_a_path_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    rows = [
+        # the copy engine measured faster than the stores: picked by default
+        _row(RS, 8192, 8192, 28672, 1.80, 2.37, fused_copy_ms=1.65, fused_copy_ok=True),
+        # within MIN_GAIN of the stores: the stores (first in PATHS) keep it
+        _row(RS, 4096, 12288, 49152, 1.83, 2.58, fused_copy_ms=1.82),
+        # faster, but its output failed the check: never
+        _row(RS, 2048, 8192, 28672, 0.48, 0.63, fused_copy_ms=0.30, fused_copy_ok=False),
+    ]
+    table = cost_model.make_table(DEVICE, 4, torch.bfloat16, rows)
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp4.json"), table, merge=False)
+    pick = lambda m, k, n, **kw: cost_model.choose(RS, DEVICE, 4, m, k, n, torch.bfloat16, **kw)  # noqa: E731
+    assert pick(8192, 8192, 28672)[0] == "fused_copy"
+    assert pick(8192, 8192, 28672, paths=("fused",))[0] == "fused"  # not offered: the stores
+    assert pick(4096, 12288, 49152)[0] == "fused"
+    assert pick(2048, 8192, 28672)[0] == "fused"
+    assert [r["choice"] for r in table["entries"]] == ["fused", "fused_copy", "fused"]  # sorted by (k, n, m)
+    cost_model.clear_cache()

@@ -87,9 +87,10 @@ def timeout_ns() -> int:
     return int(float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
 
 
-def push_mode() -> str:
-    """"store" or "copy": how this call's peer tiles travel (module docstring)."""
-    value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "store").strip().lower() or "store"
+def push_mode(default: str = "store") -> str:
+    """"store" or "copy": how this call's peer tiles travel (module docstring).  FLUXINDUCTOR_GEMM_RS_PUSH,
+    when set, decides for every call; else ``default`` (the dispatcher passes the cost model's choice)."""
+    value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "").strip().lower() or default
     if value not in PUSH_MODES:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_PUSH must be one of {PUSH_MODES}, got {value!r}")
     return value
@@ -432,7 +433,7 @@ def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tens
 
 def matmul_reduce_scatter(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *,
-    out: Optional[Tensor] = None, checked: bool = False
+    out: Optional[Tensor] = None, checked: bool = False, transport: str = "store"
 ) -> Tensor:
     """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
 
@@ -441,7 +442,8 @@ def matmul_reduce_scatter(
     ranks (divided by world for "avg").  ``out`` (tests): a [M/world, N] row-major tensor to write into.
     Raises RuntimeError when an earlier fused call on the group failed (see module docstring).
     ``checked``: the caller has just had ``unsupported_reason`` return None for these arguments (the
-    dispatcher does), so it is not asked again.
+    dispatcher does), so it is not asked again.  ``transport``: "store" or "copy", used unless
+    FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).
     """
     reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     if reason is not None:
@@ -454,7 +456,7 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=a2d.dtype, device=a2d.device)
-    copy = state.copy_workspace() if world > 1 and push_mode() == "copy" else None
+    copy = state.copy_workspace() if world > 1 and push_mode(transport) == "copy" else None
     sig = signature(m, n, k, world, a2d.dtype, f"copy/{bands()}" if copy is not None else "store")
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)

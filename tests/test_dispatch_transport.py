@@ -1,0 +1,63 @@
+"""The GEMM+RS transport the cost model picks reaches the kernel: ``fused_copy`` runs the fused kernel with
+the copy-engine transport, ``fused`` with NVLink stores, and FLUXINDUCTOR_GEMM_RS_PUSH still overrides both
+(kernel module and cost model replaced by fakes: the real ones need Hopper GPUs)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fluxinductor import dispatch
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    calls = []
+
+    def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store"):
+        calls.append({"checked": checked, "transport": transport})
+        return (a2d @ weight)[: a2d.shape[0] // 2]
+
+    module = types.SimpleNamespace(unsupported_reason=lambda *args: None, matmul_reduce_scatter=matmul_reduce_scatter)
+    monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
+    monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
+    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
+    return calls
+
+
+@pytest.mark.parametrize("choice, transport", [("fused", "store"), ("fused_copy", "copy")])
+def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice, transport):
+    seen = {}
+
+    def says(op, device, world, m, k, n, dtype, fused_eligible=True):
+        seen["paths"] = dispatch.overlapped_paths(fused_eligible)
+        return choice, f"cost model chose {choice}: test"
+
+    monkeypatch.setattr(dispatch, "_cost_model_says", says)
+    a, w = torch.randn(8, 4), torch.randn(4, 6)
+    out = dispatch.matmul_reduce_scatter(a, w, None, "sum", 0, "g")
+    torch.testing.assert_close(out, (a @ w)[:4])
+    assert fake_kernels == [{"checked": True, "transport": transport}]
+    assert seen["paths"][:2] == ("fused", "fused_copy")
+
+
+def test_sequential_choice_runs_no_kernel(fake_kernels, monkeypatch):
+    monkeypatch.setattr(dispatch, "_cost_model_says", lambda *a, **k: ("sequential", "cost model chose sequential"))
+    assert dispatch.matmul_reduce_scatter(torch.randn(8, 4), torch.randn(4, 6), None, "sum", 0, "g") is None
+    assert fake_kernels == []
+
+
+def test_environment_overrides_the_transport(monkeypatch):
+    from fluxinductor.kernels import gemm_rs
+
+    monkeypatch.delenv("FLUXINDUCTOR_GEMM_RS_PUSH", raising=False)
+    assert gemm_rs.push_mode() == "store" and gemm_rs.push_mode("copy") == "copy"
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "store")
+    assert gemm_rs.push_mode("copy") == "store"
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "copy")
+    assert gemm_rs.push_mode("store") == "copy"
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "pigeon")
+    with pytest.raises(ValueError, match="FLUXINDUCTOR_GEMM_RS_PUSH"):
+        gemm_rs.push_mode()
