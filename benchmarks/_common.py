@@ -53,3 +53,24 @@ def write_json(path: str, data: dict) -> None:
         json.dump(sanitize(data), f, indent=1, allow_nan=False, default=str)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def init_gpu_ranks() -> Tuple[int, int, torch.device, str]:
+    """Rank setup of the torchrun GPU diagnostics: NCCL initialised on this rank's GPU, the world group
+    registered with torch symmetric memory, ``torch.ops.fluxinductor`` and ``torch.ops.symm_mem`` loaded.
+    Returns (rank, world, device, group name)."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group_name = dist.group.WORLD.group_name
+    import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+
+    import fluxinductor  # noqa: F401 - registers torch.ops.fluxinductor
+    from fluxinductor.kernels.symm import _enable_group
+
+    _enable_group(group_name)
+    return rank, world, device, group_name
+

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
 
 PATHS = ("nccl_seq", "decomposed", "fused", "auto", "auto_asynctp", "asynctp_op")
 _ENV = {
@@ -148,16 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write JSON here (rank 0)")
     args = p.parse_args(argv)
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    group_name = dist.group.WORLD.group_name
-    import fluxinductor  # noqa: F401 - registers torch.ops.fluxinductor
-    from fluxinductor.kernels.symm import _enable_group
-
-    _enable_group(group_name)
-    import torch.distributed._symmetric_memory as _symm_mem  # noqa: F401 - registers torch.ops.symm_mem
+    rank, world, device, group_name = init_gpu_ranks()
 
     rows = []
     for text in args.shapes.split(","):

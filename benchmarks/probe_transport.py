@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
 
 WAYS = ("ce_push", "ce_pull", "sm_push", "sm_pull")
 PATTERNS = ("shift1", "all")
@@ -39,17 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    rank, world, device, group_name = init_gpu_ranks()
     import torch.distributed._symmetric_memory as symm_mem
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from fluxinductor.kernels.symm import _enable_group
-
-    group_name = dist.group.WORLD.group_name
-    _enable_group(group_name)
     elems = int(args.chunk_mb * 2**20) // 2 // 4096 * 4096
     # Symmetric buffer: slot s holds what rank s sends here (push) or what this rank offers to s (pull).
     buf = symm_mem.empty(world * elems, dtype=torch.bfloat16, device=device)

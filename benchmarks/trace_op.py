@@ -1,5 +1,5 @@
-"""GPU timeline of one call of a fused op (torchrun, any world size, CUDA): every kernel and copy it ran,
-with stream, start and duration relative to the call's first GPU activity, from torch.profiler (CUPTI).
+"""GPU timeline of a few calls of a fused op (torchrun, any world size, CUDA): every kernel and copy they ran,
+with stream, start and duration relative to the first traced GPU activity, from torch.profiler (CUPTI).
 
 Shows where a path's time goes: whether the copy engine keeps pace with the GEMM, how long a wait held a
 stream, what runs after the GEMM ends.  Paths and shapes as in ``host_overhead.py``; ``--env K=V`` sets
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
 from host_overhead import _ENV, PATHS, _wait, env, make_call, parse_shape  # noqa: E402
 
 
@@ -28,20 +28,12 @@ def main(argv=None) -> int:
     p.add_argument("--shape", required=True, help="ag:MxKxN or rs:MxKxN (global shape)")
     p.add_argument("--path", default="fused", choices=PATHS)
     p.add_argument("--env", action="append", default=[], help="K=V set for the traced calls (repeatable)")
-    p.add_argument("--calls", type=int, default=3, help="calls traced; the last one is reported")
+    p.add_argument("--calls", type=int, default=2, help="calls traced (each after a barrier, whose NCCL kernel "
+                   "separates them in the listing)")
     p.add_argument("--out", default=None, help="JSON with every rank's events (rank 0 writes)")
     args = p.parse_args(argv)
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    group_name = dist.group.WORLD.group_name
-    import fluxinductor  # noqa: F401 - registers torch.ops.fluxinductor
-    import torch.distributed._symmetric_memory as _symm_mem  # noqa: F401 - registers torch.ops.symm_mem
-    from fluxinductor.kernels.symm import _enable_group
-
-    _enable_group(group_name)
+    rank, world, device, group_name = init_gpu_ranks()
     extra = dict(kv.split("=", 1) for kv in args.env)
     op, m, k, n = parse_shape(args.shape)
     with env({**_ENV.get(args.path, {}), **extra}):
@@ -65,13 +57,6 @@ def main(argv=None) -> int:
         events.append({"name": e.name[:80], "start_us": e.time_range.start, "dur_us": e.time_range.elapsed_us(),
                        "stream": getattr(e, "device_resource_id", None)})
     events.sort(key=lambda e: e["start_us"])
-    # The last call: events after the last gap > 2 ms between GPU activities (calls are separated by syncs).
-    last, prev_end = 0, None
-    for i, ev in enumerate(events):
-        if prev_end is not None and ev["start_us"] - prev_end > 2000:
-            last = i
-        prev_end = max(prev_end or 0, ev["start_us"] + ev["dur_us"])
-    events = events[last:]
     t0 = events[0]["start_us"] if events else 0
     for e in events:
         e["start_us"] -= t0
