@@ -74,8 +74,9 @@ class FluxPassManager(CustomGraphPass):
         sources.append(fluxinductor.ops.__file__)
         # What not_worth_fusing reads: the cost model, its measured tables, the device and the extension.
         import fluxinductor.cost_model
+        import fluxinductor.dispatch
 
-        sources.append(fluxinductor.cost_model.__file__)
+        sources += [fluxinductor.cost_model.__file__, fluxinductor.dispatch.__file__]  # + the paths it offers
         tuning = os.environ.get("FLUXINDUCTOR_TUNING_DIR") or os.path.join(
             os.path.dirname(fluxinductor.ops.__file__), "tuning")
         if os.path.isdir(tuning):
