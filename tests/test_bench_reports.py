@@ -1,0 +1,66 @@
+"""What the README's tables are printed from: benchmarks/report.py's default-path table, and bench_ops's
+per-contender environment (DispatchMode), both without a GPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def bench_module():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        yield lambda name: __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _row(op, m, k, n, **ms):
+    return {"op": op, "M": m, "K": k, "N": n, "contenders": {name: {"ms": t} for name, t in ms.items()}}
+
+
+def test_default_path_table_uses_the_chosen_paths_own_time(bench_module, capsys):
+    report = bench_module("report")
+    bench = {"results": [
+        _row("GEMM+RS", 8192, 8192, 28672, gemm=1.0, nccl_seq=2.0, asynctp=1.5, fused_nocomm=1.1, fused=1.8,
+             fused_copy=1.4),
+        _row("GEMM+RS", 4096, 49152, 12288, gemm=1.0, nccl_seq=1.2, asynctp=1.1, fused_nocomm=1.2, fused=1.3),
+        _row("AG+GEMM", 4096, 8192, 8192, gemm=0.2, nccl_seq=0.4, asynctp=0.3, fused_nocomm=0.2, fused=0.25),
+        _row("GEMM+RS", 1024, 8192, 8192, gemm=0.05, nccl_seq=0.1, asynctp=0.1, fused_nocomm=0.06, fused=0.09),
+    ]}
+    table = {"entries": [
+        {"op": "matmul_reduce_scatter", "m": 8192, "k": 8192, "n": 28672, "choice": "fused_copy"},
+        {"op": "matmul_reduce_scatter", "m": 4096, "k": 49152, "n": 12288, "choice": "sequential"},
+        {"op": "all_gather_matmul", "m": 4096, "k": 8192, "n": 8192, "choice": "fused"},
+        {"op": "matmul_reduce_scatter", "m": 1024, "k": 8192, "n": 8192, "choice": "fused_copy"},
+    ]}
+    report.fused_table(bench, table)
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| GEMM") or
+            line.startswith("| AG")]
+    assert len(rows) == 4
+    # fused_copy chosen: its own time (1.4 ms) gives E 0.60, 1.43x sequential, 1.07x async-TP
+    assert rows[0][12:15] == ["fused_copy", "0.60", "1.43x"] and rows[0][15].startswith("1.07x")
+    # sequential chosen: NCCL-sequential's time, E 0
+    assert rows[1][12:15] == ["sequential", "0.00", "1.00x"]
+    assert rows[2][12:15] == ["fused", "0.75", "1.60x"]
+    # a path this run did not time is said, not filled in with another path's time
+    assert rows[3][12] == "fused_copy (not timed here)" and rows[3][13] == "-"
+
+
+def test_dispatch_mode_sets_and_restores_each_contenders_variables(bench_module, monkeypatch):
+    bench_ops = bench_module("bench_ops")
+    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "decomposed")
+    monkeypatch.delenv("FLUXINDUCTOR_GEMM_RS_PUSH", raising=False)
+    with bench_ops.DispatchMode("fused_copy"):
+        assert os.environ["FLUXINDUCTOR_DISPATCH"] == "fused"
+        assert os.environ["FLUXINDUCTOR_GEMM_RS_PUSH"] == "copy"
+    assert os.environ["FLUXINDUCTOR_DISPATCH"] == "decomposed" and "FLUXINDUCTOR_GEMM_RS_PUSH" not in os.environ
+    with bench_ops.DispatchMode("auto"):
+        assert os.environ["FLUXINDUCTOR_DISPATCH"] == "auto" and "FLUXINDUCTOR_GEMM_RS_PUSH" not in os.environ
+    with bench_ops.DispatchMode(None):
+        assert os.environ["FLUXINDUCTOR_DISPATCH"] == "decomposed"
