@@ -657,18 +657,22 @@ def tuning_table(data: dict, out_json: str):
         seq = c.get("nccl_seq", {}).get("ms")
         if seq is None:
             continue
-        fused = c.get("fused", {})
+
+        def ok(name: str) -> Optional[bool]:  # None where the path has no time to judge
+            rec = c.get(name, {})
+            return rec.get("rel_ok") if rec.get("ms") is not None else None
+
         entries.append({
             "op": OP_NAME[r["op_key"]], "m": r["M"], "k": r["K"], "n": r["N"],
-            "fused_ms": fused.get("ms"),
-            "fused_ok": fused.get("rel_ok") if fused.get("ms") is not None else None,
-            "fused_error": fused.get("error"),
+            "fused_ms": c.get("fused", {}).get("ms"),
+            "fused_ok": ok("fused"),
+            "fused_error": c.get("fused", {}).get("error"),
             "sequential_ms": seq,
             "gemm_ms": c.get("gemm", {}).get("ms"),
             "fused_copy_ms": c.get("fused_copy", {}).get("ms"),
-            "fused_copy_ok": c.get("fused_copy", {}).get("rel_ok") if c.get("fused_copy", {}).get("ms") is not None else None,
+            "fused_copy_ok": ok("fused_copy"),
             "asynctp_ms": c.get("asynctp", {}).get("ms"),
-            "asynctp_ok": c.get("asynctp", {}).get("rel_ok") if c.get("asynctp", {}).get("ms") is not None else None,
+            "asynctp_ok": ok("asynctp"),
             "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),
         })
     source = {"bench_json": os.path.relpath(out_json, REPO) if out_json.startswith(REPO) else out_json,

@@ -64,19 +64,17 @@ def main(path: str, table_path: str = "") -> None:
     if bench["results"] and "mode" in bench["results"][0]:
         model_table(bench)
         return
+    env = bench["environment"]
+    header = (f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
+              f"git {str(env['git_sha'])[:10]}, host overhead {env.get('host_overhead', 'exposed')}; ms, "
+              f"median of {env['iters']}, max over ranks")
     if table_path:
         with open(table_path) as f:
             table = json.load(f)
-        env = bench["environment"]
-        print(f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
-              f"git {str(env['git_sha'])[:10]}, host overhead {env.get('host_overhead', 'exposed')}; ms, "
-              f"median of {env['iters']}, max over ranks; default path from {table_path.split('/')[-1]}\n")
+        print(f"{header}; default path from {table_path.split('/')[-1]}\n")
         fused_table(bench, table)
         return
-    env = bench["environment"]
-    print(f"{env['device']} x{env['world']}, {env['dtype']}, torch {env['torch']}, NCCL {env['nccl']}, "
-          f"git {str(env['git_sha'])[:10]}, host overhead {env.get('host_overhead', 'exposed')}; ms, "
-          f"median of {env['iters']}, max over ranks\n")
+    print(header + "\n")
     print("| op | M | K | N | cuBLAS | NCCL seq | async-TP | fused | auto (path) | E fused | E auto "
           "| auto vs seq | auto vs async-TP |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

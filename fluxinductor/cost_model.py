@@ -263,7 +263,7 @@ _MAX_CHOICES = 4096
 
 def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
            paths: Tuple[str, ...] = PATHS) -> Tuple[str, str]:
-    """Choose the path for one call: ``("fused" | "asynctp" | "sequential", reason)``.
+    """Choose the path for one call: ``("fused" | "fused_copy" | "asynctp" | "sequential", reason)``.
 
     ``op``: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"`` (aliases: ``"ag_gemm"``, ``"AG+GEMM"``,
     ``"gemm_rs"``, ``"GEMM+RS"``).  ``device_name``: e.g. ``torch.cuda.get_device_name()``.
@@ -308,7 +308,7 @@ def make_table(
     """A table in the format :func:`choose` reads.
 
     ``entries``: dicts with ``op, m, k, n, fused_ms, sequential_ms`` (``fused_ms`` None where the fused
-    kernel was unavailable), optionally ``asynctp_ms``, ``<path>_ok`` (False when that path's output failed
+    kernel was unavailable), optionally ``fused_copy_ms``, ``asynctp_ms``, ``<path>_ok`` (False when that path's output failed
     the check) and any other measured numbers, which are kept for the record.
     """
     rows = []

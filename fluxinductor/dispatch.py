@@ -69,7 +69,7 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
     except ImportError as e:
         return "sequential", f"no cost model ({e})"
     choice, reason = cost_model.choose(op, _device_name(device.index), world, m, k, n, dtype,
-                                       overlapped_paths(fused_eligible))
+                                       overlapped_paths(op, fused_eligible))
     return choice, f"cost model chose {choice}: {reason}"
 
 
@@ -78,10 +78,11 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def overlapped_paths(fused_eligible: bool = True) -> Tuple[str, ...]:
-    """The cost model's paths this process can run: the fused kernel with either GEMM+RS transport (where
-    eligible; the tables time ``fused_copy`` for GEMM+RS only), async-TP (opt-in)."""
-    return (("fused", "fused_copy") if fused_eligible else ()) + (("asynctp",) if _asynctp_ops() is not None else ())
+def overlapped_paths(op: str, fused_eligible: bool = True) -> Tuple[str, ...]:
+    """The cost model's paths this process can run for ``op``: the fused kernel where it is eligible (GEMM+RS
+    with either transport: ``fused_copy`` is its copy-engine one), async-TP (opt-in)."""
+    fused = (("fused", "fused_copy") if op == "matmul_reduce_scatter" else ("fused",)) if fused_eligible else ()
+    return fused + (("asynctp",) if _asynctp_ops() is not None else ())
 
 
 @functools.lru_cache(maxsize=None)

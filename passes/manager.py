@@ -52,7 +52,7 @@ class FluxPassManager(CustomGraphPass):
             return why
         try:
             choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
-                                               dispatch.overlapped_paths())
+                                               dispatch.overlapped_paths(op))
         except Exception as e:  # noqa: BLE001 - an unreadable table must not stop compilation
             return f"cost model failed ({type(e).__name__}: {e})"
         return None if choice != "sequential" else f"cost model chose {choice}: {reason}"

@@ -32,7 +32,7 @@ def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice
     seen = {}
 
     def says(op, device, world, m, k, n, dtype, fused_eligible=True):
-        seen["paths"] = dispatch.overlapped_paths(fused_eligible)
+        seen["paths"] = dispatch.overlapped_paths(op, fused_eligible)
         return choice, f"cost model chose {choice}: test"
 
     monkeypatch.setattr(dispatch, "_cost_model_says", says)

@@ -9,13 +9,13 @@ tile (staged in shared memory, written with 16-byte stores) straight into that p
 (slot r) over NVLink and raises one flag per tile to the call's epoch.  The own segment's epilogue waits for those flags, adds the peers' slots and the bias and
 writes the output, so the reduction needs no extra kernel and no extra pass over memory.
 
-How the peer tiles travel (``FLUXINDUCTOR_GEMM_RS_PUSH``, read per call; ranks that differ get an error):
-  - ``store`` (default): as above, 16-byte NVLink stores from the epilogue and one flag per tile;
-  - ``copy`` (experimental): the epilogue stores a peer's tile in a local outbox and counts it per band of
-    tile rows (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each
-    band's count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's
-    flag of that band.  Measured on 2 and 4 H200s it was not faster than ``store`` on most shapes
-    (csrc/NOTES_gemm_rs.md, session 3), so it is not the default.
+How the peer tiles travel (``transport``: the dispatcher passes the cost model's choice per shape;
+``FLUXINDUCTOR_GEMM_RS_PUSH``, when set, decides for every call; ranks that differ get an error):
+  - ``store``: as above, 16-byte NVLink stores from the epilogue and one flag per tile;
+  - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
+    (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
+    count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
+    of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4).
 
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
 reuse race-free (a peer is in call e only once it finished call e-1, which read its slots) and catches ranks

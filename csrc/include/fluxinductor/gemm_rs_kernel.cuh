@@ -479,22 +479,9 @@ class GemmRsEpilogue {
           int const gcol = col0 + c;
           if (vec) {
             cutlass::Array<Element_, kVec> v = *reinterpret_cast<cutlass::Array<Element_, kVec> const*>(src);
-            if (peer_slots != nullptr || scale != 1.f) {
-              float acc[kVec];
+            if (scale != 1.f) {  // an own tile with the peers' parts took reduce_own_subtile above
               CUTLASS_PRAGMA_UNROLL
-              for (int j = 0; j < kVec; ++j) acc[j] = float(v[j]);
-              if (peer_slots != nullptr) {
-                for (int q = 0; q < p_.world; ++q) {
-                  if (q == p_.rank) continue;
-                  uint4 bits = __ldcg(reinterpret_cast<uint4 const*>(peer_slots + int64_t(q) * slot_elems +
-                                                                     grow * N + gcol));
-                  auto const& w = reinterpret_cast<cutlass::Array<Element_, kVec> const&>(bits);
-                  CUTLASS_PRAGMA_UNROLL
-                  for (int j = 0; j < kVec; ++j) acc[j] += float(w[j]);
-                }
-              }
-              CUTLASS_PRAGMA_UNROLL
-              for (int j = 0; j < kVec; ++j) v[j] = Element_(acc[j] * scale);
+              for (int j = 0; j < kVec; ++j) v[j] = Element_(float(v[j]) * scale);
             }
             *reinterpret_cast<uint4*>(dst + grow * ld + gcol) = reinterpret_cast<uint4 const&>(v);
           } else {
