@@ -23,6 +23,8 @@ Contenders (``--contenders``), each timed on the same inputs:
                 decomposition is reported as unavailable, with the fallback's reason)
   fused_copy    GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=copy (peer tiles moved by the copy
                 engine; the cost model may pick this transport per shape)
+  fused_split   GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=split (two stock CUTLASS GEMMs, the
+                copy engine between them; two ranks)
   fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
@@ -30,7 +32,8 @@ Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synch
 iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  Every contender's
 output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over ranks.
 
-Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused, fused_copy), then
+Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused, fused_copy,
+fused_split), then
 (asynctp), then (auto).  fluxinductor runs before async-TP because torch's symmetric memory lets a backend
 be chosen (``set_backend``) only before its first allocation, and async-TP allocates with the default
 backend.  With ``--emit-tuning`` the cost-model table is written from this run's numbers before the auto
@@ -69,15 +72,16 @@ REPO = os.path.dirname(HERE)
 OPS = ("ag_gemm", "gemm_rs")
 OP_LABEL = {"ag_gemm": "AG+GEMM", "gemm_rs": "GEMM+RS"}
 OP_NAME = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
-CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "fused_copy", "auto")
-PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "fused", "fused_copy"), ("asynctp",), ("auto",))
+CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "fused_copy", "fused_split", "auto")
+PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "fused", "fused_copy", "fused_split"), ("asynctp",),
+          ("auto",))
 # Contenders whose overlap efficiency and speedups are reported.
-OVERLAPPED = ("fused", "fused_copy", "auto", "asynctp")
+OVERLAPPED = ("fused", "fused_copy", "fused_split", "auto", "asynctp")
 # Contenders that may run fluxinductor's kernels (whose device-side errors are checked after they run).
-KERNEL_CONTENDERS = ("fused", "fused_copy", "auto", "fused_nocomm")
+KERNEL_CONTENDERS = ("fused", "fused_copy", "fused_split", "auto", "fused_nocomm")
 # Contenders that go through the dispatcher: the FLUXINDUCTOR_DISPATCH mode and extra variables of each.
 DISPATCHED = {"fused": ("fused", {}), "fused_copy": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "copy"}),
-              "auto": ("auto", {})}
+              "fused_split": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split"}), "auto": ("auto", {})}
 
 # shared/anchors/README.md shapes, M in {512, 3072} at K=8192 N=28672, and Flux's GEMM+RS demo shape.
 ANCHOR_SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
@@ -361,6 +365,8 @@ def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
         err = _setup_errors["asynctp:*"]
     elif name == "fused_copy" and op != "gemm_rs":
         err = "unavailable: the copy-engine transport is GEMM+RS's"
+    elif name == "fused_split" and (op != "gemm_rs" or ctx.world != 2):
+        err = "unavailable: the split transport is GEMM+RS's, for 2 ranks"
     elif name in DISPATCHED:
         err = _import_fluxinductor()
     elif name == "fused_nocomm":
@@ -623,7 +629,7 @@ def format_table(data: dict) -> str:
         f"(median of {env['iters']} after {env['warmup']} warm-ups, max over ranks; ms)",
     ]
     head = (f"{'op':8}{'M':>6}{'K':>6}{'N':>6} |{'gemm':>8}{'comm':>8}{'seq':>8}{'asynctp':>8}{'nocomm':>8}"
-            f"{'fused':>8}{'f_copy':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
+            f"{'fused':>8}{'f_copy':>8}{'f_split':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
             f"{'aut/seq':>8}{'nc/gemm':>8} |{'maxerr':>8} path(auto)")
     lines += [head, "-" * len(head)]
     for r in data["results"]:
@@ -636,7 +642,7 @@ def format_table(data: dict) -> str:
         lines.append(
             f"{r['op']:8}{r['M']:>6}{r['K']:>6}{r['N']:>6} |"
             + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused",
-                                               "fused_copy", "auto"))
+                                               "fused_copy", "fused_split", "auto"))
             + " |" + "".join(_f(E.get(c), "{:.2f}", 6) for c in ("fused", "auto", "asynctp"))
             + " |" + _f(s_seq.get("fused"), "{:.2f}x") + _f(s_atp.get("fused"), "{:.2f}x")
             + _f(s_seq.get("auto"), "{:.2f}x") + _f(r.get("fused_nocomm_over_gemm"), "{:.3f}")
@@ -671,6 +677,8 @@ def tuning_table(data: dict, out_json: str):
             "gemm_ms": c.get("gemm", {}).get("ms"),
             "fused_copy_ms": c.get("fused_copy", {}).get("ms"),
             "fused_copy_ok": ok("fused_copy"),
+            "fused_split_ms": c.get("fused_split", {}).get("ms"),
+            "fused_split_ok": ok("fused_split"),
             "asynctp_ms": c.get("asynctp", {}).get("ms"),
             "asynctp_ok": ok("asynctp"),
             "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),

@@ -58,6 +58,12 @@ for step in $STEPS; do
         --op rs --out "$OUT/sweep_rs.json" ${SWEEP_ARGS:-} > "$OUT/sweep_rs.log" 2>&1
       wait
       cat "$OUT/sweep_ag.log" "$OUT/sweep_rs.log" | grep -v "^   " ;;
+    split)
+      # the split GEMM+RS transport: single-GPU two-rank simulation and the torchrun checks with it
+      { timeout 300 python3 -m pytest -q -rs tests/gpu/test_gemm_rs.py -k "split or peer_never"
+        timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py --pushes split; } \
+        > "$OUT/split_tests.log" 2>&1
+      grep -E "passed|failed|error|Error|FAIL|all checks" "$OUT/split_tests.log" | tail -12 ;;
     rstests)
       timeout 300 python3 -m pytest -q -rs tests/gpu/test_gemm_rs.py -k "tuning or n_ranks or gemm_only or copy_engine or peer_never" \
         > "$OUT/rstests.log" 2>&1; echo "rstests rc=$?"; tail -5 "$OUT/rstests.log" ;;

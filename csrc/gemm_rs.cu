@@ -20,6 +20,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "fluxinductor/gemm_rs_kernel.cuh"
 #include "fluxinductor/stream_memops.h"
+#include "gemm_rs_split.h"
 
 namespace fluxinductor {
 namespace {
@@ -140,12 +141,12 @@ cudaError_t join_events(JoinEvents** out) {
 // Enqueues on the copy stream, for each peer in the kernel's segment order and each band of its segment:
 // wait for the band's tile count, copy the band from the outbox into the peer's slot for this rank, then raise
 // the peer's flag of (this rank, band) by copying the epoch word (stream order: after the band's bytes).
+// flags_per_src: the flag region's stride per source rank (the default kernel's tiles per segment).
 int enqueue_band_copies(GemmRsArgs const& args, int tile_m, int tiles_m, int tiles_n, Bands bands,
-                        size_t element_bytes) {
+                        size_t element_bytes, int64_t flags_per_src) {
   auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
   int64_t const segment_rows = args.m / args.world;
   int64_t const row_bytes = int64_t(args.n) * int64_t(element_bytes);
-  int64_t const flags_per_src = int64_t(tiles_m) * tiles_n;
   CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
   if (result != CUDA_SUCCESS) {
     return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
@@ -174,6 +175,49 @@ int enqueue_band_copies(GemmRsArgs const& args, int tile_m, int tiles_m, int til
         return fail(std::string("GEMM+RS band copy failed: ") + cudaGetErrorString(status));
       }
     }
+  }
+  return 0;
+}
+
+// The per-call handshake (gemm_rs_hello_kernel) on the caller's stream.
+int launch_hello(GemmRsArgs const& args, cudaStream_t stream) {
+  RsHelloParams hello{};
+  for (int r = 0; r < args.world; ++r) {
+    hello.buffers[r] = static_cast<char*>(args.buffers[r]);
+  }
+  hello.world = args.world;
+  hello.rank = args.rank;
+  hello.epoch = args.epoch;
+  hello.signature = args.signature;
+  hello.error = args.error;
+  hello.timeout_ns = args.timeout_ns;
+  gemm_rs_hello_kernel<<<1, 32, 0, stream>>>(hello);
+  cudaError_t launch = cudaGetLastError();
+  if (launch != cudaSuccess) {
+    return fail(std::string("GEMM+RS handshake launch failed: ") + cudaGetErrorString(launch));
+  }
+  return 0;
+}
+
+// Counters start at zero; the copy stream starts after the handshake (every peer finished its previous call, so
+// its slots are free).
+int start_copy_stream(GemmRsArgs const& args, Bands bands, cudaStream_t stream, JoinEvents** join) {
+  cudaError_t prep = cudaMemsetAsync(args.counters, 0, sizeof(uint32_t) * args.world * bands.count, stream);
+  if (prep == cudaSuccess) prep = join_events(join);
+  if (prep == cudaSuccess) prep = cudaEventRecord((*join)->start, stream);
+  if (prep == cudaSuccess) prep = cudaStreamWaitEvent(static_cast<cudaStream_t>(args.copy_stream), (*join)->start, 0);
+  if (prep != cudaSuccess) {
+    return fail(std::string("GEMM+RS copy-engine setup failed: ") + cudaGetErrorString(prep));
+  }
+  return 0;
+}
+
+// The caller's stream continues only once every band has left.
+int join_copy_stream(GemmRsArgs const& args, JoinEvents* join, cudaStream_t stream) {
+  cudaError_t status = cudaEventRecord(join->done, static_cast<cudaStream_t>(args.copy_stream));
+  if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, join->done, 0);
+  if (status != cudaSuccess) {
+    return fail(std::string("GEMM+RS copy-stream join failed: ") + cudaGetErrorString(status));
   }
   return 0;
 }
@@ -260,33 +304,15 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   }
 
   if (args.world > 1) {
-    RsHelloParams hello{};
-    for (int r = 0; r < args.world; ++r) {
-      hello.buffers[r] = static_cast<char*>(args.buffers[r]);
-    }
-    hello.world = args.world;
-    hello.rank = args.rank;
-    hello.epoch = args.epoch;
-    hello.signature = args.signature;
-    hello.error = args.error;
-    hello.timeout_ns = args.timeout_ns;
-    gemm_rs_hello_kernel<<<1, 32, 0, stream>>>(hello);
-    cudaError_t launch = cudaGetLastError();
-    if (launch != cudaSuccess) {
-      return fail(std::string("GEMM+RS handshake launch failed: ") + cudaGetErrorString(launch));
+    if (int rc = launch_hello(args, stream); rc != 0) {
+      return rc;
     }
   }
 
   JoinEvents* join = nullptr;
   if (copy_engine) {
-    // Counters start at zero; the copy stream starts after the handshake (every peer finished its previous
-    // call, so its slots are free) and the caller's stream continues only once every band has left.
-    cudaError_t prep = cudaMemsetAsync(args.counters, 0, sizeof(uint32_t) * args.world * bands.count, stream);
-    if (prep == cudaSuccess) prep = join_events(&join);
-    if (prep == cudaSuccess) prep = cudaEventRecord(join->start, stream);
-    if (prep == cudaSuccess) prep = cudaStreamWaitEvent(static_cast<cudaStream_t>(args.copy_stream), join->start, 0);
-    if (prep != cudaSuccess) {
-      return fail(std::string("GEMM+RS copy-engine setup failed: ") + cudaGetErrorString(prep));
+    if (int rc = start_copy_stream(args, bands, stream, &join); rc != 0) {
+      return rc;
     }
   }
 
@@ -301,15 +327,12 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
                 cudaGetErrorString(launch));
   }
   if (copy_engine) {
-    if (int rc = enqueue_band_copies(args, Config::kTileM, epi.tiles_m, epi.tiles_n, bands, sizeof(Element));
+    if (int rc = enqueue_band_copies(args, Config::kTileM, epi.tiles_m, epi.tiles_n, bands, sizeof(Element),
+                                     int64_t(epi.tiles_m) * epi.tiles_n);
         rc != 0) {
       return rc;
     }
-    cudaError_t join_status = cudaEventRecord(join->done, static_cast<cudaStream_t>(args.copy_stream));
-    if (join_status == cudaSuccess) join_status = cudaStreamWaitEvent(stream, join->done, 0);
-    if (join_status != cudaSuccess) {
-      return fail(std::string("GEMM+RS copy-stream join failed: ") + cudaGetErrorString(join_status));
-    }
+    return join_copy_stream(args, join, stream);
   }
   return 0;
 }
@@ -368,6 +391,91 @@ TileMN current_tile() {
   return {128, 128};
 #endif
 }
+}  // namespace
+
+namespace {
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+// The split transport (two ranks, csrc/include/fluxinductor/gemm_rs_split.cuh): handshake, the peer GEMM into the
+// outbox with band counts, the copy stream's band copies into the peer's slot, then the own GEMM, which waits per
+// band for the peer's flag and adds the peer's partial as its source C.
+int run_split(GemmRsArgs const& args, cudaStream_t stream) {
+  namespace split = gemm_rs_split;
+  if (args.world != 2 || !args.b_k_major || args.outbox == nullptr) {
+    return fail("the split transport takes two ranks, a K-major weight and the copy-engine resources");
+  }
+  int const segment_rows = args.m / args.world;
+  int const peer = 1 - args.rank;
+  size_t const element_bytes = 2;
+  int const tiles_m = (segment_rows + split::kTileM - 1) / split::kTileM;
+  int const tiles_n = (args.n + split::kTileN - 1) / split::kTileN;
+  Bands const bands = band_split(tiles_m, args.bands);
+  // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [src][its tiles].
+  TileMN const layout_tile = current_tile();
+  int64_t const flags_per_src = int64_t((segment_rows + layout_tile.m - 1) / layout_tile.m) *
+                                ((args.n + layout_tile.n - 1) / layout_tile.n);
+  if (bands.count > flags_per_src) {
+    return fail("the split transport needs a flag per band within the buffer layout's flags per rank");
+  }
+  if (int rc = launch_hello(args, stream); rc != 0) {
+    return rc;
+  }
+  JoinEvents* join = nullptr;
+  if (int rc = start_copy_stream(args, bands, stream, &join); rc != 0) {
+    return rc;
+  }
+  std::string message;
+  split::SplitGemmParams gemm;
+  gemm.dtype = args.dtype;
+  gemm.rows = segment_rows;
+  gemm.n = args.n;
+  gemm.k = args.k;
+  gemm.lda = args.lda;
+  gemm.b = args.b;
+  gemm.ldb = args.ldb;
+  gemm.sm_count = args.sm_count;
+
+  split::SplitGemmParams peer_gemm = gemm;  // the peer's rows, + bias, into the outbox
+  peer_gemm.a = static_cast<char const*>(args.a) + int64_t(peer) * segment_rows * args.lda * element_bytes;
+  peer_gemm.bias = args.bias;
+  peer_gemm.d = static_cast<char*>(args.outbox) + int64_t(peer) * segment_rows * args.n * element_bytes;
+  peer_gemm.ldd = args.n;
+  peer_gemm.counters = args.counters;
+  peer_gemm.segment = peer;
+  peer_gemm.bands = bands.count;
+  peer_gemm.band_tile_rows = bands.tile_rows;
+  if (split::run_peer_gemm(peer_gemm, stream, &message) != 0) {
+    return fail(message);
+  }
+  if (int rc = enqueue_band_copies(args, split::kTileM, tiles_m, tiles_n, bands, element_bytes, flags_per_src);
+      rc != 0) {
+    return rc;
+  }
+
+  split::SplitGemmParams own_gemm = gemm;  // scale * (acc + bias + the peer's partial)
+  char* local = static_cast<char*>(args.buffers[args.rank]);
+  own_gemm.a = static_cast<char const*>(args.a) + int64_t(args.rank) * segment_rows * args.lda * element_bytes;
+  own_gemm.bias = args.bias_scaled;
+  own_gemm.c = local + args.data_offset + int64_t(peer) * segment_rows * args.n * element_bytes;
+  own_gemm.d = args.out;
+  own_gemm.ldd = args.ldo;
+  own_gemm.alpha = args.out_scale;
+  own_gemm.beta = args.out_scale;
+  own_gemm.flags = reinterpret_cast<uint32_t const*>(local + args.flags_offset) + int64_t(peer) * flags_per_src;
+  own_gemm.epoch = args.epoch;
+  own_gemm.band_rows = bands.tile_rows * split::kTileM;
+  own_gemm.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
+  own_gemm.abort_value = kRsAborted;
+  own_gemm.error = args.error;
+  own_gemm.error_code = kGemmRsTileTimeout;
+  own_gemm.timeout_ns = args.timeout_ns;
+  own_gemm.pdl = args.split_pdl;
+  if (split::run_own_gemm(own_gemm, stream, &message) != 0) {
+    return fail(message);
+  }
+  return join_copy_stream(args, join, stream);
+}
+
+#endif  // CUTLASS_ARCH_MMA_SM90_SUPPORTED
 }  // namespace
 
 int gemm_rs_tile_m() { return current_tile().m; }
@@ -429,6 +537,9 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  if (args.split) {
+    return run_split(args, stream);
+  }
   using cutlass::bfloat16_t;
   using cutlass::half_t;
   using ColumnMajor = cutlass::layout::ColumnMajor;  // B K-major: the transposed nn.Linear weight

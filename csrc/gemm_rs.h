@@ -5,6 +5,8 @@
 // One persistent CUTLASS sm90a GEMM per rank computes the row segments owned by its peers first and stores
 // them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per tile;
 // its own segment comes last, and its epilogue adds the peers' slots once their flags carry this call's epoch.
+// Split transport (GemmRsArgs::split, two ranks): the peer's rows are one stock CUTLASS GEMM into the outbox, sent by
+// the copy engine per band; this rank's rows are a second GEMM that waits per band and adds the peer's slot as C.
 // Copy-engine mode (GemmRsArgs::outbox set): peer tiles are stored in a local outbox instead and counted per
 // band of tile rows; a copy stream waits for each band's count (cuStreamWaitValue32), copies the band into the
 // owner's slot (cudaMemcpyAsync: copy engine, no SMs) and then sets the owner's flag of (this rank, band).
@@ -61,6 +63,11 @@ struct GemmRsArgs {
   uint32_t* epoch_word = nullptr; // one word on this rank's device: the source of the flag copies
   int bands = 4;                  // bands per segment wanted (1..kGemmRsMaxBands; fewer when M is small)
   void* copy_stream = nullptr;    // cudaStream_t the copies run on (not `stream`)
+  // Split transport (copy-engine resources above, world 2, K-major weight): the peer's rows and this rank's rows
+  // as two GEMMs with CUTLASS's own epilogue (csrc/include/fluxinductor/gemm_rs_split.cuh).
+  bool split = false;
+  const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
+  bool split_pdl = true;              // launch the own GEMM as a programmatic dependent of the peer GEMM
 };
 
 // The tile shape and flags per tile (1) fix the flag layout (the launcher and Python agree through these).

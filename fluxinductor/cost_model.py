@@ -5,7 +5,8 @@ The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json
 under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
 sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the overlapped paths
 (:data:`PATHS`): ``fused`` (fluxinductor's kernels), ``fused_copy`` (the GEMM+RS kernel with its
-copy-engine transport) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
+copy-engine transport), ``fused_split`` (GEMM+RS as two stock CUTLASS GEMMs with the copy engine between them,
+two ranks) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
 dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
 
 Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
@@ -61,10 +62,10 @@ MAX_FLOPS_RATIO = 4.0
 
 # The overlapped paths a table row can time, besides the "sequential" reference: fluxinductor's fused
 # kernel (GEMM+RS peer tiles by NVLink stores), the same kernel with the copy-engine transport (GEMM+RS only),
-# PyTorch's async-TP op.  The order breaks near ties.
-PATHS = ("fused", "fused_copy", "asynctp")
+# the split GEMM+RS transport (two ranks), PyTorch's async-TP op.  The order breaks near ties.
+PATHS = ("fused", "fused_copy", "fused_split", "asynctp")
 # What the dispatcher offers by default (async-TP is opt-in).
-DEFAULT_PATHS = ("fused", "fused_copy")
+DEFAULT_PATHS = ("fused", "fused_copy", "fused_split")
 # async-TP is not chosen for shapes whose sequential time is below this (ms): through the dispatcher its
 # host-side work (many small launches and barriers) was not hidden there.  Measured on 2xH200 (81149a4):
 # GEMM+RS 1024x8192x8192 async-TP alone 0.138 ms, the same op picked by auto 0.229 ms, sequential 0.149 ms;
@@ -263,7 +264,7 @@ _MAX_CHOICES = 4096
 
 def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
            paths: Tuple[str, ...] = PATHS) -> Tuple[str, str]:
-    """Choose the path for one call: ``("fused" | "fused_copy" | "asynctp" | "sequential", reason)``.
+    """Choose the path for one call: ``("fused" | "fused_copy" | "fused_split" | "asynctp" | "sequential", reason)``.
 
     ``op``: ``"all_gather_matmul"`` or ``"matmul_reduce_scatter"`` (aliases: ``"ag_gemm"``, ``"AG+GEMM"``,
     ``"gemm_rs"``, ``"GEMM+RS"``).  ``device_name``: e.g. ``torch.cuda.get_device_name()``.
@@ -308,7 +309,7 @@ def make_table(
     """A table in the format :func:`choose` reads.
 
     ``entries``: dicts with ``op, m, k, n, fused_ms, sequential_ms`` (``fused_ms`` None where the fused
-    kernel was unavailable), optionally ``fused_copy_ms``, ``asynctp_ms``, ``<path>_ok`` (False when that path's output failed
+    kernel was unavailable), optionally ``fused_copy_ms``, ``fused_split_ms``, ``asynctp_ms``, ``<path>_ok`` (False when that path's output failed
     the check) and any other measured numbers, which are kept for the record.
     """
     rows = []

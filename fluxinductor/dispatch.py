@@ -80,8 +80,10 @@ def _device_name(index: int) -> str:
 
 def overlapped_paths(op: str, fused_eligible: bool = True) -> Tuple[str, ...]:
     """The cost model's paths this process can run for ``op``: the fused kernel where it is eligible (GEMM+RS
-    with either transport: ``fused_copy`` is its copy-engine one), async-TP (opt-in)."""
-    fused = (("fused", "fused_copy") if op == "matmul_reduce_scatter" else ("fused",)) if fused_eligible else ()
+    with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one), async-TP
+    (opt-in)."""
+    rs = op == "matmul_reduce_scatter"
+    fused = (("fused", "fused_copy", "fused_split") if rs else ("fused",)) if fused_eligible else ()
     return fused + (("asynctp",) if _asynctp_ops() is not None else ())
 
 
@@ -196,6 +198,10 @@ def all_gather_matmul(
     return outputs, gathered
 
 
+# The GEMM+RS kernel's transport for each fused path of the cost model.
+_TRANSPORTS = {"fused": "store", "fused_copy": "copy", "fused_split": "split"}
+
+
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
 ) -> Optional[Tensor]:
@@ -222,10 +228,10 @@ def matmul_reduce_scatter(
         if path == "asynctp":
             record_fallback(op, reason, "PyTorch async-TP")
             return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
-        if path == "fused_copy":
-            transport = "copy"
-        elif why is None and path != "fused":
-            why = reason
+        if path in _TRANSPORTS:
+            transport = _TRANSPORTS[path]
+        elif why is None:
+            why = reason  # sequential
     if why is not None:
         record_fallback(op, why)
         return None

@@ -27,7 +27,7 @@ def fake_kernels(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("choice, transport", [("fused", "store"), ("fused_copy", "copy")])
+@pytest.mark.parametrize("choice, transport", [("fused", "store"), ("fused_copy", "copy"), ("fused_split", "split")])
 def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice, transport):
     seen = {}
 
@@ -61,3 +61,18 @@ def test_environment_overrides_the_transport(monkeypatch):
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "pigeon")
     with pytest.raises(ValueError, match="FLUXINDUCTOR_GEMM_RS_PUSH"):
         gemm_rs.push_mode()
+
+
+def test_split_reason():
+    """The split transport takes two ranks, a K-major weight and N a multiple of 8; anything else gets a reason
+    (and the kernel module runs the copy transport instead)."""
+    from fluxinductor.kernels import gemm_rs
+
+    k_major = torch.randn(64, 32).t()  # [K=32, N=64] view of a Linear weight
+    assert gemm_rs.split_reason(2, k_major, None) is None
+    assert gemm_rs.split_reason(2, k_major, torch.zeros(64)) is None
+    assert "2 ranks" in gemm_rs.split_reason(4, k_major, None)
+    assert "K-major" in gemm_rs.split_reason(2, torch.randn(32, 64), None)
+    assert "multiple of 8" in gemm_rs.split_reason(2, torch.randn(60, 32).t(), None)
+    assert "aligned" in gemm_rs.split_reason(2, k_major, torch.zeros(65)[1:])
+    assert "out" in gemm_rs.split_reason(2, k_major, None, torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:68])

@@ -15,7 +15,13 @@ How the peer tiles travel (``transport``: the dispatcher passes the cost model's
   - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
     (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
     count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
-    of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4).
+    of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4);
+  - ``split`` (two ranks, K-major weight, N a multiple of 8): two stock CUTLASS GEMMs instead of one kernel with
+    our own epilogue.  The first computes the peer's rows (+ bias) into the outbox and counts each tile per band
+    once its TMA stores landed; the copy stream sends complete bands as in ``copy``; the second computes this
+    rank's rows and, waiting per band for the peer's flag, adds the peer's partial as its source C.  Its GEMM is
+    AG+GEMM's, which runs at cuBLAS's speed (csrc/include/fluxinductor/gemm_rs_split.cuh).  Where a call does not
+    qualify, ``copy`` runs instead (logged under FLUXINDUCTOR_LOG=1).
 
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
 reuse race-free (a peer is in call e only once it finished call e-1, which read its slots) and catches ranks
@@ -41,6 +47,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from fluxinductor import log
+
 REDUCE_OPS = ("sum", "avg")
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _ELEMENT_SIZES = {torch.bfloat16: 2, torch.float16: 2}
@@ -53,7 +61,7 @@ _ERRORS = {
     3: "a peer entered the call but never delivered its tiles",
 }
 
-PUSH_MODES = ("store", "copy")
+PUSH_MODES = ("store", "copy", "split")
 DEFAULT_BANDS = 4
 
 _ext = None
@@ -88,7 +96,7 @@ def timeout_ns() -> int:
 
 
 def push_mode(default: str = "store") -> str:
-    """"store" or "copy": how this call's peer tiles travel (module docstring).  FLUXINDUCTOR_GEMM_RS_PUSH,
+    """"store", "copy" or "split": how this call's peer tiles travel (module docstring).  FLUXINDUCTOR_GEMM_RS_PUSH,
     when set, decides for every call; else ``default`` (the dispatcher passes the cost model's choice)."""
     value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "").strip().lower() or default
     if value not in PUSH_MODES:
@@ -101,6 +109,29 @@ def bands() -> int:
     if not 1 <= value <= _extension().GEMM_RS_MAX_BANDS:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_BANDS must be in [1, {_extension().GEMM_RS_MAX_BANDS}], got {value}")
     return value
+
+
+def split_pdl() -> bool:
+    """Whether the split transport launches its second GEMM as a programmatic dependent of the first, so it takes
+    SMs as the first one's CTAs finish (FLUXINDUCTOR_GEMM_RS_SPLIT_PDL, default 1)."""
+    return os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
+
+
+def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
+    """None when the split transport can run this call, else why not (then ``copy`` runs)."""
+    if world != 2:
+        return f"the split transport is built for 2 ranks, not {world}"
+    layout = _weight_layout(weight)
+    if layout is None or not layout[0]:
+        return "the split transport takes a K-major weight (the transposed nn.Linear weight)"
+    n = weight.shape[1]
+    if n % 8:
+        return f"N={n} is not a multiple of 8 (the split transport's TMA stores need 16-byte rows)"
+    if bias is not None and bias.data_ptr() % 16:
+        return "bias is not 16-byte aligned"
+    if out is not None and (out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16):
+        return "out is not a 16-byte aligned row-major tensor with a row stride of a multiple of 8"
+    return None
 
 
 class CopyEngineWorkspace:
@@ -191,16 +222,23 @@ def launch(
     sm_count: int = 0,
     stream: Optional[torch.cuda.Stream] = None,
     copy: Optional[CopyEngineWorkspace] = None,
+    split: bool = False,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
     ``buffers`` are every rank's buffer base addresses as mapped on this device (``buffer_layout`` bytes).
     ``copy``: move the peer tiles with the copy engine, with these resources (None: NVLink stores).
+    ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
     flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
     stream = stream if stream is not None else torch.cuda.current_stream(a.device)
+    split = split and copy is not None and world > 1
+    bias_scaled = bias
+    if split and bias is not None and out_scale != 1.0:
+        bias_scaled = (bias.float() * out_scale).to(bias.dtype)  # the second GEMM adds the bias unscaled
+        bias_scaled.record_stream(stream)
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
@@ -209,6 +247,7 @@ def launch(
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
         *((copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(), copy.epoch_word.data_ptr(),
            bands(), copy.stream.cuda_stream) if copy is not None and world > 1 else (0, 0, 0, 0, 0)),
+        split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(),
     )
 
 
@@ -442,8 +481,9 @@ def matmul_reduce_scatter(
     ranks (divided by world for "avg").  ``out`` (tests): a [M/world, N] row-major tensor to write into.
     Raises RuntimeError when an earlier fused call on the group failed (see module docstring).
     ``checked``: the caller has just had ``unsupported_reason`` return None for these arguments (the
-    dispatcher does), so it is not asked again.  ``transport``: "store" or "copy", used unless
-    FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).
+    dispatcher does), so it is not asked again.  ``transport``: "store", "copy" or "split", used unless
+    FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
+    split transport cannot take runs with "copy" (logged).
     """
     reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     if reason is not None:
@@ -456,8 +496,14 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=a2d.dtype, device=a2d.device)
-    copy = state.copy_workspace() if world > 1 and push_mode(transport) == "copy" else None
-    sig = signature(m, n, k, world, a2d.dtype, f"copy/{bands()}" if copy is not None else "store")
+    mode = push_mode(transport) if world > 1 else "store"
+    if mode == "split":
+        reason = split_reason(world, weight, bias, out)
+        if reason is not None:
+            log.record_fallback("matmul_reduce_scatter", reason, path="fused_copy")
+            mode = "copy"
+    copy = state.copy_workspace() if mode != "store" else None
+    sig = signature(m, n, k, world, a2d.dtype, f"{mode}/{bands()}" if copy is not None else "store")
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
     state.reserve(nbytes)
@@ -475,6 +521,7 @@ def matmul_reduce_scatter(
         error_address=state.error.device,
         out_scale=(1.0 / world) if reduce_op == "avg" else 1.0,
         copy=copy,
+        split=mode == "split",
     )
     return out
 

@@ -150,6 +150,14 @@ def check_disagreement(group_name, device, rank, world):
     log("after reset the group works again")
 
 
+def gemm_rs_reset(group_name):
+    from fluxinductor.kernels import gemm_rs
+
+    torch.cuda.synchronize()
+    gemm_rs.reset(group_name)
+    dist.barrier()
+
+
 def time_ms(fn, warmup=5, iters=20):
     for _ in range(warmup):
         fn()
@@ -237,6 +245,9 @@ def main():
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--json", default="")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--pushes", default="",
+                        help="run the checks once per GEMM+RS transport in this comma-separated list "
+                        "(FLUXINDUCTOR_GEMM_RS_PUSH; empty: the default transport only)")
     parser.add_argument("--configs", default="",
                         help="kernel variants to time, ';'-separated, each 'config,swizzle,raster[,push=store|copy]"
                         "[,bands=N]' (empty fields = default); config needs a tuning build "
@@ -254,9 +265,15 @@ def main():
     os.environ.setdefault("FLUXINDUCTOR_TIMEOUT_S", "10")
 
     if not args.skip_checks:
-        check_correctness(group_name, device, rank, world)
-        check_many_calls(group_name, device, rank, world)
-        check_disagreement(group_name, device, rank, world)
+        for push in args.pushes.split(",") if args.pushes else [""]:
+            if push:
+                os.environ["FLUXINDUCTOR_GEMM_RS_PUSH"] = push
+                log(f"checks with FLUXINDUCTOR_GEMM_RS_PUSH={push}")
+            check_correctness(group_name, device, rank, world)
+            check_many_calls(group_name, device, rank, world)
+            check_disagreement(group_name, device, rank, world)
+            gemm_rs_reset(group_name)
+        os.environ.pop("FLUXINDUCTOR_GEMM_RS_PUSH", None)
         log("all checks passed")
     if args.bench:
         configs = [None]

@@ -127,9 +127,10 @@ def test_gemm_only_odd_n_k_major():
 
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
-              copy_engine=False):
+              copy_engine=False, split=False):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
-    copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy)."""
+    copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy).
+    split: the split transport (two GEMMs; implies the copy-engine resources)."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -141,6 +142,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
+    copy_engine = copy_engine or split
     copies = [gemm_rs.CopyEngineWorkspace(device, world) for _ in range(world)] if copy_engine else [None] * world
     worst = 0.0
     for call in range(1, calls + 1):
@@ -158,7 +160,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
                 gemm_rs.launch(
                     a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
                     error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
-                    timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r],
+                    timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r], split=split,
                 )
         torch.cuda.synchronize()
         assert error.read() == 0, gemm_rs.error_message(error.read())
@@ -195,6 +197,28 @@ def test_copy_engine_layouts_and_odd_n(dtype):
 
 
 @_gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("rows,k,n,bands,reduce_op", [
+    (200, 264, 520, 4, "sum"),      # rows not a multiple of the 128-row tile, a partial 256-column tile
+    (1000, 264, 520, 3, "avg"),     # 8 tile rows in bands of 3/3/2; avg scales the bias for the own GEMM
+    (1000, 512, 2048, 32, "sum"),   # one band per tile row
+    (1, 64, 8, 4, "avg"),           # one row per rank
+])
+def test_split_two_ranks_one_gpu(rows, k, n, bands, reduce_op, pdl, monkeypatch):
+    """Split transport: the peer GEMM's counted TMA stores, the band copies, the own GEMM's per-band waits and its
+    source C (the peer's partial), with and without the programmatic dependent launch."""
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
+    assert _simulate(2, 2 * rows, k, n, reduce_op=reduce_op, split=True, calls=4) < 1e-2
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_dtypes_no_bias(dtype):
+    assert _simulate(2, 2 * 384, 512, 1024, dtype=dtype, with_bias=False, split=True) < 1e-2
+
+
+@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_major", [True, False])
 def test_n_ranks_one_gpu_layouts(dtype, k_major):
@@ -227,10 +251,11 @@ def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
 
 
 @_gpu
-@pytest.mark.parametrize("copy_engine", [False, True])
-def test_peer_never_signals_raises(copy_engine):
+@pytest.mark.parametrize("transport", ["store", "copy", "split"])
+def test_peer_never_signals_raises(transport):
     """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises.  With the copy
-    engine, the aborted kernel still counts every band, so the copy stream drains instead of waiting forever."""
+    engine, the aborted kernel still counts every band, so the copy stream drains instead of waiting forever;
+    the split transport's own GEMM stops waiting for the peer's bands once the call is aborted."""
     from fluxinductor.kernels import gemm_rs
 
     m, k, n, world = 256, 64, 256, 2
@@ -244,7 +269,8 @@ def test_peer_never_signals_raises(copy_engine):
     gemm_rs.launch(
         a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
         sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=200_000_000,
-        copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), world) if copy_engine else None,
+        copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), world) if transport != "store" else None,
+        split=transport == "split",
     )
     torch.cuda.synchronize()  # returns: the kernel gave up instead of hanging
     assert error.read() == 1

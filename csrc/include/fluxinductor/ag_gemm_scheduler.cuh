@@ -11,6 +11,8 @@
 // warp group waits until every chunk its rows touch has arrived (ld.acquire + fence.proxy.async so the
 // TMA loads that follow see the copied bytes).  The wait gives up after timeout_ns of %globaltimer:
 // it writes an error code to a host-visible word and stops waiting (the host raises).
+//
+// rank = -1 makes every chunk remote: the split GEMM+RS transport's own GEMM waits this way for the peer's bands.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +40,11 @@ struct AllGatherSchedule {
   int first_cluster_row = 0;        // the cluster row (M block / cluster M) the walk starts from
   int group_cluster_rows = 8;       // cluster rows per group (see above); >= 1
   long long timeout_ns = 5000000000LL;
-  volatile int* error_word = nullptr;  // host-mapped; kErrorFlagTimeout on timeout
+  volatile int* error_word = nullptr;  // host-mapped; error_code on timeout
+  int error_code = kErrorFlagTimeout;
+  // Optional: stop waiting, without an error, once *abort_word == abort_value (the call was aborted elsewhere).
+  uint32_t const* abort_word = nullptr;
+  uint32_t abort_value = 0;
 };
 
 // Tag selecting AllGatherTileScheduler in CUTLASS's TileSchedulerSelector.
@@ -194,7 +200,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
 
   CUTLASS_DEVICE static uint32_t load_acquire(uint32_t const* address) {
     uint32_t value;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+    // System scope: the flag may be written by a peer GPU's copy engine across NVLink.
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
     return value;
   }
 
@@ -214,10 +221,15 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
         long long const start = global_timer_ns();
         unsigned sleep_ns = 32;
         while (int(load_acquire(address) - schedule_.epoch) < 0) {
+          if (schedule_.abort_word != nullptr &&
+              *reinterpret_cast<uint32_t const volatile*>(schedule_.abort_word) == schedule_.abort_value) {
+            timed_out = 1;
+            break;
+          }
           if (global_timer_ns() - start > schedule_.timeout_ns) {
             timed_out = 1;
             if (schedule_.error_word != nullptr) {
-              *schedule_.error_word = kErrorFlagTimeout;
+              *schedule_.error_word = schedule_.error_code;
               __threadfence_system();
             }
             break;

@@ -1,0 +1,226 @@
+// The split GEMM+RS transport (torch-free): the fused op as two stock CUTLASS GEMMs with communication between
+// them, for two ranks.  Both use AG+GEMM's mainloop and tile order (cooperative 128x256, cluster 2x1, groups of 8
+// cluster rows), which runs at cuBLAS's speed, and CUTLASS's own TMA-store epilogue:
+//
+//  * the peer GEMM computes the rows the peer owns into this rank's outbox, with bias; CountingEpilogue counts each
+//    tile in its band of tile rows once its TMA stores have landed, and the launcher's copy stream copies each
+//    complete band into the owner's slot (copy engine) and raises the owner's flag of (this rank, band);
+//  * the own GEMM computes this rank's rows with the peer's partial as its source C:
+//    out = scale * acc + scale * C + scale * bias.  Its producer warps wait per band for the peer's flag
+//    (AllGatherTileScheduler with every chunk remote) before loading A and C.
+//
+// Against the one-kernel transports the price is a second launch and its wave tail; the gain is a GEMM whose
+// epilogue is CUTLASS's (no staged stores through our own code, no reduction loop).  See csrc/NOTES_gemm_rs.md.
+#pragma once
+
+#include <cstdint>
+
+#include <string>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "ag_gemm.h"
+#include "fluxinductor/ag_gemm_kernel.cuh"
+#include "gemm_rs_split.h"
+
+namespace fluxinductor::gemm_rs_split {
+
+// Where a stored tile is counted: counters[segment * bands + m_block / band_tile_rows].
+struct BandCounting {
+  uint32_t* counters = nullptr;
+  int segment = 0;
+  int bands = 1;
+  int band_tile_rows = 1;
+};
+
+// CUTLASS's sm90 TMA-store collective epilogue, plus one count per stored tile.  The warp that issues a tile's TMA
+// stores (warp 0 of the math threads) counts it at the start of the CTA's next epilogue, or in store_tail after the
+// last one: by then its bulk stores have long completed, so waiting for them costs nothing and the math warps never
+// wait on memory for the count.  Padding tiles of the cluster rounding store nothing and are not counted.
+template <class Base>
+class CountingEpilogue : public Base {
+ public:
+  struct Arguments : Base::Arguments {
+    BandCounting counting{};
+  };
+  struct Params : Base::Params {
+    BandCounting counting{};
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    params.counting = args.counting;
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE CountingEpilogue(Params const& params, typename Base::TensorStorage& shared_tensors)
+      : Base(params, shared_tensors), counting_(params.counting) {}
+
+  template <class LoadPipeline, class LoadPipelineState, class StorePipeline, class StorePipelineState,
+            class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadPipelineState load_state, StorePipeline store_pipeline,
+                            StorePipelineState store_state, ProblemShapeMNKL problem_shape_mnkl,
+                            TileShapeMNK tile_shape_mnk, TileCoordMNKL tile_coord_mnkl,
+                            cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
+                            typename Base::TensorStorage& shared_tensors, int subtile_idx = -1) {
+    count_stored_tile();
+    auto next = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl,
+                            tile_shape_mnk, tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors,
+                            subtile_idx);
+    if (thread_idx < 32) {  // the TMA-store warp (sm90_epilogue_tma_warpspecialized.hpp: issue_tma_store)
+      int const m_block = int(cute::get<0>(tile_coord_mnkl));
+      int const n_block = int(cute::get<1>(tile_coord_mnkl));
+      bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
+                        n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
+      pending_ = real ? counting_.counters + counting_.segment * counting_.bands + m_block / counting_.band_tile_rows
+                      : nullptr;
+    }
+    return next;
+  }
+
+  template <class LoadPipeline, class LoadPipelineState, class StorePipeline, class StorePipelineState>
+  CUTLASS_DEVICE auto store_tail(LoadPipeline load_pipeline, LoadPipelineState load_state,
+                                 StorePipeline store_pipeline, StorePipelineState store_state) {
+    auto next = Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
+    count_stored_tile();
+    return next;
+  }
+
+ private:
+  // Bulk async-groups belong to the thread that committed them, so every lane of the warp waits for its own; then
+  // the async-proxy writes are ordered before the count (generic proxy, system scope: the copy engine reads next).
+  CUTLASS_DEVICE void count_stored_tile() {
+    if (pending_ == nullptr) {
+      return;  // the same for all 32 lanes of the TMA-store warp; null for every other thread
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      __threadfence_system();
+      atomicAdd(pending_, 1u);
+    }
+    pending_ = nullptr;
+  }
+
+  BandCounting counting_;
+  uint32_t* pending_ = nullptr;
+};
+
+using Tiles = ag_gemm::Cooperative128x256Cluster2x1;
+static_assert(cute::size<0>(Tiles::TileShape{}) == kTileM && cute::size<1>(Tiles::TileShape{}) == kTileN,
+              "gemm_rs_split.h's tile (the launcher's band arithmetic) must be the kernels' tile");
+
+// The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
+template <class Element, bool WithSource>
+using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tiles::TileShape, Tiles::ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    cute::conditional_t<WithSource, Element, void>, cutlass::layout::RowMajor, 8,
+    Element, cutlass::layout::RowMajor, 8,
+    Tiles::EpilogueSchedule,
+    cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::CollectiveOp;
+
+// A: row-major [rows, K]; B: K-major (the transposed nn.Linear weight); the AG+GEMM tile scheduler.
+template <class Element, class CollectiveEpilogue>
+struct SplitGemm {
+  using Epilogue = CollectiveEpilogue;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::ColumnMajor, 8,
+      float, Tiles::TileShape, Tiles::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      Tiles::KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      ag_gemm::AllGatherSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class Element>
+using PeerGemm = SplitGemm<Element, CountingEpilogue<StockEpilogue<Element, false>>>;
+template <class Element>
+using OwnGemm = SplitGemm<Element, StockEpilogue<Element, true>>;
+
+template <class Epilogue>
+struct IsCounting : cute::false_type {};
+template <class Base>
+struct IsCounting<CountingEpilogue<Base>> : cute::true_type {};
+
+// Fills CUTLASS's arguments from the plain params and launches one of the two GEMMs.
+template <class Config, class Element>
+int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* error_message) {
+  using Gemm = typename Config::Gemm;
+  using Kernel = typename Config::Kernel;
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  typename Kernel::StrideA stride_a{};
+  cute::get<0>(stride_a) = p.lda;
+  typename Kernel::StrideB stride_b{};
+  cute::get<0>(stride_b) = p.ldb;  // K-major: B (n, k) at n * ldb + k
+  typename Kernel::StrideC stride_c{};
+  cute::get<0>(stride_c) = p.n;
+  typename Kernel::StrideD stride_d{};
+  cute::get<0>(stride_d) = p.ldd;
+
+  ag_gemm::AllGatherSchedule schedule;
+  schedule.total_rows = p.rows;
+  schedule.shard_rows = p.rows;
+  schedule.group_cluster_rows = 8;
+  if (p.flags != nullptr) {  // own GEMM: every band is the peer's
+    schedule.flags = p.flags;
+    schedule.epoch = p.epoch;
+    schedule.rank = -1;
+    schedule.chunk_rows = p.band_rows;
+    schedule.chunks_per_rank = (p.rows + p.band_rows - 1) / p.band_rows;
+    schedule.timeout_ns = p.timeout_ns;
+    schedule.error_word = p.error;
+    schedule.error_code = p.error_code;
+    schedule.abort_word = p.abort_word;
+    schedule.abort_value = p.abort_value;
+  }
+
+  typename Gemm::Arguments arguments{};
+  arguments.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  arguments.problem_shape = {p.rows, p.n, p.k, 1};
+  arguments.mainloop = {static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b};
+  arguments.epilogue.thread.alpha = p.alpha;
+  arguments.epilogue.thread.beta = p.beta;
+  arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
+  arguments.epilogue.ptr_C = static_cast<Element const*>(p.c);
+  arguments.epilogue.dC = stride_c;
+  arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
+  arguments.epilogue.dD = stride_d;
+  if constexpr (IsCounting<typename Config::Epilogue>::value) {
+    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_tile_rows};
+  }
+  cudaGetDevice(&arguments.hw_info.device_id);
+  arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
+  arguments.scheduler.schedule = schedule;
+
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(arguments);
+  if (status != cutlass::Status::kSuccess) {
+    *error_message = std::string("CUTLASS cannot implement this split GEMM+RS problem: ") +
+                     cutlassGetStatusString(status);
+    return -1;
+  }
+  if (Gemm::get_workspace_size(arguments) != 0) {
+    *error_message = "split GEMM+RS kernel unexpectedly needs a workspace";
+    return -1;
+  }
+  status = gemm.initialize(arguments, nullptr, stream);
+  if (status == cutlass::Status::kSuccess) {
+    status = gemm.run(stream, nullptr, p.pdl);
+  }
+  if (status != cutlass::Status::kSuccess) {
+    *error_message = std::string("split GEMM+RS launch failed: ") + cutlassGetStatusString(status) + " / " +
+                     cudaGetErrorString(cudaGetLastError());
+    return -1;
+  }
+  return 0;
+}
+
+}  // namespace fluxinductor::gemm_rs_split
