@@ -395,6 +395,78 @@ TileMN current_tile() {
 
 namespace {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+// The split transport's bands: blocks of `rows` rows (whole tile-order groups) x `chunk_col_tiles` column tiles,
+// numbered row band * col_chunks + column chunk, at most kGemmRsMaxBands.  Both GEMMs walk a group's columns in
+// order (rows fastest), so the bands complete, are sent and are needed in that order: the copy of band b runs
+// beside the peer GEMM's later bands, and the own GEMM starts on bands that arrived long before.
+struct SplitBands {
+  int rows = 0;            // a multiple of gemm_rs_split::kGroupRows
+  int row_bands = 1;
+  int col_chunks = 1;
+  int chunk_col_tiles = 1;
+  int tiles_n = 1;
+  int count() const { return row_bands * col_chunks; }
+};
+SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks) {
+  namespace split = gemm_rs_split;
+  SplitBands b;
+  int const groups = (segment_rows + split::kGroupRows - 1) / split::kGroupRows;
+  int const groups_per_band = (groups + kGemmRsMaxBands - 1) / kGemmRsMaxBands;
+  b.rows = groups_per_band * split::kGroupRows;
+  b.row_bands = (groups + groups_per_band - 1) / groups_per_band;
+  b.tiles_n = (n + split::kTileN - 1) / split::kTileN;
+  int chunks = wanted_col_chunks < 1 ? 1 : wanted_col_chunks;
+  chunks = chunks < kGemmRsMaxBands / b.row_bands ? chunks : kGemmRsMaxBands / b.row_bands;
+  chunks = chunks < b.tiles_n ? chunks : b.tiles_n;
+  b.chunk_col_tiles = (b.tiles_n + chunks - 1) / chunks;
+  b.col_chunks = (b.tiles_n + b.chunk_col_tiles - 1) / b.chunk_col_tiles;
+  return b;
+}
+
+// The split transport's copy stream: per band in order, wait for its tile count, copy the block (2-D, copy engine)
+// into the peer's slot for this rank, then raise the peer's flag of (this rank, band) by copying the epoch word.
+int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int segment_rows, int peer,
+                         size_t element_bytes, int64_t flags_per_src) {
+  namespace split = gemm_rs_split;
+  auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
+  CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
+  if (result != CUDA_SUCCESS) {
+    return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
+  }
+  size_t const pitch = size_t(args.n) * element_bytes;
+  char const* outbox = static_cast<char const*>(args.outbox) + size_t(peer) * segment_rows * pitch;
+  char* peer_base = static_cast<char*>(args.buffers[peer]);
+  char* slot = peer_base + args.data_offset + size_t(args.rank) * segment_rows * pitch;
+  for (int rb = 0; rb < bands.row_bands; ++rb) {
+    int const r0 = rb * bands.rows;
+    int const r1 = r0 + bands.rows < segment_rows ? r0 + bands.rows : segment_rows;
+    int const row_tiles = (r1 - r0 + split::kTileM - 1) / split::kTileM;
+    for (int cc = 0; cc < bands.col_chunks; ++cc) {
+      int const t0 = cc * bands.chunk_col_tiles;
+      int const t1 = t0 + bands.chunk_col_tiles < bands.tiles_n ? t0 + bands.chunk_col_tiles : bands.tiles_n;
+      int const band = rb * bands.col_chunks + cc;
+      result = stream_wait_geq(copy_stream, args.counters + peer * bands.count() + band,
+                               uint32_t(row_tiles * (t1 - t0)));
+      if (result != CUDA_SUCCESS) {
+        return fail("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
+      }
+      size_t const c0 = size_t(t0) * split::kTileN;
+      size_t const c1 = size_t(t1) * split::kTileN < size_t(args.n) ? size_t(t1) * split::kTileN : size_t(args.n);
+      size_t const offset = size_t(r0) * pitch + c0 * element_bytes;
+      cudaError_t status = cudaMemcpy2DAsync(slot + offset, pitch, outbox + offset, pitch, (c1 - c0) * element_bytes,
+                                             size_t(r1 - r0), cudaMemcpyDeviceToDevice, copy_stream);
+      if (status == cudaSuccess) {
+        status = cudaMemcpyAsync(peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + band),
+                                 args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
+      }
+      if (status != cudaSuccess) {
+        return fail(std::string("split GEMM+RS band copy failed: ") + cudaGetErrorString(status));
+      }
+    }
+  }
+  return 0;
+}
+
 // The split transport (two ranks, csrc/include/fluxinductor/gemm_rs_split.cuh): handshake, the peer GEMM into the
 // outbox with band counts, the copy stream's band copies into the peer's slot, then the own GEMM, which waits per
 // band for the peer's flag and adds the peer's partial as its source C.
@@ -406,21 +478,19 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   int const segment_rows = args.m / args.world;
   int const peer = 1 - args.rank;
   size_t const element_bytes = 2;
-  int const tiles_m = (segment_rows + split::kTileM - 1) / split::kTileM;
-  int const tiles_n = (args.n + split::kTileN - 1) / split::kTileN;
-  Bands const bands = band_split(tiles_m, args.bands);
+  SplitBands const bands = split_bands(segment_rows, args.n, args.bands);
   // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [src][its tiles].
   TileMN const layout_tile = current_tile();
   int64_t const flags_per_src = int64_t((segment_rows + layout_tile.m - 1) / layout_tile.m) *
                                 ((args.n + layout_tile.n - 1) / layout_tile.n);
-  if (bands.count > flags_per_src) {
+  if (bands.count() > flags_per_src) {
     return fail("the split transport needs a flag per band within the buffer layout's flags per rank");
   }
   if (int rc = launch_hello(args, stream); rc != 0) {
     return rc;
   }
   JoinEvents* join = nullptr;
-  if (int rc = start_copy_stream(args, bands, stream, &join); rc != 0) {
+  if (int rc = start_copy_stream(args, Bands{1, bands.count()}, stream, &join); rc != 0) {
     return rc;
   }
   std::string message;
@@ -433,6 +503,9 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   gemm.b = args.b;
   gemm.ldb = args.ldb;
   gemm.sm_count = args.sm_count;
+  gemm.band_rows = bands.rows;
+  gemm.col_chunks = bands.col_chunks;
+  gemm.chunk_col_tiles = bands.chunk_col_tiles;
 
   split::SplitGemmParams peer_gemm = gemm;  // the peer's rows, + bias, into the outbox
   peer_gemm.a = static_cast<char const*>(args.a) + int64_t(peer) * segment_rows * args.lda * element_bytes;
@@ -441,13 +514,11 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   peer_gemm.ldd = args.n;
   peer_gemm.counters = args.counters;
   peer_gemm.segment = peer;
-  peer_gemm.bands = bands.count;
-  peer_gemm.band_tile_rows = bands.tile_rows;
+  peer_gemm.bands = bands.count();
   if (split::run_peer_gemm(peer_gemm, stream, &message) != 0) {
     return fail(message);
   }
-  if (int rc = enqueue_band_copies(args, split::kTileM, tiles_m, tiles_n, bands, element_bytes, flags_per_src);
-      rc != 0) {
+  if (int rc = enqueue_split_copies(args, bands, segment_rows, peer, element_bytes, flags_per_src); rc != 0) {
     return rc;
   }
 
@@ -462,7 +533,6 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   own_gemm.beta = args.out_scale;
   own_gemm.flags = reinterpret_cast<uint32_t const*>(local + args.flags_offset) + int64_t(peer) * flags_per_src;
   own_gemm.epoch = args.epoch;
-  own_gemm.band_rows = bands.tile_rows * split::kTileM;
   own_gemm.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
   own_gemm.abort_value = kRsAborted;
   own_gemm.error = args.error;

@@ -7,6 +7,11 @@
 
 namespace fluxinductor::gemm_rs_split {
 
+constexpr int kTileM = 128;  // both GEMMs' tile (checked against the kernels' type in the .cu files)
+constexpr int kTileN = 256;
+constexpr int kGroupClusterRows = 8;                 // tile-order group height, in cluster rows (2 tiles each)
+constexpr int kGroupRows = kGroupClusterRows * 2 * kTileM;
+
 // D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias, B K-major ([n, k] rows of ldb).
 struct SplitGemmParams {
   int dtype = 0;                    // 0 = bf16, 1 = fp16
@@ -21,16 +26,21 @@ struct SplitGemmParams {
   int64_t ldd = 0;
   float alpha = 1.f, beta = 0.f;
   int sm_count = 0;
-  // Peer GEMM: each stored tile adds 1 to counters[segment * bands + m_block / band_tile_rows].
+  // Bands: blocks of band_rows rows (a multiple of kTileM) x chunk_col_tiles column tiles, numbered
+  // row band * col_chunks + column chunk.  Both GEMMs walk tiles in groups of kGroupRows rows, columns slower
+  // than rows inside a group, so with band_rows a multiple of kGroupRows the bands complete in their numbering's
+  // order.
+  int band_rows = kTileM;
+  int col_chunks = 1;
+  int chunk_col_tiles = 1;
+  // Peer GEMM: each stored tile adds 1 to counters[segment * bands + its band].
   uint32_t* counters = nullptr;
   int segment = 0;
   int bands = 1;
-  int band_tile_rows = 1;
-  // Own GEMM: before a tile, wait until flags[band] - epoch >= 0 (as int32) for every band of band_rows rows it
-  // covers; give up without an error once *abort_word == abort_value, or with error_code in *error after timeout_ns.
+  // Own GEMM: before a tile, wait until flags[its band] - epoch >= 0 (as int32); give up without an error once
+  // *abort_word == abort_value, or with error_code in *error after timeout_ns.
   uint32_t const* flags = nullptr;
   uint32_t epoch = 0;
-  int band_rows = 1;
   uint32_t const* abort_word = nullptr;
   uint32_t abort_value = 0;
   int32_t* error = nullptr;
@@ -38,9 +48,6 @@ struct SplitGemmParams {
   int64_t timeout_ns = 0;
   bool pdl = false;                 // own GEMM: launch as a programmatic dependent of the peer GEMM
 };
-
-constexpr int kTileM = 128;  // both GEMMs' tile (checked against the kernels' type in the .cu files)
-constexpr int kTileN = 256;
 
 // 0, or -1 with the reason in *error_message.
 int run_peer_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);

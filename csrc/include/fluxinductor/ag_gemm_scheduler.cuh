@@ -37,6 +37,10 @@ struct AllGatherSchedule {
   int shard_rows = 1;               // rows per rank
   int chunk_rows = 1;               // rows per chunk (the last chunk of a shard may be shorter)
   int chunks_per_rank = 1;
+  // Chunks may also split columns: flags[(owner * chunks_per_rank + chunk) * col_chunks + n_block / chunk_col_tiles]
+  // (n_block in CTA tiles).  col_chunks = 1: whole rows, as the all-gather's chunks.
+  int col_chunks = 1;
+  int chunk_col_tiles = 1;
   int first_cluster_row = 0;        // the cluster row (M block / cluster M) the walk starts from
   int group_cluster_rows = 8;       // cluster rows per group (see above); >= 1
   long long timeout_ns = 5000000000LL;
@@ -91,7 +95,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
 
   CUTLASS_HOST_DEVICE static bool can_implement(Arguments const& args) {
     return args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 && args.schedule.shard_rows >= 1 &&
-           args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1;
+           args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1 && args.schedule.col_chunks >= 1 &&
+           args.schedule.chunk_col_tiles >= 1;
   }
 
   template <class ProblemShapeMNK, class BlockShape, class ClusterShape>
@@ -171,7 +176,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     WorkTileInfo work{int(row * scheduler_params.cluster_shape_m_) + cta_m_in_cluster_,
                       int(col * scheduler_params.cluster_shape_n_) + cta_n_in_cluster_, 0, true};
     if (waits_) {
-      wait_for_rows(work.M_idx);
+      wait_for_tile(work.M_idx, work.N_idx);
     }
     return work;
   }
@@ -182,16 +187,17 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     return owner * schedule_.chunks_per_rank + chunk;
   }
 
-  CUTLASS_DEVICE void wait_for_rows(int m_block) {
+  CUTLASS_DEVICE void wait_for_tile(int m_block, int n_block) {
     int const first_row = m_block * kTileM;
     if (gave_up_ || first_row >= schedule_.total_rows) {
       return;
     }
     int const last_row = min(first_row + kTileM, schedule_.total_rows) - 1;
     int const last_flag = flag_index(last_row);
+    int const col_chunk = n_block / schedule_.chunk_col_tiles;
     for (int flag = flag_index(first_row); flag <= last_flag && !gave_up_; ++flag) {
       if (flag / schedule_.chunks_per_rank != schedule_.rank) {
-        wait_for_flag(flag);
+        wait_for_flag(flag * schedule_.col_chunks + col_chunk);
       }
     }
     // The copy engine wrote A through the generic proxy; the TMA loads that follow use the async proxy.

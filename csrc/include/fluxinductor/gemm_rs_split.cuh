@@ -3,8 +3,9 @@
 // cluster rows), which runs at cuBLAS's speed, and CUTLASS's own TMA-store epilogue:
 //
 //  * the peer GEMM computes the rows the peer owns into this rank's outbox, with bias; CountingEpilogue counts each
-//    tile in its band of tile rows once its TMA stores have landed, and the launcher's copy stream copies each
-//    complete band into the owner's slot (copy engine) and raises the owner's flag of (this rank, band);
+//    tile in its band (a block of rows x columns that the tile order completes in turn) once its TMA stores have
+//    landed, and the launcher's copy stream copies each complete band into the owner's slot (copy engine, 2-D)
+//    and raises the owner's flag of (this rank, band);
 //  * the own GEMM computes this rank's rows with the peer's partial as its source C:
 //    out = scale * acc + scale * C + scale * bias.  Its producer warps wait per band for the peer's flag
 //    (AllGatherTileScheduler with every chunk remote) before loading A and C.
@@ -25,12 +26,15 @@
 
 namespace fluxinductor::gemm_rs_split {
 
-// Where a stored tile is counted: counters[segment * bands + m_block / band_tile_rows].
+// Where a stored tile is counted: counters[segment * bands + band], band = (m_block / band_tile_rows) * col_chunks +
+// n_block / chunk_col_tiles (SplitGemmParams).
 struct BandCounting {
   uint32_t* counters = nullptr;
   int segment = 0;
   int bands = 1;
   int band_tile_rows = 1;
+  int col_chunks = 1;
+  int chunk_col_tiles = 1;
 };
 
 // CUTLASS's sm90 TMA-store collective epilogue, plus one count per stored tile.  The warp that issues a tile's TMA
@@ -75,8 +79,8 @@ class CountingEpilogue : public Base {
       int const n_block = int(cute::get<1>(tile_coord_mnkl));
       bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
                         n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
-      pending_ = real ? counting_.counters + counting_.segment * counting_.bands + m_block / counting_.band_tile_rows
-                      : nullptr;
+      int const band = (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
+      pending_ = real ? counting_.counters + counting_.segment * counting_.bands + band : nullptr;
     }
     return next;
   }
@@ -111,7 +115,8 @@ class CountingEpilogue : public Base {
 };
 
 using Tiles = ag_gemm::Cooperative128x256Cluster2x1;
-static_assert(cute::size<0>(Tiles::TileShape{}) == kTileM && cute::size<1>(Tiles::TileShape{}) == kTileN,
+static_assert(cute::size<0>(Tiles::TileShape{}) == kTileM && cute::size<1>(Tiles::TileShape{}) == kTileN &&
+                  cute::size<0>(Tiles::ClusterShape{}) * kTileM * kGroupClusterRows == kGroupRows,
               "gemm_rs_split.h's tile (the launcher's band arithmetic) must be the kernels' tile");
 
 // The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
@@ -168,13 +173,15 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   ag_gemm::AllGatherSchedule schedule;
   schedule.total_rows = p.rows;
   schedule.shard_rows = p.rows;
-  schedule.group_cluster_rows = 8;
+  schedule.group_cluster_rows = kGroupClusterRows;
   if (p.flags != nullptr) {  // own GEMM: every band is the peer's
     schedule.flags = p.flags;
     schedule.epoch = p.epoch;
     schedule.rank = -1;
     schedule.chunk_rows = p.band_rows;
     schedule.chunks_per_rank = (p.rows + p.band_rows - 1) / p.band_rows;
+    schedule.col_chunks = p.col_chunks;
+    schedule.chunk_col_tiles = p.chunk_col_tiles;
     schedule.timeout_ns = p.timeout_ns;
     schedule.error_word = p.error;
     schedule.error_code = p.error_code;
@@ -194,7 +201,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
-    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_tile_rows};
+    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_rows / kTileM, p.col_chunks,
+                                   p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
