@@ -194,7 +194,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     }
     int const last_row = min(first_row + kTileM, schedule_.total_rows) - 1;
     int const last_flag = flag_index(last_row);
-    int const col_chunk = n_block / schedule_.chunk_col_tiles;
+    int const col_chunk = schedule_.col_chunks > 1 ? n_block / schedule_.chunk_col_tiles : 0;
     for (int flag = flag_index(first_row); flag <= last_flag && !gave_up_; ++flag) {
       if (flag / schedule_.chunks_per_rank != schedule_.rank) {
         wait_for_flag(flag * schedule_.col_chunks + col_chunk);
