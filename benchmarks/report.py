@@ -41,18 +41,20 @@ def fused_table(bench: dict, table: dict) -> None:
     default path for the shape costs: "default" is the time of the path the table picks, from this run."""
     choice = {(r["op"], r["m"], r["k"], r["n"]): r.get("choice", "-") for r in table["entries"]}
     ops = {"AG+GEMM": "all_gather_matmul", "GEMM+RS": "matmul_reduce_scatter"}
-    print("| op | M | K | N | cuBLAS | NCCL seq | async-TP | fused nocomm | fused | fused copy | E fused "
-          "| E async-TP | default path | E default | default vs seq | default vs async-TP |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| op | M | K | N | cuBLAS | NCCL seq | async-TP | fused nocomm | fused | fused copy | fused split "
+          "| E fused | E async-TP | default path | E default | default vs seq | default vs async-TP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for row in bench["results"]:
         c = {name: rec.get("ms") for name, rec in row["contenders"].items()}
         gemm, seq, atp, fused = c["gemm"], c["nccl_seq"], c["asynctp"], c["fused"]
         path = choice.get((ops.get(row["op"], row["op"]), row["M"], row["K"], row["N"]), "-")
-        t = {"fused": fused, "fused_copy": c.get("fused_copy"), "sequential": seq}.get(path)
+        t = {"fused": fused, "fused_copy": c.get("fused_copy"), "fused_split": c.get("fused_split"),
+             "sequential": seq}.get(path)
         shown = path if t is not None else f"{path} (not timed here)"
         print(f"| {row['op']} | {row['M']} | {row['K']} | {row['N']} | {fmt(gemm)} | {fmt(seq)} | {fmt(atp)} "
               f"| {fmt(c.get('fused_nocomm'))} | {fmt(fused)} | {fmt(c.get('fused_copy'))} "
+              f"| {fmt(c.get('fused_split'))} "
               f"| {efficiency(fused, gemm, seq):.2f} | {efficiency(atp, gemm, seq):.2f} | {shown} "
               + ("| - | - | - |" if t is None else
                  f"| {efficiency(t, gemm, seq):.2f} | {seq / t:.2f}x | {atp / t:.2f}x |"))
