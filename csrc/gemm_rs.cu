@@ -138,6 +138,28 @@ cudaError_t join_events(JoinEvents** out) {
   return cudaSuccess;
 }
 
+// One band on the copy stream: wait until `count` tiles of it are stored, copy `height` rows of `width` bytes
+// (row pitch `pitch` on both sides) into the peer's slot, then raise the peer's flag by copying the epoch word
+// (stream order: after the band's bytes).
+int send_band(GemmRsArgs const& args, uint32_t* counter, uint32_t count, char* dst, char const* src, size_t pitch,
+              size_t width, size_t height, char* peer_flag) {
+  auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
+  CUresult result = stream_wait_geq(copy_stream, counter, count);
+  if (result != CUDA_SUCCESS) {
+    return fail("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
+  }
+  cudaError_t status = height == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDeviceToDevice, copy_stream)
+                                   : cudaMemcpy2DAsync(dst, pitch, src, pitch, width, height,
+                                                       cudaMemcpyDeviceToDevice, copy_stream);
+  if (status == cudaSuccess) {
+    status = cudaMemcpyAsync(peer_flag, args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
+  }
+  if (status != cudaSuccess) {
+    return fail(std::string("GEMM+RS band copy failed: ") + cudaGetErrorString(status));
+  }
+  return 0;
+}
+
 // Enqueues on the copy stream, for each peer in the kernel's segment order and each band of its segment:
 // wait for the band's tile count, copy the band from the outbox into the peer's slot for this rank, then raise
 // the peer's flag of (this rank, band) by copying the epoch word (stream order: after the band's bytes).
@@ -157,22 +179,15 @@ int enqueue_band_copies(GemmRsArgs const& args, int tile_m, int tiles_m, int til
     for (int b = 0; b < bands.count; ++b) {
       int const t0 = b * bands.tile_rows;
       int const t1 = t0 + bands.tile_rows < tiles_m ? t0 + bands.tile_rows : tiles_m;
-      result = stream_wait_geq(copy_stream, args.counters + peer * bands.count + b, uint32_t((t1 - t0) * tiles_n));
-      if (result != CUDA_SUCCESS) {
-        return fail("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
-      }
       int64_t const r0 = int64_t(t0) * tile_m;
       int64_t const r1 = int64_t(t1) * tile_m < segment_rows ? int64_t(t1) * tile_m : segment_rows;
       char const* src = static_cast<char const*>(args.outbox) + (peer * segment_rows + r0) * row_bytes;
       char* dst = peer_base + args.data_offset + (args.rank * segment_rows + r0) * row_bytes;
-      cudaError_t status = cudaMemcpyAsync(dst, src, size_t((r1 - r0) * row_bytes), cudaMemcpyDeviceToDevice,
-                                           copy_stream);
-      if (status == cudaSuccess) {
-        status = cudaMemcpyAsync(peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + b),
-                                 args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
-      }
-      if (status != cudaSuccess) {
-        return fail(std::string("GEMM+RS band copy failed: ") + cudaGetErrorString(status));
+      size_t const bytes = size_t((r1 - r0) * row_bytes);
+      if (int rc = send_band(args, args.counters + peer * bands.count + b, uint32_t((t1 - t0) * tiles_n), dst, src,
+                             bytes, bytes, 1, peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + b));
+          rc != 0) {
+        return rc;
       }
     }
   }
@@ -445,22 +460,14 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int se
       int const t0 = cc * bands.chunk_col_tiles;
       int const t1 = t0 + bands.chunk_col_tiles < bands.tiles_n ? t0 + bands.chunk_col_tiles : bands.tiles_n;
       int const band = rb * bands.col_chunks + cc;
-      result = stream_wait_geq(copy_stream, args.counters + peer * bands.count() + band,
-                               uint32_t(row_tiles * (t1 - t0)));
-      if (result != CUDA_SUCCESS) {
-        return fail("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
-      }
       size_t const c0 = size_t(t0) * split::kTileN;
       size_t const c1 = size_t(t1) * split::kTileN < size_t(args.n) ? size_t(t1) * split::kTileN : size_t(args.n);
       size_t const offset = size_t(r0) * pitch + c0 * element_bytes;
-      cudaError_t status = cudaMemcpy2DAsync(slot + offset, pitch, outbox + offset, pitch, (c1 - c0) * element_bytes,
-                                             size_t(r1 - r0), cudaMemcpyDeviceToDevice, copy_stream);
-      if (status == cudaSuccess) {
-        status = cudaMemcpyAsync(peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + band),
-                                 args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
-      }
-      if (status != cudaSuccess) {
-        return fail(std::string("split GEMM+RS band copy failed: ") + cudaGetErrorString(status));
+      if (int rc = send_band(args, args.counters + peer * bands.count() + band, uint32_t(row_tiles * (t1 - t0)),
+                             slot + offset, outbox + offset, pitch, (c1 - c0) * element_bytes, size_t(r1 - r0),
+                             peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + band));
+          rc != 0) {
+        return rc;
       }
     }
   }
