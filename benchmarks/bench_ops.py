@@ -26,6 +26,8 @@ Contenders (``--contenders``), each timed on the same inputs:
   fused_split   GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=split (two stock CUTLASS GEMMs, the
                 copy engine between them; two ranks)
   fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
+  split_nocomm  GEMM+RS only: gemm_rs.gemm_only(a, b, None, split=True): the split transport's two GEMMs,
+                communication off
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
 Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synchronize before each
@@ -72,13 +74,14 @@ REPO = os.path.dirname(HERE)
 OPS = ("ag_gemm", "gemm_rs")
 OP_LABEL = {"ag_gemm": "AG+GEMM", "gemm_rs": "GEMM+RS"}
 OP_NAME = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
-CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "fused_copy", "fused_split", "auto")
-PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "fused", "fused_copy", "fused_split"), ("asynctp",),
-          ("auto",))
+CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "split_nocomm", "fused", "fused_copy",
+              "fused_split", "auto")
+PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "split_nocomm", "fused", "fused_copy", "fused_split"),
+          ("asynctp",), ("auto",))
 # Contenders whose overlap efficiency and speedups are reported.
 OVERLAPPED = ("fused", "fused_copy", "fused_split", "auto", "asynctp")
 # Contenders that may run fluxinductor's kernels (whose device-side errors are checked after they run).
-KERNEL_CONTENDERS = ("fused", "fused_copy", "fused_split", "auto", "fused_nocomm")
+KERNEL_CONTENDERS = ("fused", "fused_copy", "fused_split", "auto", "fused_nocomm", "split_nocomm")
 # Contenders that go through the dispatcher: the FLUXINDUCTOR_DISPATCH mode and extra variables of each.
 DISPATCHED = {"fused": ("fused", {}), "fused_copy": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "copy"}),
               "fused_split": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split"}), "auto": ("auto", {})}
@@ -305,9 +308,10 @@ class Problem:
                 op = torch.ops.fluxinductor.matmul_reduce_scatter
                 gn = ctx.group_name
                 return (lambda: op(a, b, None, "sum", 0, gn)), self.ref_out
-            if name == "fused_nocomm":
+            if name in ("fused_nocomm", "split_nocomm"):
                 gemm_only = importlib.import_module("fluxinductor.kernels.gemm_rs").gemm_only
-                return (lambda: gemm_only(a, b, None)), self.ref_partial
+                split = name == "split_nocomm"
+                return (lambda: gemm_only(a, b, None, split=split)), self.ref_partial
         raise ValueError(f"unknown contender {name!r}")
 
 
@@ -369,7 +373,9 @@ def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
         err = "unavailable: the split transport is GEMM+RS's, for 2 ranks"
     elif name in DISPATCHED:
         err = _import_fluxinductor()
-    elif name == "fused_nocomm":
+    elif name == "split_nocomm" and op != "gemm_rs":
+        err = "unavailable: the split transport is GEMM+RS's"
+    elif name in ("fused_nocomm", "split_nocomm"):
         if not ctx.is_cuda:
             err = "unavailable: the fused kernel needs CUDA"
         else:
@@ -572,6 +578,8 @@ def derive(entry: dict) -> None:
         entry["speedup_vs_asynctp"][name] = (t_atp / t) if (t and t_atp and name != "asynctp") else None
     t_nc = ms.get("fused_nocomm")
     entry["fused_nocomm_over_gemm"] = (t_nc / t_gemm) if (t_nc and t_gemm) else None
+    t_snc = ms.get("split_nocomm")
+    entry["split_nocomm_over_gemm"] = (t_snc / t_gemm) if (t_snc and t_gemm) else None
 
 
 def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
@@ -629,7 +637,7 @@ def format_table(data: dict) -> str:
         f"(median of {env['iters']} after {env['warmup']} warm-ups, max over ranks; ms)",
     ]
     head = (f"{'op':8}{'M':>6}{'K':>6}{'N':>6} |{'gemm':>8}{'comm':>8}{'seq':>8}{'asynctp':>8}{'nocomm':>8}"
-            f"{'fused':>8}{'f_copy':>8}{'f_split':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
+            f"{'sp_nc':>8}{'fused':>8}{'f_copy':>8}{'f_split':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
             f"{'aut/seq':>8}{'nc/gemm':>8} |{'maxerr':>8} path(auto)")
     lines += [head, "-" * len(head)]
     for r in data["results"]:
@@ -641,8 +649,8 @@ def format_table(data: dict) -> str:
         auto_path = (r["contenders"].get("auto", {}).get("path") or "-").split(":")[0]
         lines.append(
             f"{r['op']:8}{r['M']:>6}{r['K']:>6}{r['N']:>6} |"
-            + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused",
-                                               "fused_copy", "fused_split", "auto"))
+            + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm",
+                                               "split_nocomm", "fused", "fused_copy", "fused_split", "auto"))
             + " |" + "".join(_f(E.get(c), "{:.2f}", 6) for c in ("fused", "auto", "asynctp"))
             + " |" + _f(s_seq.get("fused"), "{:.2f}x") + _f(s_atp.get("fused"), "{:.2f}x")
             + _f(s_seq.get("auto"), "{:.2f}x") + _f(r.get("fused_nocomm_over_gemm"), "{:.3f}")

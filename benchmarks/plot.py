@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "fused", "fused_copy", "fused_split", "auto")
+CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "split_nocomm", "fused", "fused_copy",
+              "fused_split", "auto")
 COLORS = {"gemm": "#999999", "comm": "#cccccc", "nccl_seq": "#1f77b4", "asynctp": "#ff7f0e",
-          "fused_nocomm": "#bcbd22", "fused": "#2ca02c", "fused_copy": "#17becf", "fused_split": "#9467bd", "auto": "#d62728"}
+          "fused_nocomm": "#bcbd22", "split_nocomm": "#8c564b", "fused": "#2ca02c", "fused_copy": "#17becf", "fused_split": "#9467bd", "auto": "#d62728"}
 
 
 def plot_results(data: dict, png: str) -> str:

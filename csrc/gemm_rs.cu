@@ -552,6 +552,46 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   return join_copy_stream(args, join, stream);
 }
 
+
+// World 1 (gemm_only's split mode, benchmarks): the split transport's two GEMMs with communication off.  Rows
+// [0, m/2) with bias, then rows [m/2, m) with bias and the zeros at args.outbox ([m/2 or more rows, n]) as source C,
+// so out = A @ B + bias at the split transport's GEMM cost (two launches, the second reading C).
+int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
+  if (args.m < 2 || !args.b_k_major || args.outbox == nullptr) {
+    return fail("the split transport's GEMMs need M >= 2, a K-major weight and a zero source buffer");
+  }
+  int const first_rows = args.m / 2;
+  size_t const element_bytes = 2;
+  std::string message;
+  gemm_rs_split::SplitGemmParams gemm;
+  gemm.dtype = args.dtype;
+  gemm.n = args.n;
+  gemm.k = args.k;
+  gemm.lda = args.lda;
+  gemm.b = args.b;
+  gemm.ldb = args.ldb;
+  gemm.bias = args.bias;
+  gemm.ldd = args.ldo;
+  gemm.sm_count = args.sm_count;
+  gemm_rs_split::SplitGemmParams first = gemm;
+  first.rows = first_rows;
+  first.a = args.a;
+  first.d = args.out;
+  if (gemm_rs_split::run_peer_gemm(first, stream, &message) != 0) {
+    return fail(message);
+  }
+  gemm_rs_split::SplitGemmParams second = gemm;
+  second.rows = args.m - first_rows;
+  second.a = static_cast<char const*>(args.a) + int64_t(first_rows) * args.lda * element_bytes;
+  second.d = static_cast<char*>(args.out) + int64_t(first_rows) * args.ldo * element_bytes;
+  second.c = args.outbox;
+  second.beta = 1.f;
+  second.pdl = args.split_pdl;
+  if (gemm_rs_split::run_own_gemm(second, stream, &message) != 0) {
+    return fail(message);
+  }
+  return 0;
+}
 #endif  // CUTLASS_ARCH_MMA_SM90_SUPPORTED
 }  // namespace
 
@@ -615,7 +655,7 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
   if (args.split) {
-    return run_split(args, stream);
+    return args.world == 1 ? run_split_nocomm(args, stream) : run_split(args, stream);
   }
   using cutlass::bfloat16_t;
   using cutlass::half_t;

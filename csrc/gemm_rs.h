@@ -65,6 +65,7 @@ struct GemmRsArgs {
   void* copy_stream = nullptr;    // cudaStream_t the copies run on (not `stream`)
   // Split transport (copy-engine resources above, world 2, K-major weight): the peer's rows and this rank's rows
   // as two GEMMs with CUTLASS's own epilogue (csrc/include/fluxinductor/gemm_rs_split.cuh).
+  // With world 1 (gemm_only), the two GEMMs run with communication off, outbox holding [m/2 or more rows, n] zeros.
   bool split = false;
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
   bool split_pdl = true;              // launch the own GEMM as a programmatic dependent of the peer GEMM

@@ -20,7 +20,7 @@ from fluxinductor import cost_model
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "bench_ops.py")
 MEASURED_ON_CPU = ("gemm", "comm", "nccl_seq", "auto")
-UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_copy", "fused_split", "fused_nocomm")
+UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_copy", "fused_split", "fused_nocomm", "split_nocomm")
 
 
 def _run(tmp_path, world: int, extra=()):

@@ -529,9 +529,20 @@ def matmul_reduce_scatter(
 _gemm_only_errors: Dict[int, ErrorWord] = {}
 
 
-def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None) -> Tensor:
-    """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N]."""
+_split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
+
+
+def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
+              split: bool = False) -> Tensor:
+    """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
+
+    ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
+    buffer as their source, as the transport's second GEMM reads the peer's partial)."""
     reason = unsupported_reason(a2d, weight, bias, "sum", None)
+    if reason is None and split:
+        reason = split_reason(2, weight, bias, out)
+        if reason is None and a2d.shape[0] < 2:
+            reason = "the split transport's GEMMs need M >= 2"
     if reason is not None:
         raise ValueError(f"gemm_only cannot run: {reason}")
     a2d, bias = _prepare(a2d, bias)
@@ -539,5 +550,18 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     n = weight.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=a2d.dtype, device=a2d.device)
-    launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0, error_address=0)
+    if not split:
+        launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0, error_address=0)
+        return out
+    key = (a2d.device.index, a2d.dtype, n)
+    zeros = _split_zeros.get(key)
+    if zeros is None or zeros.shape[0] < m - m // 2:
+        zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
+    b_k_major, ldb = _weight_layout(weight)
+    _extension().gemm_rs_run(
+        _DTYPES[a2d.dtype], m, n, a2d.shape[1], 1, 0, a2d.data_ptr(), a2d.stride(0), weight.data_ptr(), ldb,
+        b_k_major, 0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), 1.0, [], 0, 0, 0, 0, 0,
+        timeout_ns(), 0, torch.cuda.current_stream(a2d.device).cuda_stream, zeros.data_ptr(), 0, 0, 1, 0,
+        True, 0, split_pdl(),
+    )
     return out

@@ -113,6 +113,26 @@ def test_gemm_only(dtype, k_major, with_bias, m, k, n):
 
 
 @_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n,with_bias", [(1000, 264, 520, True), (4097, 512, 2048, False), (2, 64, 8, True)])
+def test_gemm_only_split(dtype, m, k, n, with_bias):
+    """The split transport's two GEMMs with communication off (gemm_only(split=True)): rows [0, M/2), then rows
+    [M/2, M) reading a zero source, against the fp32 reference, output poisoned first."""
+    from fluxinductor.kernels import gemm_rs
+
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = make_weight(k, n, True, dtype, "cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    gemm_rs.gemm_only(a, w, bias, out=out, split=True)
+    ref = a.float() @ w.float() + (bias.float() if with_bias else 0)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="K-major"):
+        gemm_rs.gemm_only(a, make_weight(k, n, False, dtype, "cuda"), None, split=True)
+
+
+@_gpu
 def test_gemm_only_odd_n_k_major():
     """Odd N is fine when the weight is K-major (TMA only needs 16-byte K rows); N-major odd N is refused."""
     from fluxinductor.kernels import gemm_rs

@@ -80,7 +80,8 @@ class CountingEpilogue : public Base {
       bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
                         n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
       int const band = (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
-      pending_ = real ? counting_.counters + counting_.segment * counting_.bands + band : nullptr;
+      pending_ = real && counting_.counters != nullptr ? counting_.counters + counting_.segment * counting_.bands + band
+                                                      : nullptr;
     }
     return next;
   }
