@@ -166,13 +166,8 @@ int send_band(GemmRsArgs const& args, uint32_t* counter, uint32_t count, char* d
 // flags_per_src: the flag region's stride per source rank (the default kernel's tiles per segment).
 int enqueue_band_copies(GemmRsArgs const& args, int tile_m, int tiles_m, int tiles_n, Bands bands,
                         size_t element_bytes, int64_t flags_per_src) {
-  auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
   int64_t const segment_rows = args.m / args.world;
   int64_t const row_bytes = int64_t(args.n) * int64_t(element_bytes);
-  CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
-  if (result != CUDA_SUCCESS) {
-    return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
-  }
   for (int step = 1; step < args.world; ++step) {
     int const peer = (args.rank + step) % args.world;
     char* peer_base = static_cast<char*>(args.buffers[peer]);
@@ -215,14 +210,19 @@ int launch_hello(GemmRsArgs const& args, cudaStream_t stream) {
 }
 
 // Counters start at zero; the copy stream starts after the handshake (every peer finished its previous call, so
-// its slots are free).
+// its slots are free) and first writes the epoch word its flag copies read.
 int start_copy_stream(GemmRsArgs const& args, Bands bands, cudaStream_t stream, JoinEvents** join) {
+  auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
   cudaError_t prep = cudaMemsetAsync(args.counters, 0, sizeof(uint32_t) * args.world * bands.count, stream);
   if (prep == cudaSuccess) prep = join_events(join);
   if (prep == cudaSuccess) prep = cudaEventRecord((*join)->start, stream);
-  if (prep == cudaSuccess) prep = cudaStreamWaitEvent(static_cast<cudaStream_t>(args.copy_stream), (*join)->start, 0);
+  if (prep == cudaSuccess) prep = cudaStreamWaitEvent(copy_stream, (*join)->start, 0);
   if (prep != cudaSuccess) {
     return fail(std::string("GEMM+RS copy-engine setup failed: ") + cudaGetErrorString(prep));
+  }
+  CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
+  if (result != CUDA_SUCCESS) {
+    return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
   }
   return 0;
 }
@@ -438,16 +438,24 @@ SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks) {
   return b;
 }
 
+// What both split GEMMs take from the call: dtype, N, K, B and the grid size (A, rows, C, D and the rest per GEMM).
+gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args) {
+  gemm_rs_split::SplitGemmParams gemm;
+  gemm.dtype = args.dtype;
+  gemm.n = args.n;
+  gemm.k = args.k;
+  gemm.lda = args.lda;
+  gemm.b = args.b;
+  gemm.ldb = args.ldb;
+  gemm.sm_count = args.sm_count;
+  return gemm;
+}
+
 // The split transport's copy stream: per band in order, wait for its tile count, copy the block (2-D, copy engine)
 // into the peer's slot for this rank, then raise the peer's flag of (this rank, band) by copying the epoch word.
 int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int segment_rows, int peer,
                          size_t element_bytes, int64_t flags_per_src) {
   namespace split = gemm_rs_split;
-  auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
-  CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
-  if (result != CUDA_SUCCESS) {
-    return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
-  }
   size_t const pitch = size_t(args.n) * element_bytes;
   char const* outbox = static_cast<char const*>(args.outbox) + size_t(peer) * segment_rows * pitch;
   char* peer_base = static_cast<char*>(args.buffers[peer]);
@@ -501,15 +509,8 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
     return rc;
   }
   std::string message;
-  split::SplitGemmParams gemm;
-  gemm.dtype = args.dtype;
+  split::SplitGemmParams gemm = split_gemm_params(args);
   gemm.rows = segment_rows;
-  gemm.n = args.n;
-  gemm.k = args.k;
-  gemm.lda = args.lda;
-  gemm.b = args.b;
-  gemm.ldb = args.ldb;
-  gemm.sm_count = args.sm_count;
   gemm.band_rows = bands.rows;
   gemm.col_chunks = bands.col_chunks;
   gemm.chunk_col_tiles = bands.chunk_col_tiles;
@@ -563,16 +564,9 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   int const first_rows = args.m / 2;
   size_t const element_bytes = 2;
   std::string message;
-  gemm_rs_split::SplitGemmParams gemm;
-  gemm.dtype = args.dtype;
-  gemm.n = args.n;
-  gemm.k = args.k;
-  gemm.lda = args.lda;
-  gemm.b = args.b;
-  gemm.ldb = args.ldb;
+  gemm_rs_split::SplitGemmParams gemm = split_gemm_params(args);
   gemm.bias = args.bias;
   gemm.ldd = args.ldo;
-  gemm.sm_count = args.sm_count;
   gemm_rs_split::SplitGemmParams first = gemm;
   first.rows = first_rows;
   first.a = args.a;

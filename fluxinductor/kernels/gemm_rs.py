@@ -223,18 +223,28 @@ def launch(
     stream: Optional[torch.cuda.Stream] = None,
     copy: Optional[CopyEngineWorkspace] = None,
     split: bool = False,
+    split_source: Optional[Tensor] = None,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
     ``buffers`` are every rank's buffer base addresses as mapped on this device (``buffer_layout`` bytes).
     ``copy``: move the peer tiles with the copy engine, with these resources (None: NVLink stores).
-    ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).
+    ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).  With world 1
+    (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
+    [m - m/2, N]) as its source C.
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
     flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
     stream = stream if stream is not None else torch.cuda.current_stream(a.device)
-    split = split and copy is not None and world > 1
+    if world > 1 and copy is not None:
+        transfer = (copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(),
+                    copy.epoch_word.data_ptr(), bands(), copy.stream.cuda_stream)
+    elif world == 1 and split:
+        transfer = (split_source.data_ptr(), 0, 0, 1, 0)
+    else:
+        transfer = (0, 0, 0, 0, 0)
+        split = False
     bias_scaled = bias
     if split and bias is not None and out_scale != 1.0:
         bias_scaled = (bias.float() * out_scale).to(bias.dtype)  # the second GEMM adds the bias unscaled
@@ -245,9 +255,7 @@ def launch(
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
-        *((copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(), copy.epoch_word.data_ptr(),
-           bands(), copy.stream.cuda_stream) if copy is not None and world > 1 else (0, 0, 0, 0, 0)),
-        split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(),
+        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(),
     )
 
 
@@ -550,18 +558,12 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     n = weight.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=a2d.dtype, device=a2d.device)
-    if not split:
-        launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0, error_address=0)
-        return out
-    key = (a2d.device.index, a2d.dtype, n)
-    zeros = _split_zeros.get(key)
-    if zeros is None or zeros.shape[0] < m - m // 2:
-        zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
-    b_k_major, ldb = _weight_layout(weight)
-    _extension().gemm_rs_run(
-        _DTYPES[a2d.dtype], m, n, a2d.shape[1], 1, 0, a2d.data_ptr(), a2d.stride(0), weight.data_ptr(), ldb,
-        b_k_major, 0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), 1.0, [], 0, 0, 0, 0, 0,
-        timeout_ns(), 0, torch.cuda.current_stream(a2d.device).cuda_stream, zeros.data_ptr(), 0, 0, 1, 0,
-        True, 0, split_pdl(),
-    )
+    zeros = None
+    if split:
+        key = (a2d.device.index, a2d.dtype, n)
+        zeros = _split_zeros.get(key)
+        if zeros is None or zeros.shape[0] < m - m // 2:
+            zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
+    launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0, error_address=0, split=split,
+           split_source=zeros)
     return out

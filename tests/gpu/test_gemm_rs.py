@@ -196,26 +196,36 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
 _split_loaded = set()
 
 
+def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000):
+    """Rank 0 of a 2-rank call runs alone (its peer never enters): returns the error code it leaves behind."""
+    from fluxinductor.kernels import gemm_rs
+
+    m, k, n, world = 256, 64, 256, 2
+    _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
+    error = gemm_rs.ErrorWord()
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = make_weight(k, n, True, dtype, "cuda")
+    out = torch.empty((m // world, n), dtype=dtype, device="cuda")
+    gemm_rs.launch(
+        a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
+        sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=timeout,
+        copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), world) if transport != "store" else None,
+        split=transport == "split",
+    )
+    torch.cuda.synchronize()  # returns: the kernel gave up instead of hanging
+    return error.read()
+
+
 def _load_split_kernels(dtype):
     """Run rank 0 of a split call alone once per dtype, so CUDA's lazy loading has loaded both GEMMs before two
     simulated ranks wait on each other (a first launch while the other rank's kernel spins on this GPU stalled
     until the handshake timed out: seen on H200, the first split case of each dtype failed with code 1).  The lone
-    rank's handshake times out, its own GEMM stops waiting since the call is aborted, and the error is cleared."""
-    from fluxinductor.kernels import gemm_rs
-
+    rank's handshake times out and its own GEMM stops waiting since the call is aborted."""
     if dtype in _split_loaded:
         return
-    m, k, n = 256, 64, 256
-    _, _, nbytes = gemm_rs.buffer_layout(m, n, 2, dtype)
-    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    error = gemm_rs.ErrorWord()
-    out = torch.empty((m // 2, n), dtype=dtype, device="cuda")
-    gemm_rs.launch(torch.randn(m, k, dtype=dtype, device="cuda"), make_weight(k, n, True, dtype, "cuda"), None, out,
-                   m=m, world=2, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
-                   sig=gemm_rs.signature(m, n, k, 2, dtype), error_address=error.device, timeout=50_000_000,
-                   copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), 2), split=True)
-    torch.cuda.synchronize()
-    assert error.read() == 1, error.read()
+    code = _lone_rank_call("split", dtype, timeout=50_000_000)
+    assert code == 1, code
     _split_loaded.add(dtype)
 
 
@@ -307,24 +317,10 @@ def test_peer_never_signals_raises(transport):
     the split transport's own GEMM stops waiting for the peer's bands once the call is aborted."""
     from fluxinductor.kernels import gemm_rs
 
-    m, k, n, world = 256, 64, 256, 2
-    dtype = torch.bfloat16
-    _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
-    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
-    error = gemm_rs.ErrorWord()
-    a = torch.randn(m, k, dtype=dtype, device="cuda")
-    w = make_weight(k, n, True, dtype, "cuda")
-    out = torch.empty((m // world, n), dtype=dtype, device="cuda")
-    gemm_rs.launch(
-        a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
-        sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=200_000_000,
-        copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), world) if transport != "store" else None,
-        split=transport == "split",
-    )
-    torch.cuda.synchronize()  # returns: the kernel gave up instead of hanging
-    assert error.read() == 1
+    code = _lone_rank_call(transport)
+    assert code == 1
     with pytest.raises(RuntimeError, match="never entered"):
-        raise RuntimeError(gemm_rs.error_message(error.read()))
+        raise RuntimeError(gemm_rs.error_message(code))
 
 
 @_gpu
