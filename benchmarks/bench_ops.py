@@ -23,8 +23,8 @@ Contenders (``--contenders``), each timed on the same inputs:
                 decomposition is reported as unavailable, with the fallback's reason)
   fused_copy    GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=copy (peer tiles moved by the copy
                 engine; the cost model may pick this transport per shape)
-  fused_split   GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=split (two stock CUTLASS GEMMs, the
-                copy engine between them; two ranks)
+  fused_split   GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=split (a ring of stock CUTLASS GEMMs,
+                one per segment, the copy engine between them)
   fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
   split_nocomm  GEMM+RS only: gemm_rs.gemm_only(a, b, None, split=True): the split transport's two GEMMs,
                 communication off
@@ -369,8 +369,8 @@ def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
         err = _setup_errors["asynctp:*"]
     elif name == "fused_copy" and op != "gemm_rs":
         err = "unavailable: the copy-engine transport is GEMM+RS's"
-    elif name == "fused_split" and (op != "gemm_rs" or ctx.world != 2):
-        err = "unavailable: the split transport is GEMM+RS's, for 2 ranks"
+    elif name == "fused_split" and op != "gemm_rs":
+        err = "unavailable: the split transport is GEMM+RS's"
     elif name in DISPATCHED:
         err = _import_fluxinductor()
     elif name == "split_nocomm" and op != "gemm_rs":

@@ -451,15 +451,16 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args) {
   return gemm;
 }
 
-// The split transport's copy stream: per band in order, wait for its tile count, copy the block (2-D, copy engine)
-// into the peer's slot for this rank, then raise the peer's flag of (this rank, band) by copying the epoch word.
-int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int segment_rows, int peer,
+// The split transport's copy stream, one ring step: per band in order, wait for its tile count, copy the block
+// (2-D, copy engine) from outbox segment `step` into slot `step` of rank `to`, then raise that rank's flag of
+// (step, band) by copying the epoch word.
+int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int segment_rows, int step, int to,
                          size_t element_bytes, int64_t flags_per_src) {
   namespace split = gemm_rs_split;
   size_t const pitch = size_t(args.n) * element_bytes;
-  char const* outbox = static_cast<char const*>(args.outbox) + size_t(peer) * segment_rows * pitch;
-  char* peer_base = static_cast<char*>(args.buffers[peer]);
-  char* slot = peer_base + args.data_offset + size_t(args.rank) * segment_rows * pitch;
+  char const* outbox = static_cast<char const*>(args.outbox) + size_t(step) * segment_rows * pitch;
+  char* to_base = static_cast<char*>(args.buffers[to]);
+  char* slot = to_base + args.data_offset + size_t(step) * segment_rows * pitch;
   for (int rb = 0; rb < bands.row_bands; ++rb) {
     int const r0 = rb * bands.rows;
     int const r1 = r0 + bands.rows < segment_rows ? r0 + bands.rows : segment_rows;
@@ -471,9 +472,9 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int se
       size_t const c0 = size_t(t0) * split::kTileN;
       size_t const c1 = size_t(t1) * split::kTileN < size_t(args.n) ? size_t(t1) * split::kTileN : size_t(args.n);
       size_t const offset = size_t(r0) * pitch + c0 * element_bytes;
-      if (int rc = send_band(args, args.counters + peer * bands.count() + band, uint32_t(row_tiles * (t1 - t0)),
+      if (int rc = send_band(args, args.counters + step * bands.count() + band, uint32_t(row_tiles * (t1 - t0)),
                              slot + offset, outbox + offset, pitch, (c1 - c0) * element_bytes, size_t(r1 - r0),
-                             peer_base + args.flags_offset + 4 * (args.rank * flags_per_src + band));
+                             to_base + args.flags_offset + 4 * (step * flags_per_src + band));
           rc != 0) {
         return rc;
       }
@@ -482,19 +483,26 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int se
   return 0;
 }
 
-// The split transport (two ranks, csrc/include/fluxinductor/gemm_rs_split.cuh): handshake, the peer GEMM into the
-// outbox with band counts, the copy stream's band copies into the peer's slot, then the own GEMM, which waits per
-// band for the peer's flag and adds the peer's partial as its source C.
+// The split transport (csrc/include/fluxinductor/gemm_rs_split.cuh), a ring over the ranks.  After the handshake,
+// step s = 0 .. world-1 computes segment (rank + 1 + s) % world as one stock GEMM:
+//   step 0, the peer GEMM: A @ B + bias into outbox segment 0;
+//   step 0 < s < world-1, a relay GEMM: A @ B + bias + slot s-1 (what rank + 1 summed for this segment at its step
+//     s-1) into outbox segment s, waiting per band for slot s-1's flags;
+//   the last step, the own GEMM: scale * (A @ B + bias + slot world-2) into out, waiting the same way.
+// Each outbox segment goes to rank - 1's slot s band by band on the copy stream, beside the later steps.  Rank - 1
+// needs it one step later, so every band has a whole segment's GEMM time to arrive; with two ranks this is the
+// peer GEMM, one copy, the own GEMM.  Every rank sends (world-1) segments, as a direct reduce-scatter would.
 int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   namespace split = gemm_rs_split;
-  if (args.world != 2 || !args.b_k_major || args.outbox == nullptr) {
-    return fail("the split transport takes two ranks, a K-major weight and the copy-engine resources");
+  if (args.world < 2 || !args.b_k_major || args.outbox == nullptr) {
+    return fail("the split transport takes two or more ranks, a K-major weight and the copy-engine resources");
   }
   int const segment_rows = args.m / args.world;
-  int const peer = 1 - args.rank;
+  int const to = (args.rank + args.world - 1) % args.world;  // the rank this one's partial sums go to
   size_t const element_bytes = 2;
   SplitBands const bands = split_bands(segment_rows, args.n, args.bands);
-  // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [src][its tiles].
+  // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [world][its tiles], here
+  // [step][band].
   TileMN const layout_tile = current_tile();
   int64_t const flags_per_src = int64_t((segment_rows + layout_tile.m - 1) / layout_tile.m) *
                                 ((args.n + layout_tile.n - 1) / layout_tile.n);
@@ -508,47 +516,56 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   if (int rc = start_copy_stream(args, Bands{1, bands.count()}, stream, &join); rc != 0) {
     return rc;
   }
-  std::string message;
   split::SplitGemmParams gemm = split_gemm_params(args);
   gemm.rows = segment_rows;
   gemm.band_rows = bands.rows;
   gemm.col_chunks = bands.col_chunks;
   gemm.chunk_col_tiles = bands.chunk_col_tiles;
-
-  split::SplitGemmParams peer_gemm = gemm;  // the peer's rows, + bias, into the outbox
-  peer_gemm.a = static_cast<char const*>(args.a) + int64_t(peer) * segment_rows * args.lda * element_bytes;
-  peer_gemm.bias = args.bias;
-  peer_gemm.d = static_cast<char*>(args.outbox) + int64_t(peer) * segment_rows * args.n * element_bytes;
-  peer_gemm.ldd = args.n;
-  peer_gemm.counters = args.counters;
-  peer_gemm.segment = peer;
-  peer_gemm.bands = bands.count();
-  if (split::run_peer_gemm(peer_gemm, stream, &message) != 0) {
-    return fail(message);
-  }
-  if (int rc = enqueue_split_copies(args, bands, segment_rows, peer, element_bytes, flags_per_src); rc != 0) {
-    return rc;
-  }
-
-  split::SplitGemmParams own_gemm = gemm;  // scale * (acc + bias + the peer's partial)
   char* local = static_cast<char*>(args.buffers[args.rank]);
-  own_gemm.a = static_cast<char const*>(args.a) + int64_t(args.rank) * segment_rows * args.lda * element_bytes;
-  own_gemm.bias = args.bias_scaled;
-  own_gemm.c = local + args.data_offset + int64_t(peer) * segment_rows * args.n * element_bytes;
-  own_gemm.d = args.out;
-  own_gemm.ldd = args.ldo;
-  own_gemm.alpha = args.out_scale;
-  own_gemm.beta = args.out_scale;
-  own_gemm.flags = reinterpret_cast<uint32_t const*>(local + args.flags_offset) + int64_t(peer) * flags_per_src;
-  own_gemm.epoch = args.epoch;
-  own_gemm.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
-  own_gemm.abort_value = kRsAborted;
-  own_gemm.error = args.error;
-  own_gemm.error_code = kGemmRsTileTimeout;
-  own_gemm.timeout_ns = args.timeout_ns;
-  own_gemm.pdl = args.split_pdl;
-  if (split::run_own_gemm(own_gemm, stream, &message) != 0) {
-    return fail(message);
+  size_t const segment_bytes = size_t(segment_rows) * args.n * element_bytes;
+  std::string message;
+  for (int step = 0; step < args.world; ++step) {
+    int const segment = (args.rank + 1 + step) % args.world;
+    bool const last = step == args.world - 1;
+    split::SplitGemmParams g = gemm;
+    g.a = static_cast<char const*>(args.a) + int64_t(segment) * segment_rows * args.lda * element_bytes;
+    if (step > 0) {  // add rank + 1's partial sum of this segment, band by band as its flags arrive
+      g.c = local + args.data_offset + (step - 1) * segment_bytes;
+      g.beta = last ? args.out_scale : 1.f;
+      g.flags = reinterpret_cast<uint32_t const*>(local + args.flags_offset) + (step - 1) * flags_per_src;
+      g.epoch = args.epoch;
+      g.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
+      g.abort_value = kRsAborted;
+      g.error = args.error;
+      g.error_code = kGemmRsTileTimeout;
+      g.timeout_ns = args.timeout_ns;
+      g.pdl = args.split_pdl;
+    }
+    if (last) {
+      g.bias = args.bias_scaled;
+      g.d = args.out;
+      g.ldd = args.ldo;
+      g.alpha = args.out_scale;
+    } else {
+      g.bias = args.bias;
+      g.d = static_cast<char*>(args.outbox) + step * segment_bytes;
+      g.ldd = args.n;
+      g.counters = args.counters;
+      g.segment = step;
+      g.bands = bands.count();
+    }
+    int const rc = step == 0 ? split::run_peer_gemm(g, stream, &message)
+                   : last    ? split::run_own_gemm(g, stream, &message)
+                             : split::run_relay_gemm(g, stream, &message);
+    if (rc != 0) {
+      return fail(message);
+    }
+    if (!last) {
+      if (int sent = enqueue_split_copies(args, bands, segment_rows, step, to, element_bytes, flags_per_src);
+          sent != 0) {
+        return sent;
+      }
+    }
   }
   return join_copy_stream(args, join, stream);
 }

@@ -5,8 +5,9 @@
 // One persistent CUTLASS sm90a GEMM per rank computes the row segments owned by its peers first and stores
 // them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per tile;
 // its own segment comes last, and its epilogue adds the peers' slots once their flags carry this call's epoch.
-// Split transport (GemmRsArgs::split, two ranks): the peer's rows are one stock CUTLASS GEMM into the outbox, sent by
-// the copy engine per band; this rank's rows are a second GEMM that waits per band and adds the peer's slot as C.
+// Split transport (GemmRsArgs::split): a ring of stock CUTLASS GEMMs, one per segment.  Each computes a peer's rows
+// into the outbox, adding (from the second on) the partial sum rank + 1 sent for them, and the copy engine sends it
+// per band to rank - 1; the last computes this rank's rows and adds rank + 1's partial sum of them as C.
 // Copy-engine mode (GemmRsArgs::outbox set): peer tiles are stored in a local outbox instead and counted per
 // band of tile rows; a copy stream waits for each band's count (cuStreamWaitValue32), copies the band into the
 // owner's slot (cudaMemcpyAsync: copy engine, no SMs) and then sets the owner's flag of (this rank, band).
@@ -63,12 +64,12 @@ struct GemmRsArgs {
   uint32_t* epoch_word = nullptr; // one word on this rank's device: the source of the flag copies
   int bands = 4;                  // bands per segment wanted (1..kGemmRsMaxBands; fewer when M is small)
   void* copy_stream = nullptr;    // cudaStream_t the copies run on (not `stream`)
-  // Split transport (copy-engine resources above, world 2, K-major weight): the peer's rows and this rank's rows
-  // as two GEMMs with CUTLASS's own epilogue (csrc/include/fluxinductor/gemm_rs_split.cuh).
+  // Split transport (copy-engine resources above, K-major weight): one GEMM per segment with CUTLASS's own epilogue,
+  // in a ring (csrc/include/fluxinductor/gemm_rs_split.cuh, run_split in gemm_rs.cu).
   // With world 1 (gemm_only), the two GEMMs run with communication off, outbox holding [m/2 or more rows, n] zeros.
   bool split = false;
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
-  bool split_pdl = true;              // launch the own GEMM as a programmatic dependent of the peer GEMM
+  bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent
 };
 
 // The tile shape and flags per tile (1) fix the flag layout (the launcher and Python agree through these).

@@ -1,5 +1,6 @@
-// The split GEMM+RS transport's two GEMMs (csrc/include/fluxinductor/gemm_rs_split.cuh), torch-free.  gemm_rs.cu
-// drives them: the peer GEMM, the copy stream's band copies, then the own GEMM.
+// The split GEMM+RS transport's GEMMs (csrc/include/fluxinductor/gemm_rs_split.cuh), torch-free.  gemm_rs.cu's
+// run_split drives them around the ring: the peer GEMM, world-2 relay GEMMs, the own GEMM, and the copy stream's
+// band copies after each but the last.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,7 @@ struct SplitGemmParams {
   const void* b = nullptr;
   int64_t ldb = 0;
   const void* bias = nullptr;       // [n] or null
-  const void* c = nullptr;          // own GEMM: [rows, n] with row stride n (the peer's partial); peer GEMM: null
+  const void* c = nullptr;          // relay and own GEMM: [rows, n], row stride n (rank + 1's partial sum); peer: null
   void* d = nullptr;
   int64_t ldd = 0;
   float alpha = 1.f, beta = 0.f;
@@ -33,11 +34,11 @@ struct SplitGemmParams {
   int band_rows = kTileM;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
-  // Peer GEMM: each stored tile adds 1 to counters[segment * bands + its band].
+  // Peer and relay GEMM: each stored tile adds 1 to counters[segment * bands + its band].
   uint32_t* counters = nullptr;
   int segment = 0;
   int bands = 1;
-  // Own GEMM: before a tile, wait until flags[its band] - epoch >= 0 (as int32); give up without an error once
+  // Relay and own GEMM: before a tile, wait until flags[its band] - epoch >= 0 (as int32); give up without an error once
   // *abort_word == abort_value, or with error_code in *error after timeout_ns.
   uint32_t const* flags = nullptr;
   uint32_t epoch = 0;
@@ -46,11 +47,12 @@ struct SplitGemmParams {
   int32_t* error = nullptr;
   int32_t error_code = 0;
   int64_t timeout_ns = 0;
-  bool pdl = false;                 // own GEMM: launch as a programmatic dependent of the peer GEMM
+  bool pdl = false;                 // launch as a programmatic dependent of the GEMM before it
 };
 
 // 0, or -1 with the reason in *error_message.
 int run_peer_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
+int run_relay_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
 int run_own_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
 
 }  // namespace fluxinductor::gemm_rs_split

@@ -5,8 +5,7 @@ The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json
 under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
 sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the overlapped paths
 (:data:`PATHS`): ``fused`` (fluxinductor's kernels), ``fused_copy`` (the GEMM+RS kernel with its
-copy-engine transport), ``fused_split`` (GEMM+RS as two stock CUTLASS GEMMs with the copy engine between them,
-two ranks) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
+copy-engine transport), ``fused_split`` (GEMM+RS as a ring of stock CUTLASS GEMMs with the copy engine between them) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
 dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
 
 Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
@@ -62,7 +61,7 @@ MAX_FLOPS_RATIO = 4.0
 
 # The overlapped paths a table row can time, besides the "sequential" reference: fluxinductor's fused
 # kernel (GEMM+RS peer tiles by NVLink stores), the same kernel with the copy-engine transport (GEMM+RS only),
-# the split GEMM+RS transport (two ranks), PyTorch's async-TP op.  The order breaks near ties.
+# the split GEMM+RS transport (a ring of stock GEMMs), PyTorch's async-TP op.  The order breaks near ties.
 PATHS = ("fused", "fused_copy", "fused_split", "asynctp")
 # What the dispatcher offers by default (async-TP is opt-in).
 DEFAULT_PATHS = ("fused", "fused_copy", "fused_split")

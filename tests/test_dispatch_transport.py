@@ -64,14 +64,15 @@ def test_environment_overrides_the_transport(monkeypatch):
 
 
 def test_split_reason():
-    """The split transport takes two ranks, a K-major weight and N a multiple of 8; anything else gets a reason
+    """The split transport takes two or more ranks, a K-major weight and N a multiple of 8; anything else gets a reason
     (and the kernel module runs the copy transport instead)."""
     from fluxinductor.kernels import gemm_rs
 
     k_major = torch.randn(64, 32).t()  # [K=32, N=64] view of a Linear weight
     assert gemm_rs.split_reason(2, k_major, None) is None
     assert gemm_rs.split_reason(2, k_major, torch.zeros(64)) is None
-    assert "2 ranks" in gemm_rs.split_reason(4, k_major, None)
+    assert gemm_rs.split_reason(4, k_major, None) is None
+    assert "2 or more ranks" in gemm_rs.split_reason(1, k_major, None)
     assert "K-major" in gemm_rs.split_reason(2, torch.randn(32, 64), None)
     assert "multiple of 8" in gemm_rs.split_reason(2, torch.randn(60, 32).t(), None)
     assert "aligned" in gemm_rs.split_reason(2, k_major, torch.zeros(65)[1:])

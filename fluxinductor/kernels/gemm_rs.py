@@ -16,12 +16,14 @@ How the peer tiles travel (``transport``: the dispatcher passes the cost model's
     (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
     count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
     of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4);
-  - ``split`` (two ranks, K-major weight, N a multiple of 8): two stock CUTLASS GEMMs instead of one kernel with
-    our own epilogue.  The first computes the peer's rows (+ bias) into the outbox and counts each tile per band
-    once its TMA stores landed; the copy stream sends complete bands as in ``copy``; the second computes this
-    rank's rows and, waiting per band for the peer's flag, adds the peer's partial as its source C.  Its GEMM is
-    AG+GEMM's, which runs at cuBLAS's speed (csrc/include/fluxinductor/gemm_rs_split.cuh).  Where a call does not
-    qualify, ``copy`` runs instead (logged under FLUXINDUCTOR_LOG=1).
+  - ``split`` (K-major weight, N a multiple of 8): one stock CUTLASS GEMM per row segment instead of one kernel
+    with our own epilogue, in a ring.  Step s computes segment (r + 1 + s) % world: the first (the peer GEMM)
+    from scratch (+ bias) into the outbox, counting each tile per band once its TMA stores landed; the middle
+    ones (relays, more than two ranks) add, waiting per band for its flag, the partial sum rank r + 1 sent for
+    the same segment; each of these goes to rank r - 1 band by band on the copy stream, as in ``copy``.  The
+    last step computes this rank's rows and adds rank r + 1's partial sum of them as its source C.  Its GEMM is
+    AG+GEMM's, which runs at cuBLAS's speed (csrc/include/fluxinductor/gemm_rs_split.cuh).  Where a call does
+    not qualify, ``copy`` runs instead (logged under FLUXINDUCTOR_LOG=1).
 
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
 reuse race-free (a peer is in call e only once it finished call e-1, which read its slots) and catches ranks
@@ -119,8 +121,8 @@ def split_pdl() -> bool:
 
 def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
     """None when the split transport can run this call, else why not (then ``copy`` runs)."""
-    if world != 2:
-        return f"the split transport is built for 2 ranks, not {world}"
+    if world < 2:
+        return f"the split transport needs 2 or more ranks, not {world}"
     layout = _weight_layout(weight)
     if layout is None or not layout[0]:
         return "the split transport takes a K-major weight (the transposed nn.Linear weight)"

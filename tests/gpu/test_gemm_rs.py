@@ -150,12 +150,15 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
               copy_engine=False, split=False):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy).
-    split: the split transport (two GEMMs; implies the copy-engine resources)."""
+    split: the split transport (a ring of GEMMs; implies the copy-engine resources)."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    sm_budget = max(2, (sms // world - 1) // 2 * 2)  # all ranks resident at once, room for the handshakes
+    # All ranks resident at once, room for the handshakes.  The split transport's GEMMs after the first launch as
+    # programmatic dependents, so two GEMMs per rank may hold SMs at once: one waiting for another rank's flags must
+    # not keep that rank's GEMM off the GPU.
+    sm_budget = max(2, (sms // (2 * world if split else world) - 1) // 2 * 2)
     _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     pointers = [b.data_ptr() for b in buffers]
@@ -196,11 +199,11 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
 _split_loaded = set()
 
 
-def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000):
-    """Rank 0 of a 2-rank call runs alone (its peer never enters): returns the error code it leaves behind."""
+def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2):
+    """Rank 0 of a `world`-rank call runs alone (its peers never enter): returns the error code it leaves behind."""
     from fluxinductor.kernels import gemm_rs
 
-    m, k, n, world = 256, 64, 256, 2
+    m, k, n = 128 * world, 64, 256
     _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
     error = gemm_rs.ErrorWord()
@@ -218,13 +221,13 @@ def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000):
 
 
 def _load_split_kernels(dtype):
-    """Run rank 0 of a split call alone once per dtype, so CUDA's lazy loading has loaded both GEMMs before two
-    simulated ranks wait on each other (a first launch while the other rank's kernel spins on this GPU stalled
-    until the handshake timed out: seen on H200, the first split case of each dtype failed with code 1).  The lone
-    rank's handshake times out and its own GEMM stops waiting since the call is aborted."""
+    """Run rank 0 of a 3-rank split call alone once per dtype, so CUDA's lazy loading has loaded the peer, relay and
+    own GEMMs before simulated ranks wait on each other (a first launch while another rank's kernel spins on this
+    GPU stalled until the handshake timed out: seen on H200, the first split case of each dtype failed with code 1).
+    The lone rank's handshake times out and its relay and own GEMMs stop waiting since the call is aborted."""
     if dtype in _split_loaded:
         return
-    code = _lone_rank_call("split", dtype, timeout=50_000_000)
+    code = _lone_rank_call("split", dtype, timeout=50_000_000, world=3)
     assert code == 1, code
     _split_loaded.add(dtype)
 
@@ -278,6 +281,29 @@ def test_split_dtypes_no_bias(dtype):
 
 
 @_gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("world,rows,k,n,bands,reduce_op", [
+    (3, 200, 264, 520, 4, "sum"),     # rows not a multiple of the tile, a partial column tile; one relay step
+    (4, 1000, 264, 520, 3, "avg"),    # two relay steps; avg scales the own step's bias and source only
+    (4, 2500, 512, 2048, 32, "sum"),  # 2 row bands x 8 column chunks per segment
+    (8, 300, 64, 1280, 4, "sum"),     # six relay steps
+    (4, 1, 64, 8, 4, "avg"),          # one row per rank
+])
+def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, monkeypatch):
+    """The split transport's ring with more than two ranks: relay GEMMs that wait per band for rank + 1's partial
+    sum, add it as source C and count their own tiles for the copy to rank - 1."""
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
+    assert _simulate(world, world * rows, k, n, reduce_op=reduce_op, split=True, calls=3) < 1e-2
+
+
+@_gpu
+def test_split_ring_dtypes_no_bias():
+    assert _simulate(4, 4 * 384, 512, 1024, dtype=torch.float16, with_bias=False, split=True) < 1e-2
+    assert _simulate(3, 3 * 130, 64, 1000, with_bias=False, split=True) < 1e-2
+
+
+@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_major", [True, False])
 def test_n_ranks_one_gpu_layouts(dtype, k_major):
@@ -310,14 +336,14 @@ def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
 
 
 @_gpu
-@pytest.mark.parametrize("transport", ["store", "copy", "split"])
-def test_peer_never_signals_raises(transport):
+@pytest.mark.parametrize("transport,world", [("store", 2), ("copy", 2), ("split", 2), ("split", 4)])
+def test_peer_never_signals_raises(transport, world):
     """Only rank 0 of 2 runs: its handshake times out, the error word is set, the host raises.  With the copy
     engine, the aborted kernel still counts every band, so the copy stream drains instead of waiting forever;
     the split transport's own GEMM stops waiting for the peer's bands once the call is aborted."""
     from fluxinductor.kernels import gemm_rs
 
-    code = _lone_rank_call(transport)
+    code = _lone_rank_call(transport, world=world)
     assert code == 1
     with pytest.raises(RuntimeError, match="never entered"):
         raise RuntimeError(gemm_rs.error_message(code))

@@ -1,16 +1,18 @@
-// The split GEMM+RS transport (torch-free): the fused op as two stock CUTLASS GEMMs with communication between
-// them, for two ranks.  Both use AG+GEMM's mainloop and tile order (cooperative 128x256, cluster 2x1, groups of 8
-// cluster rows), which runs at cuBLAS's speed, and CUTLASS's own TMA-store epilogue:
+// The split GEMM+RS transport (torch-free): the fused op as one stock CUTLASS GEMM per row segment, in a ring over
+// the ranks, with communication between them.  All use AG+GEMM's mainloop and tile order (cooperative 128x256,
+// cluster 2x1, groups of 8 cluster rows), which runs at cuBLAS's speed, and CUTLASS's own TMA-store epilogue:
 //
-//  * the peer GEMM computes the rows the peer owns into this rank's outbox, with bias; CountingEpilogue counts each
-//    tile in its band (a block of rows x columns that the tile order completes in turn) once its TMA stores have
-//    landed, and the launcher's copy stream copies each complete band into the owner's slot (copy engine, 2-D)
-//    and raises the owner's flag of (this rank, band);
-//  * the own GEMM computes this rank's rows with the peer's partial as its source C:
-//    out = scale * acc + scale * C + scale * bias.  Its producer warps wait per band for the peer's flag
+//  * the peer GEMM computes a peer's rows into this rank's outbox, with bias; CountingEpilogue counts each tile in
+//    its band (a block of rows x columns that the tile order completes in turn) once its TMA stores have landed,
+//    and the launcher's copy stream copies each complete band into the next rank's slot (copy engine, 2-D) and
+//    raises that rank's flag of (step, band);
+//  * a relay GEMM (more than two ranks) is both: it waits per band for the partial sum rank + 1 sent, adds it as
+//    its source C, and counts its tiles for the copy to rank - 1;
+//  * the own GEMM computes this rank's rows with rank + 1's partial sum as its source C:
+//    out = scale * acc + scale * C + scale * bias.  Its producer warps wait per band for the flag
 //    (AllGatherTileScheduler with every chunk remote) before loading A and C.
 //
-// Against the one-kernel transports the price is a second launch and its wave tail; the gain is a GEMM whose
+// Against the one-kernel transports the price is a launch per segment and its wave tail; the gain is a GEMM whose
 // epilogue is CUTLASS's (no staged stores through our own code, no reduction loop).  See csrc/NOTES_gemm_rs.md.
 #pragma once
 
@@ -149,6 +151,8 @@ struct SplitGemm {
 template <class Element>
 using PeerGemm = SplitGemm<Element, CountingEpilogue<StockEpilogue<Element, false>>>;
 template <class Element>
+using RelayGemm = SplitGemm<Element, CountingEpilogue<StockEpilogue<Element, true>>>;
+template <class Element>
 using OwnGemm = SplitGemm<Element, StockEpilogue<Element, true>>;
 
 template <class Epilogue>
@@ -156,7 +160,7 @@ struct IsCounting : cute::false_type {};
 template <class Base>
 struct IsCounting<CountingEpilogue<Base>> : cute::true_type {};
 
-// Fills CUTLASS's arguments from the plain params and launches one of the two GEMMs.
+// Fills CUTLASS's arguments from the plain params and launches one of the GEMMs.
 template <class Config, class Element>
 int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* error_message) {
   using Gemm = typename Config::Gemm;
@@ -175,7 +179,7 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   schedule.total_rows = p.rows;
   schedule.shard_rows = p.rows;
   schedule.group_cluster_rows = kGroupClusterRows;
-  if (p.flags != nullptr) {  // own GEMM: every band is the peer's
+  if (p.flags != nullptr) {  // relay and own GEMM: every band waits for rank + 1's partial sum
     schedule.flags = p.flags;
     schedule.epoch = p.epoch;
     schedule.rank = -1;
