@@ -66,7 +66,7 @@ def init_gpu_ranks() -> Tuple[int, int, torch.device, str]:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     group_name = dist.group.WORLD.group_name
-    import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+    from torch.distributed import _symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
 
     import fluxinductor  # noqa: F401 - registers torch.ops.fluxinductor
     from fluxinductor.kernels.symm import _enable_group
