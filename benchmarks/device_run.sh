@@ -79,14 +79,15 @@ for step in $STEPS; do
         ${HOST_ARGS:-} > "$OUT/host_overhead.log" 2>&1
       echo "host rc=$?"; grep -v Warning "$OUT/host_overhead.log" | tail -c 9000 ;;
     trace)
-      # GPU timeline of one call per TRACES entry ('shape path [K=V ...]' separated by ';'; benchmarks/trace_op.py)
+      # GPU timeline of one call per TRACES entry ('shape path [K=V ...]' separated by ';'; benchmarks/trace_op.py;
+      # TRACE_ARGS=--hide-host: device-time gaps only)
       IFS=';' read -ra traces <<< "${TRACES:-rs:8192x8192x28672 fused}"
       i=0
       for t in "${traces[@]}"; do
         read -ra words <<< "$t"; envs=()
         for w in "${words[@]:2}"; do envs+=(--env "$w"); done
         timeout 120 torchrun --nproc-per-node "$NPROC" benchmarks/trace_op.py --shape "${words[0]}" --path "${words[1]}" \
-          "${envs[@]}" --out "$OUT/${TAG}_trace_$i.json" > "$OUT/trace_$i.log" 2>&1
+          "${envs[@]}" ${TRACE_ARGS:-} --out "$OUT/${TAG}_trace_$i.json" > "$OUT/trace_$i.log" 2>&1
         echo "trace $i ($t) rc=$?"; grep -v Warning "$OUT/trace_$i.log" | grep -E "^(---|  stream)" | head -${TRACE_LINES:-60}
         i=$((i+1))
       done ;;

@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--env", action="append", default=[], help="K=V set for the traced calls (repeatable)")
     p.add_argument("--calls", type=int, default=2, help="calls traced (each after a barrier, whose NCCL kernel "
                    "separates them in the listing)")
+    p.add_argument("--hide-host", action="store_true", help="a GPU sleep before each traced call (as bench_ops.py's "
+                   "default), so the host has enqueued the whole call before the GPU reaches it: device-time gaps only")
     p.add_argument("--out", default=None, help="JSON with every rank's events (rank 0 writes)")
     args = p.parse_args(argv)
 
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
                 dist.barrier()
                 torch.cuda.synchronize()
                 with torch.profiler.record_function(f"call{i}"):
+                    if args.hide_host:
+                        torch.cuda._sleep(2_000_000)
                     _wait(call())
                 torch.cuda.synchronize()
     events = []
