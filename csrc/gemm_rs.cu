@@ -415,21 +415,20 @@ namespace {
 // order (rows fastest), so the bands complete, are sent and are needed in that order: the copy of band b runs
 // beside the peer GEMM's later bands, and the own GEMM starts on bands that arrived long before.
 struct SplitBands {
-  int rows = 0;            // a multiple of gemm_rs_split::kGroupRows
+  int rows = 0;            // a multiple of the tiling's group_rows()
   int row_bands = 1;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
   int tiles_n = 1;
   int count() const { return row_bands * col_chunks; }
 };
-SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks) {
-  namespace split = gemm_rs_split;
+SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks, gemm_rs_split::SplitTiling tiling) {
   SplitBands b;
-  int const groups = (segment_rows + split::kGroupRows - 1) / split::kGroupRows;
+  int const groups = (segment_rows + tiling.group_rows() - 1) / tiling.group_rows();
   int const groups_per_band = (groups + kGemmRsMaxBands - 1) / kGemmRsMaxBands;
-  b.rows = groups_per_band * split::kGroupRows;
+  b.rows = groups_per_band * tiling.group_rows();
   b.row_bands = (groups + groups_per_band - 1) / groups_per_band;
-  b.tiles_n = (n + split::kTileN - 1) / split::kTileN;
+  b.tiles_n = (n + tiling.tile_n - 1) / tiling.tile_n;
   int chunks = wanted_col_chunks < 1 ? 1 : wanted_col_chunks;
   chunks = chunks < kGemmRsMaxBands / b.row_bands ? chunks : kGemmRsMaxBands / b.row_bands;
   chunks = chunks < b.tiles_n ? chunks : b.tiles_n;
@@ -438,10 +437,22 @@ SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks) {
   return b;
 }
 
-// What both split GEMMs take from the call: dtype, N, K, B and the grid size (A, rows, C, D and the rest per GEMM).
-gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args) {
+// The split GEMMs' configuration: 0, or in tuning builds FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG (every rank must pick the
+// same).
+int split_config() {
+#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
+  return env_int("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", 0);
+#else
+  return 0;
+#endif
+}
+
+// What every split GEMM takes from the call: dtype, configuration, N, K, B and the grid size (A, rows, C, D and the
+// rest per GEMM).
+gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int config) {
   gemm_rs_split::SplitGemmParams gemm;
   gemm.dtype = args.dtype;
+  gemm.config = config;
   gemm.n = args.n;
   gemm.k = args.k;
   gemm.lda = args.lda;
@@ -454,9 +465,8 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args) {
 // The split transport's copy stream, one ring step: per band in order, wait for its tile count, copy the block
 // (2-D, copy engine) from outbox segment `step` into slot `step` of rank `to`, then raise that rank's flag of
 // (step, band) by copying the epoch word.
-int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int segment_rows, int step, int to,
-                         size_t element_bytes, int64_t flags_per_src) {
-  namespace split = gemm_rs_split;
+int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_rs_split::SplitTiling tiling,
+                         int segment_rows, int step, int to, size_t element_bytes, int64_t flags_per_src) {
   size_t const pitch = size_t(args.n) * element_bytes;
   char const* outbox = static_cast<char const*>(args.outbox) + size_t(step) * segment_rows * pitch;
   char* to_base = static_cast<char*>(args.buffers[to]);
@@ -464,13 +474,13 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, int se
   for (int rb = 0; rb < bands.row_bands; ++rb) {
     int const r0 = rb * bands.rows;
     int const r1 = r0 + bands.rows < segment_rows ? r0 + bands.rows : segment_rows;
-    int const row_tiles = (r1 - r0 + split::kTileM - 1) / split::kTileM;
+    int const row_tiles = (r1 - r0 + tiling.tile_m - 1) / tiling.tile_m;
     for (int cc = 0; cc < bands.col_chunks; ++cc) {
       int const t0 = cc * bands.chunk_col_tiles;
       int const t1 = t0 + bands.chunk_col_tiles < bands.tiles_n ? t0 + bands.chunk_col_tiles : bands.tiles_n;
       int const band = rb * bands.col_chunks + cc;
-      size_t const c0 = size_t(t0) * split::kTileN;
-      size_t const c1 = size_t(t1) * split::kTileN < size_t(args.n) ? size_t(t1) * split::kTileN : size_t(args.n);
+      size_t const c0 = size_t(t0) * tiling.tile_n;
+      size_t const c1 = size_t(t1) * tiling.tile_n < size_t(args.n) ? size_t(t1) * tiling.tile_n : size_t(args.n);
       size_t const offset = size_t(r0) * pitch + c0 * element_bytes;
       if (int rc = send_band(args, args.counters + step * bands.count() + band, uint32_t(row_tiles * (t1 - t0)),
                              slot + offset, outbox + offset, pitch, (c1 - c0) * element_bytes, size_t(r1 - r0),
@@ -500,7 +510,12 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   int const segment_rows = args.m / args.world;
   int const to = (args.rank + args.world - 1) % args.world;  // the rank this one's partial sums go to
   size_t const element_bytes = 2;
-  SplitBands const bands = split_bands(segment_rows, args.n, args.bands);
+  int const config = split_config();
+  if (config < 0 || config >= split::kSplitConfigs) {
+    return fail("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG must be in [0, " + std::to_string(split::kSplitConfigs) + ")");
+  }
+  split::SplitTiling const tiling = split::kSplitTilings[config];
+  SplitBands const bands = split_bands(segment_rows, args.n, args.bands, tiling);
   // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [world][its tiles], here
   // [step][band].
   TileMN const layout_tile = current_tile();
@@ -516,7 +531,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   if (int rc = start_copy_stream(args, Bands{1, bands.count()}, stream, &join); rc != 0) {
     return rc;
   }
-  split::SplitGemmParams gemm = split_gemm_params(args);
+  split::SplitGemmParams gemm = split_gemm_params(args, config);
   gemm.rows = segment_rows;
   gemm.band_rows = bands.rows;
   gemm.col_chunks = bands.col_chunks;
@@ -561,7 +576,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       return fail(message);
     }
     if (!last) {
-      if (int sent = enqueue_split_copies(args, bands, segment_rows, step, to, element_bytes, flags_per_src);
+      if (int sent = enqueue_split_copies(args, bands, tiling, segment_rows, step, to, element_bytes, flags_per_src);
           sent != 0) {
         return sent;
       }
@@ -581,7 +596,11 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   int const first_rows = args.m / 2;
   size_t const element_bytes = 2;
   std::string message;
-  gemm_rs_split::SplitGemmParams gemm = split_gemm_params(args);
+  int const config = split_config();
+  if (config < 0 || config >= gemm_rs_split::kSplitConfigs) {
+    return fail("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG out of range");
+  }
+  gemm_rs_split::SplitGemmParams gemm = split_gemm_params(args, config);
   gemm.bias = args.bias;
   gemm.ldd = args.ldo;
   gemm_rs_split::SplitGemmParams first = gemm;

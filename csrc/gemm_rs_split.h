@@ -8,14 +8,25 @@
 
 namespace fluxinductor::gemm_rs_split {
 
-constexpr int kTileM = 128;  // both GEMMs' tile (checked against the kernels' type in the .cu files)
-constexpr int kTileN = 256;
-constexpr int kGroupClusterRows = 8;                 // tile-order group height, in cluster rows (2 tiles each)
-constexpr int kGroupRows = kGroupClusterRows * 2 * kTileM;
+// A split GEMM configuration's tiling, which the launcher's band arithmetic follows (checked against the kernels'
+// types in gemm_rs_split.cuh).  Both GEMMs walk tiles in groups of group_rows() rows, rows fastest inside a group.
+struct SplitTiling {
+  int tile_m;
+  int tile_n;
+  int cluster_m;
+  int group_cluster_rows;  // tile-order group height, in cluster rows
+  constexpr int group_rows() const { return group_cluster_rows * cluster_m * tile_m; }
+};
+// 0 (shipped): cooperative 128x256, cluster 2x1, groups of 8 cluster rows (AG+GEMM's configuration).  Tuning builds
+// (-DFLUXINDUCTOR_KERNEL_TUNING) add 1: ping-pong 64x256, cluster 2x1, groups of 16 cluster rows, whose two math warp
+// groups take turns, one's epilogue under the other's MMAs (bf16 only; FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG).
+constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}};
+constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0]));
 
 // D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias, B K-major ([n, k] rows of ldb).
 struct SplitGemmParams {
   int dtype = 0;                    // 0 = bf16, 1 = fp16
+  int config = 0;                   // index into kSplitTilings
   int rows = 0, n = 0, k = 0;
   const void* a = nullptr;
   int64_t lda = 0;
@@ -27,11 +38,10 @@ struct SplitGemmParams {
   int64_t ldd = 0;
   float alpha = 1.f, beta = 0.f;
   int sm_count = 0;
-  // Bands: blocks of band_rows rows (a multiple of kTileM) x chunk_col_tiles column tiles, numbered
-  // row band * col_chunks + column chunk.  Both GEMMs walk tiles in groups of kGroupRows rows, columns slower
-  // than rows inside a group, so with band_rows a multiple of kGroupRows the bands complete in their numbering's
-  // order.
-  int band_rows = kTileM;
+  // Bands: blocks of band_rows rows (a multiple of the tile's rows) x chunk_col_tiles column tiles, numbered
+  // row band * col_chunks + column chunk.  With band_rows a multiple of the tiling's group_rows() the bands complete
+  // in their numbering's order.
+  int band_rows = 0;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
   // Peer and relay GEMM: each stored tile adds 1 to counters[segment * bands + its band].

@@ -298,6 +298,28 @@ def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, mo
 
 
 @_gpu
+@pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4)])
+def test_split_tuning_config_n_ranks_one_gpu(world, rows, n, bands, monkeypatch):
+    """The split transport's tuning configuration (ping-pong 64x256, groups of 16 cluster rows: other band
+    arithmetic than the default's), ring and communication-off GEMMs against the fp32 reference."""
+    from fluxinductor.kernels import gemm_rs
+
+    if not gemm_rs._extension().gemm_rs_tuning_build():
+        pytest.skip("tuning configurations need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "1")
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    a = torch.randn(2 * rows, 264, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(264, n, True, torch.bfloat16, "cuda")
+    bias = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((2 * rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm_rs.gemm_only(a, w, bias, out=out, split=True)  # also loads the configuration's kernels before the ring
+    torch.cuda.synchronize()
+    assert relative_error(out, a.float() @ w.float() + bias.float()) < 1e-2
+    _lone_rank_call("split", torch.bfloat16, timeout=50_000_000, world=3)  # loads its relay GEMM
+    assert _simulate(world, world * rows, 264, n, reduce_op="avg", split=True, calls=3) < 1e-2
+
+
+@_gpu
 def test_split_ring_dtypes_no_bias():
     assert _simulate(4, 4 * 384, 512, 1024, dtype=torch.float16, with_bias=False, split=True) < 1e-2
     assert _simulate(3, 3 * 130, 64, 1000, with_bias=False, split=True) < 1e-2

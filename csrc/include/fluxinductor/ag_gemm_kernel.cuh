@@ -44,6 +44,11 @@ using Cooperative128x256Cluster1x2 = TileConfig<            // tuning builds onl
     cute::Shape<cute::_1, cute::_2, cute::_1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative,
     cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Pingpong64x256Cluster2x1 = TileConfig<              // the split GEMM+RS transport's tuning configuration
+    cute::Shape<cute::_64, cute::_256, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized>;
 using Pingpong128x128Cluster1x2 = TileConfig<
     cute::Shape<cute::_128, cute::_128, cute::_64>,
     cute::Shape<cute::_1, cute::_2, cute::_1>,

@@ -117,43 +117,58 @@ class CountingEpilogue : public Base {
   uint32_t* pending_ = nullptr;
 };
 
-using Tiles = ag_gemm::Cooperative128x256Cluster2x1;
-static_assert(cute::size<0>(Tiles::TileShape{}) == kTileM && cute::size<1>(Tiles::TileShape{}) == kTileN &&
-                  cute::size<0>(Tiles::ClusterShape{}) * kTileM * kGroupClusterRows == kGroupRows,
-              "gemm_rs_split.h's tile (the launcher's band arithmetic) must be the kernels' tile");
+// The kernel types of each kSplitTilings entry.
+template <int Config>
+struct SplitTiles;
+template <>
+struct SplitTiles<0> : ag_gemm::Cooperative128x256Cluster2x1 {};
+template <>
+struct SplitTiles<1> : ag_gemm::Pingpong64x256Cluster2x1 {};
+
+template <int Config>
+constexpr bool tiling_matches() {
+  using Tiles = SplitTiles<Config>;
+  constexpr SplitTiling t = kSplitTilings[Config];
+  return cute::size<0>(typename Tiles::TileShape{}) == t.tile_m && cute::size<1>(typename Tiles::TileShape{}) == t.tile_n &&
+         cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m;
+}
+static_assert(tiling_matches<0>() && tiling_matches<1>() && kSplitConfigs == 2,
+              "gemm_rs_split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
 
 // The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
-template <class Element, bool WithSource>
+template <class Element, class Tiles, bool WithSource>
 using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tiles::TileShape, Tiles::ClusterShape,
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::TileShape, typename Tiles::ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     cute::conditional_t<WithSource, Element, void>, cutlass::layout::RowMajor, 8,
     Element, cutlass::layout::RowMajor, 8,
-    Tiles::EpilogueSchedule,
+    typename Tiles::EpilogueSchedule,
     cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::CollectiveOp;
 
 // A: row-major [rows, K]; B: K-major (the transposed nn.Linear weight); the AG+GEMM tile scheduler.
-template <class Element, class CollectiveEpilogue>
+template <class Element, int Config, class CollectiveEpilogue>
 struct SplitGemm {
+  using Tiles = SplitTiles<Config>;
+  static constexpr SplitTiling kTiling = kSplitTilings[Config];
   using Epilogue = CollectiveEpilogue;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::RowMajor, 8,
       Element, cutlass::layout::ColumnMajor, 8,
-      float, Tiles::TileShape, Tiles::ClusterShape,
+      float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      Tiles::KernelSchedule>::CollectiveOp;
+      typename Tiles::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       ag_gemm::AllGatherSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Element>
-using PeerGemm = SplitGemm<Element, CountingEpilogue<StockEpilogue<Element, false>>>;
-template <class Element>
-using RelayGemm = SplitGemm<Element, CountingEpilogue<StockEpilogue<Element, true>>>;
-template <class Element>
-using OwnGemm = SplitGemm<Element, StockEpilogue<Element, true>>;
+template <class Element, int Config>
+using PeerGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, false>>>;
+template <class Element, int Config>
+using RelayGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>>;
+template <class Element, int Config>
+using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>>;
 
 template <class Epilogue>
 struct IsCounting : cute::false_type {};
@@ -178,7 +193,7 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   ag_gemm::AllGatherSchedule schedule;
   schedule.total_rows = p.rows;
   schedule.shard_rows = p.rows;
-  schedule.group_cluster_rows = kGroupClusterRows;
+  schedule.group_cluster_rows = Config::kTiling.group_cluster_rows;
   if (p.flags != nullptr) {  // relay and own GEMM: every band waits for rank + 1's partial sum
     schedule.flags = p.flags;
     schedule.epoch = p.epoch;
@@ -206,7 +221,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
-    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_rows / kTileM, p.col_chunks,
+    int const band_tile_rows = p.band_rows / Config::kTiling.tile_m;
+    arguments.epilogue.counting = {p.counters, p.segment, p.bands, band_tile_rows > 0 ? band_tile_rows : 1, p.col_chunks,
                                    p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
@@ -234,6 +250,29 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
     return -1;
   }
   return 0;
+}
+
+}  // namespace fluxinductor::gemm_rs_split
+
+namespace fluxinductor::gemm_rs_split {
+
+// One GEMM kind (PeerGemm, RelayGemm or OwnGemm) for the params' configuration and dtype.
+template <template <class, int> class Kind>
+int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_message) {
+#if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  using cutlass::bfloat16_t;
+  using cutlass::half_t;
+  if (p.config == 0 && p.dtype == 0) return run_split_gemm<Kind<bfloat16_t, 0>, bfloat16_t>(p, stream, error_message);
+  if (p.config == 0 && p.dtype == 1) return run_split_gemm<Kind<half_t, 0>, half_t>(p, stream, error_message);
+#if defined(FLUXINDUCTOR_KERNEL_TUNING)
+  if (p.config == 1 && p.dtype == 0) return run_split_gemm<Kind<bfloat16_t, 1>, bfloat16_t>(p, stream, error_message);
+#endif
+  *error_message = "no split GEMM for configuration " + std::to_string(p.config) + " and dtype " +
+                   std::to_string(p.dtype) + " in this build";
+#else
+  *error_message = "fluxinductor was built without sm90a support (CUTLASS_ARCH_MMA_SM90_SUPPORTED)";
+#endif
+  return -1;
 }
 
 }  // namespace fluxinductor::gemm_rs_split
