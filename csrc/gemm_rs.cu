@@ -516,9 +516,6 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   }
   split::SplitTiling const tiling = split::kSplitTilings[config];
   SplitBands const bands = split_bands(segment_rows, args.n, args.bands, tiling);
-  // FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT=1 (experiment): the peer and relay GEMMs' TMA stores go straight into the
-  // receiver's slot over NVLink and the tile completing a band raises its flag; no outbox, no band copies.
-  bool const direct = env_int("FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT", 0) != 0;
   // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [world][its tiles], here
   // [step][band].
   TileMN const layout_tile = current_tile();
@@ -571,12 +568,6 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.counters = args.counters;
       g.segment = step;
       g.bands = bands.count();
-      if (direct) {
-        char* to_base = static_cast<char*>(args.buffers[to]);
-        g.d = to_base + args.data_offset + step * segment_bytes;
-        g.remote_flags = reinterpret_cast<uint32_t*>(to_base + args.flags_offset) + step * flags_per_src;
-        g.epoch = args.epoch;
-      }
     }
     int const rc = step == 0 ? split::run_peer_gemm(g, stream, &message)
                    : last    ? split::run_own_gemm(g, stream, &message)
@@ -584,7 +575,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
     if (rc != 0) {
       return fail(message);
     }
-    if (!last && !direct) {
+    if (!last) {
       if (int sent = enqueue_split_copies(args, bands, tiling, segment_rows, step, to, element_bytes, flags_per_src);
           sent != 0) {
         return sent;

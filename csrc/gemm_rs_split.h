@@ -48,9 +48,6 @@ struct SplitGemmParams {
   uint32_t* counters = nullptr;
   int segment = 0;
   int bands = 1;
-  // Direct mode (peer and relay GEMM, d in the receiver's slot): the tile completing a band sets remote_flags[band]
-  // to epoch.
-  uint32_t* remote_flags = nullptr;
   // Relay and own GEMM: before a tile, wait until flags[its band] - epoch >= 0 (as int32); give up without an error once
   // *abort_word == abort_value, or with error_code in *error after timeout_ns.
   uint32_t const* flags = nullptr;

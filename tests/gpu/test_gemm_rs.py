@@ -320,17 +320,6 @@ def test_split_tuning_config_n_ranks_one_gpu(world, rows, n, bands, monkeypatch)
 
 
 @_gpu
-@pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4),
-                                                (3, 1, 8, 4)])
-def test_split_direct_n_ranks_one_gpu(world, rows, n, bands, monkeypatch):
-    """FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT=1: the ring's partial sums stored straight into the receiver's slot by the
-    GEMMs' TMA stores, the tile completing a band raising the receiver's flag (partial bands included)."""
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT", "1")
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    assert _simulate(world, world * rows, 264, n, reduce_op="avg", split=True, calls=3) < 1e-2
-
-
-@_gpu
 def test_split_ring_dtypes_no_bias():
     assert _simulate(4, 4 * 384, 512, 1024, dtype=torch.float16, with_bias=False, split=True) < 1e-2
     assert _simulate(3, 3 * 130, 64, 1000, with_bias=False, split=True) < 1e-2

@@ -37,10 +37,6 @@ struct BandCounting {
   int band_tile_rows = 1;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
-  // Direct mode: the tile that completes a band raises remote_flags[band] to epoch (the receiver's flags of this
-  // step, mapped over NVLink; the tiles went there too).
-  uint32_t* remote_flags = nullptr;
-  uint32_t epoch = 0;
 };
 
 // CUTLASS's sm90 TMA-store collective epilogue, plus one count per stored tile.  The warp that issues a tile's TMA
@@ -85,20 +81,9 @@ class CountingEpilogue : public Base {
       int const n_block = int(cute::get<1>(tile_coord_mnkl));
       bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
                         n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
-      int const row_band = m_block / counting_.band_tile_rows;
-      int const col_chunk = n_block / counting_.chunk_col_tiles;
-      int const band = row_band * counting_.col_chunks + col_chunk;
+      int const band = (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
       pending_ = real && counting_.counters != nullptr ? counting_.counters + counting_.segment * counting_.bands + band
                                                       : nullptr;
-      if (pending_ != nullptr && counting_.remote_flags != nullptr) {
-        int const tiles_m = (int(cute::get<0>(problem_shape_mnkl)) + int(cute::size<0>(tile_shape_mnk)) - 1) /
-                            int(cute::size<0>(tile_shape_mnk));
-        int const tiles_n = (int(cute::get<1>(problem_shape_mnkl)) + int(cute::size<1>(tile_shape_mnk)) - 1) /
-                            int(cute::size<1>(tile_shape_mnk));
-        pending_total_ = uint32_t(min(counting_.band_tile_rows, tiles_m - row_band * counting_.band_tile_rows) *
-                                  min(counting_.chunk_col_tiles, tiles_n - col_chunk * counting_.chunk_col_tiles));
-        pending_flag_ = counting_.remote_flags + band;
-      }
     }
     return next;
   }
@@ -123,21 +108,13 @@ class CountingEpilogue : public Base {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) {
       __threadfence_system();
-      uint32_t const before = atomicAdd(pending_, 1u);
-      if (pending_flag_ != nullptr && before + 1 == pending_total_) {
-        // Every tile of the band counted after its own system fence: fence, then release the receiver's flag.
-        __threadfence_system();
-        asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(pending_flag_), "r"(counting_.epoch) : "memory");
-      }
+      atomicAdd(pending_, 1u);
     }
     pending_ = nullptr;
-    pending_flag_ = nullptr;
   }
 
   BandCounting counting_;
   uint32_t* pending_ = nullptr;
-  uint32_t* pending_flag_ = nullptr;
-  uint32_t pending_total_ = 0;
 };
 
 // The kernel types of each kSplitTilings entry.
@@ -246,7 +223,7 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
     int const band_tile_rows = p.band_rows / Config::kTiling.tile_m;
     arguments.epilogue.counting = {p.counters, p.segment, p.bands, band_tile_rows > 0 ? band_tile_rows : 1, p.col_chunks,
-                                   p.chunk_col_tiles, p.remote_flags, p.epoch};
+                                   p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
