@@ -62,7 +62,7 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
   } else if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.out) || (p.bias && !aligned16(p.bias))) {
     std::snprintf(out, size, "a base address is not 16-byte aligned");
   } else if (p.flags && (p.world < 1 || p.rank < 0 || p.rank >= p.world || p.shard_rows < 1 ||
-                         p.shard_rows * p.world != p.m || p.chunks_per_rank < 1)) {
+                         p.shard_rows * p.world != p.m || p.chunks_per_rank < 1 || p.k_chunks < 1)) {
     std::snprintf(out, size, "inconsistent all-gather layout (rank %d of %d, %lld rows per rank, M=%lld)", p.rank,
                   p.world, (long long)p.shard_rows, (long long)p.m);
   }
@@ -118,6 +118,12 @@ Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
   cudaError_t status =
       cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
   return status == cudaSuccess ? Error() : cuda_error("cudaMemcpyAsync", status);
+}
+
+Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream) {
+  cudaError_t status = cudaMemcpy2DAsync(dst, size_t(pitch), src, size_t(pitch), size_t(width), size_t(height),
+                                         cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+  return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy2DAsync", status);
 }
 
 Error alloc_host_mapped_word(int64_t* host_address, int64_t* device_address) {

@@ -42,6 +42,9 @@ struct AllGatherGemmParams {
   int rank = 0, world = 1;
   int64_t shard_rows = 0;         // rows of A per rank (M = world * shard_rows when flags are given)
   int chunks_per_rank = 1;
+  // > 1: each rank's whole shard arrives in k_chunks column blocks instead (flags [world * k_chunks]), and the
+  // producer waits before each block of a tile's K loop (for problems of about one wave; ag_gemm_scheduler.cuh).
+  int k_chunks = 1;
   int group_cluster_rows = 8;     // tile-order group height, in cluster rows (see ag_gemm_scheduler.cuh)
   int sm_count = 0;               // persistent grid size; 0 = all SMs of the device
   Variant variant = Variant::kCooperative128x256Cluster2x1;
@@ -60,6 +63,8 @@ Error stream_write_value32(void* address, uint32_t value, void* stream);
 
 // cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
+// cudaMemcpy2DAsync device-to-device: `height` rows of `width` bytes, row pitch `pitch` bytes on both sides.
+Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream);
 
 // A zeroed host-mapped int32 (cudaHostAllocMapped | Portable), for errors the host can read without a sync.
 // Sets its host and device addresses.  The caller keeps it for the

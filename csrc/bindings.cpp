@@ -25,8 +25,9 @@ void check_ok(const agg::Error& error) {
 agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, int64_t k, int64_t lda, int64_t b,
                                              int64_t n, int64_t ldb, bool b_k_contiguous, int64_t bias, int64_t out,
                                              int64_t ldo, int64_t flags, uint32_t epoch, int rank, int world,
-                                             int64_t shard_rows, int chunks_per_rank, int group_cluster_rows,
-                                             int sm_count, long long timeout_ns, int64_t error_word, int variant) {
+                                             int64_t shard_rows, int chunks_per_rank, int k_chunks,
+                                             int group_cluster_rows, int sm_count, long long timeout_ns,
+                                             int64_t error_word, int variant) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -41,7 +42,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.ldo = ldo;
   p.flags = reinterpret_cast<const uint32_t*>(flags);
   p.epoch = epoch; p.rank = rank; p.world = world; p.shard_rows = shard_rows;
-  p.chunks_per_rank = chunks_per_rank; p.group_cluster_rows = group_cluster_rows; p.sm_count = sm_count;
+  p.chunks_per_rank = chunks_per_rank; p.k_chunks = k_chunks;
+  p.group_cluster_rows = group_cluster_rows; p.sm_count = sm_count;
   p.timeout_ns = timeout_ns;
   p.error_word = reinterpret_cast<int*>(error_word);
   p.variant = agg::Variant(variant);
@@ -52,7 +54,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   py::arg("dtype"), py::arg("a"), py::arg("m"), py::arg("k"), py::arg("lda"), py::arg("b"), py::arg("n"),    \
       py::arg("ldb"), py::arg("b_k_contiguous"), py::arg("bias"), py::arg("out"), py::arg("ldo"),           \
       py::arg("flags") = 0, py::arg("epoch") = 0, py::arg("rank") = 0, py::arg("world") = 1,                 \
-      py::arg("shard_rows") = 0, py::arg("chunks_per_rank") = 1, py::arg("group_cluster_rows") = 8,          \
+      py::arg("shard_rows") = 0, py::arg("chunks_per_rank") = 1, py::arg("k_chunks") = 1,                    \
+      py::arg("group_cluster_rows") = 8,                                                                   \
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
       py::arg("variant") = 0
 
@@ -61,11 +64,11 @@ void export_ag_gemm(py::module_& m) {
       "ag_gemm_run",
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
-         int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
-         long long timeout_ns, int64_t error_word, int variant, int64_t stream) {
+         int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
+         int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
-                                world, shard_rows, chunks_per_rank, group_cluster_rows, sm_count, timeout_ns,
+                                world, shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns,
                                 error_word, variant),
             reinterpret_cast<void*>(stream)));
       },
@@ -75,11 +78,11 @@ void export_ag_gemm(py::module_& m) {
       "ag_gemm_unsupported",
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
-         int world, int64_t shard_rows, int chunks_per_rank, int group_cluster_rows, int sm_count,
-         long long timeout_ns, int64_t error_word, int variant) {
+         int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
+         int sm_count, long long timeout_ns, int64_t error_word, int variant) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
-            chunks_per_rank, group_cluster_rows, sm_count, timeout_ns, error_word, variant)).message);
+            chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -97,6 +100,15 @@ void export_ag_gemm(py::module_& m) {
       },
       "cudaMemcpyAsync device-to-device (copy engine) on `stream`", py::arg("dst"), py::arg("src"),
       py::arg("bytes"), py::arg("stream"));
+  m.def(
+      "ag_memcpy2d_async",
+      [](int64_t dst, int64_t src, int64_t pitch, int64_t width, int64_t height, int64_t stream) {
+        check_ok(agg::memcpy2d_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), pitch, width,
+                                     height, reinterpret_cast<void*>(stream)));
+      },
+      "cudaMemcpy2DAsync device-to-device (copy engine) on `stream`: `height` rows of `width` bytes, row pitch "
+      "`pitch` on both sides", py::arg("dst"), py::arg("src"), py::arg("pitch"), py::arg("width"), py::arg("height"),
+      py::arg("stream"));
   m.def(
       "ag_alloc_host_mapped_word",
       []() {

@@ -77,3 +77,13 @@ def test_split_reason():
     assert "multiple of 8" in gemm_rs.split_reason(2, torch.randn(60, 32).t(), None)
     assert "aligned" in gemm_rs.split_reason(2, k_major, torch.zeros(65)[1:])
     assert "out" in gemm_rs.split_reason(2, k_major, None, torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:68])
+
+
+def test_ag_k_chunk_bounds_and_choice():
+    """AG+GEMM's column blocks (the kernel's ceil(K tiles / blocks) split) and when one-wave problems use them."""
+    from fluxinductor.kernels import ag_gemm
+
+    assert ag_gemm.k_chunk_bounds(264, 3) == [(0, 128), (128, 256), (256, 264)]
+    assert ag_gemm.k_chunk_bounds(128, 4) == [(0, 64), (64, 128), (128, 128), (128, 128)]
+    assert ag_gemm.use_k_chunks(1024, 4096, 132) == min(ag_gemm.K_CHUNKS, 16)  # 128 tiles: one wave
+    assert ag_gemm.use_k_chunks(2048, 4096, 132) == 1

@@ -35,6 +35,11 @@ GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2; tuning builds add
 # 3 cooperative 256x128 cluster 2x1 and 4 cooperative 128x256 cluster 1x2.
 VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
+# Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
+# shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
+# loop (csrc/NOTES_ag_gemm.md, session 6).  1 turns it off.
+K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "4"))
+_K_TILE = 64  # every variant's K tile
 # Rows of A one cluster row covers, per variant (tile M x cluster M).
 _CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}
 
@@ -167,13 +172,14 @@ def check_errors(device: Optional[torch.device] = None, synchronize: bool = Fals
 
 def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *, flags: Optional[Tensor] = None,
                 epoch: int = 0, rank: int = 0, world: int = 1, shard_rows: int = 0,
-                chunks_per_rank: Optional[int] = None, sm_count: int = 0,
+                chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
                 timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
-    the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).
+    the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).  With ``k_chunks`` > 1
+    (flags [world * k_chunks], see :func:`pull_shards`) it waits instead before each column block of its K loop.
     ``group_rows``/``variant`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT).
     """
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
@@ -192,7 +198,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         b=weight.data_ptr(), n=weight.shape[1], ldb=ldb, b_k_contiguous=k_contiguous,
         bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(), ldo=out.stride(0),
         flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
-        shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, group_cluster_rows=group_rows,
+        shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
         stream=stream.cuda_stream)
     return out
@@ -204,14 +210,29 @@ def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]
     return [(min(c * rows, shard_rows), min((c + 1) * rows, shard_rows)) for c in range(chunks_per_rank)]
 
 
+def k_chunk_bounds(k: int, k_chunks: int) -> List[Tuple[int, int]]:
+    """Column ranges [start, end) of the K blocks (the kernel's split: ceil(K tiles / k_chunks) tiles each)."""
+    k_tiles = -(-k // _K_TILE)
+    cols = -(-k_tiles // k_chunks) * _K_TILE
+    return [(min(c * cols, k), min((c + 1) * cols, k)) for c in range(k_chunks)]
+
+
+def use_k_chunks(m: int, n: int, sm_count: int) -> int:
+    """The K blocks per shard for an [M, N] output: K_CHUNKS when its 128x256 tiles fit one wave, else 1."""
+    tiles = -(-m // 128) * -(-n // 256)
+    return max(1, min(K_CHUNKS, symm.MAX_CHUNKS_PER_RANK)) if tiles <= sm_count else 1
+
+
 def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
                 epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                gathered_out: Optional[Tensor] = None) -> None:
+                gathered_out: Optional[Tensor] = None, k_chunks: int = 1) -> None:
     """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
 
     dst: [M, K] (this rank's gathered buffer); sources[q]: [M, K] view of rank q's buffer (only rows of q
     are read; sources[rank] is not used).  Peers are pulled in the order r+1, r+2, ... (the kernel's tile
-    order); chunk c of rank q sets flags[q * chunks_per_rank + c].  Then copies dst into ``gathered_out``.
+    order); chunk c of rank q sets flags[q * chunks_per_rank + c].  With ``k_chunks`` > 1 the whole shard moves in
+    column blocks instead (2-D copies), block c setting flags[q * k_chunks + c].  Then copies dst into
+    ``gathered_out``.
     """
     ext = symm.extension()
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
@@ -224,6 +245,15 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
     for step in range(1, world):
         peer = (rank + step) % world
         src_ptr = sources[peer].data_ptr()
+        if k_chunks > 1:
+            first = peer * shard_rows * row_bytes
+            for c, (c0, c1) in enumerate(k_chunk_bounds(dst.shape[1], k_chunks)):
+                offset = first + c0 * dst.element_size()
+                if c1 > c0:
+                    ext.ag_memcpy2d_async(dst_ptr + offset, src_ptr + offset, row_bytes, (c1 - c0) * dst.element_size(),
+                                          shard_rows, handle)
+                ext.ag_stream_write_value32(flag_ptr + 4 * (peer * k_chunks + c), epoch, handle)
+            continue
         for c, (start, end) in enumerate(bounds):
             first = peer * shard_rows + start
             if end > start:
@@ -292,13 +322,14 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     side = ws.side_stream
     side.wait_stream(main)
     sources = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
-    pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered)
+    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count())
+    pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
 
     outputs = []
     for weight, bias in zip(weights, biases):
         out = shard2d.new_empty((m, weight.shape[1]))
         launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
-                    shard_rows=shard_rows, chunks_per_rank=chunks, stream=main)
+                    shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main)
         outputs.append(out)
     main.wait_stream(side)
     return outputs, gathered

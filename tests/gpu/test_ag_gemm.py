@@ -78,8 +78,9 @@ def test_odd_sizes_are_reported_not_run():
 
 
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
-                         skip_pull_from=None, timeout_s=None):
-    """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A)."""
+                         skip_pull_from=None, timeout_s=None, k_chunks=1):
+    """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
+    k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop."""
     from fluxinductor.kernels import ag_gemm, symm
 
     device = torch.device("cuda", 0)
@@ -88,7 +89,7 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
     weights = [make_weight(k, n, i % 2 == 0, dtype, device) for i, n in enumerate(ns)]
     biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns]
     buffers = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
-    flags = [torch.zeros(world * chunks, dtype=torch.int32, device=device) for _ in range(world)]
+    flags = [torch.zeros(world * max(chunks, k_chunks), dtype=torch.int32, device=device) for _ in range(world)]
     outputs = [[torch.full((m, n), float("nan"), dtype=dtype, device=device) for n in ns] for _ in range(world)]
     gathered = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
     main = [torch.cuda.Stream(device) for _ in range(world)]
@@ -115,6 +116,17 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                 q = (r + step) % world
                 if q == skip_pull_from:
                     continue
+                if k_chunks > 1:
+                    base = q * shard_rows * row_bytes
+                    for c, (c0, c1) in enumerate(ag_gemm.k_chunk_bounds(k, k_chunks)):
+                        offset = base + c0 * buffers[r].element_size()
+                        if c1 > c0:
+                            ext.ag_memcpy2d_async(buffers[r].data_ptr() + offset, buffers[q].data_ptr() + offset,
+                                                  row_bytes, (c1 - c0) * buffers[r].element_size(), shard_rows,
+                                                  side[r].cuda_stream)
+                        ext.ag_stream_write_value32(flags[r].data_ptr() + 4 * (q * k_chunks + c), epoch,
+                                                    side[r].cuda_stream)
+                    continue
                 for c, (s0, s1) in enumerate(ag_gemm.chunk_bounds(shard_rows, chunks)):
                     first = q * shard_rows + s0
                     ext.ag_memcpy_async(buffers[r].data_ptr() + first * row_bytes,
@@ -124,10 +136,10 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                                                 side[r].cuda_stream)
         else:
             ag_gemm.pull_shards(buffers[r], buffers, r, shard_rows, flags[r], epoch, side[r], chunks,
-                                gathered_out=gathered[r])
+                                gathered_out=gathered[r], k_chunks=k_chunks)
         for i, (w, b) in enumerate(zip(weights, biases)):
             ag_gemm.launch_gemm(buffers[r], w, b, outputs[r][i], flags=flags[r], epoch=epoch, rank=r, world=world,
-                                shard_rows=shard_rows, chunks_per_rank=chunks, sm_count=sm_count,
+                                shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, sm_count=sm_count,
                                 timeout_s=timeout_s, stream=main[r])
         main[r].wait_stream(side[r])
     for r in range(world):
@@ -163,6 +175,25 @@ def test_n_ranks_large_on_one_gpu(world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("world,shard_rows,k,k_chunks", [
+    (2, 129, 264, 3),    # 5 K tiles in blocks of 2/2/1; a shard boundary inside a tile
+    (4, 256, 1024, 4),   # whole tiles, 16 K tiles in blocks of 4
+    (2, 512, 264, 16),   # more blocks than K tiles: the empty ones still raise their flags
+    (8, 64, 512, 2),
+])
+def test_k_chunks_on_one_gpu(world, shard_rows, k, k_chunks):
+    """Shards moved in column blocks (2-D copies), the producer waiting per block of each tile's K loop."""
+    torch.manual_seed(world + k_chunks)
+    outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows=shard_rows, k=k, ns=[520, 136],
+                                                         with_bias=True, k_chunks=k_chunks)
+    for r in range(world):
+        assert torch.equal(gathered[r], full), f"rank {r}: gathered A differs"
+        for out, ref in zip(outputs[r], refs):
+            assert not out.isnan().any(), f"rank {r}: unwritten output"
+            assert relative_error(out, ref) <= 1e-2, f"rank {r}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", [1, 2])
 def test_other_kernel_variants(variant):
     """The tuning variants of the bf16 kernel (K-contiguous weight) are exact too, with and without waits."""
@@ -190,10 +221,12 @@ def test_peer_that_never_delivers_raises():
     from fluxinductor.kernels import ag_gemm
 
     ag_gemm.check_errors(synchronize=True)  # start clean
-    run_ranks_on_one_gpu(2, shard_rows=256, k=128, ns=[256], with_bias=False, skip_pull_from=1, timeout_s=0.5)
-    with pytest.raises(ag_gemm.AllGatherGemmError, match="timed out"):
-        ag_gemm.check_errors(synchronize=True)
-    ag_gemm.check_errors(synchronize=True)  # raised once, then clear
+    for k_chunks in (1, 2):
+        run_ranks_on_one_gpu(2, shard_rows=256, k=128, ns=[256], with_bias=False, skip_pull_from=1, timeout_s=0.5,
+                             k_chunks=k_chunks)
+        with pytest.raises(ag_gemm.AllGatherGemmError, match="timed out"):
+            ag_gemm.check_errors(synchronize=True)
+        ag_gemm.check_errors(synchronize=True)  # raised once, then clear
 
 
 @pytest.mark.gpu(min_gpus=2)

@@ -1,6 +1,7 @@
 // The AG+GEMM kernel type (torch-free): one persistent CUTLASS 3.x sm90a GEMM,
 // out[M, N] = A[M, K] @ B[K, N] + bias[N], that waits per tile for the rows of A it reads
-// (AllGatherTileScheduler).  With no flags it is a plain GEMM (communication off).
+// (AllGatherTileScheduler), or per block of its K loop for the columns (KChunkWaitingMainloop).  With no flags
+// it is a plain GEMM (communication off).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -55,6 +56,65 @@ using Pingpong128x128Cluster1x2 = TileConfig<
     cutlass::gemm::KernelTmaWarpSpecializedPingpong,       // 2 MMA warp groups alternate tiles
     cutlass::epilogue::TmaWarpSpecialized>;
 
+// CUTLASS's sm90 TMA mainloop whose producer, when the schedule splits shards along K
+// (AllGatherSchedule::k_chunks > 1), waits for each block of K tiles' flag before issuing that block's loads; with
+// row chunks (the scheduler waits per tile) or no flags it is the base, unchanged.
+template <class Base>
+class KChunkWaitingMainloop : public Base {
+  static constexpr int kTileM = cute::size<0>(typename Base::TileShape{});
+
+ public:
+  struct Arguments : Base::Arguments {
+    AllGatherSchedule schedule{};
+  };
+  struct Params : Base::Params {
+    AllGatherSchedule schedule{};
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    params.schedule = args.schedule;
+    return params;
+  }
+
+  // Called by the producer warp (CUTLASS's load elects one lane for the TMA issue; the waits poll from one lane).
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState state, cute::tuple<TensorA, TensorB> const& load_inputs,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
+    AllGatherSchedule const& s = params.schedule;
+    int const first_row = int(cute::get<0>(blk_coord)) * kTileM;
+    if (s.flags == nullptr || s.k_chunks <= 1 || first_row >= s.total_rows) {
+      Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, k_tile_count, thread_idx,
+                 block_rank_in_cluster, shared_tensors);
+      return;
+    }
+    int const first_owner = first_row / s.shard_rows;
+    int const last_owner = (min(first_row + kTileM, s.total_rows) - 1) / s.shard_rows;
+    bool gave_up = false;
+    for (int kc = 0; kc < s.k_chunks && k_tile_count > 0; ++kc) {
+      for (int owner = first_owner; owner <= last_owner && !gave_up; ++owner) {
+        if (owner != s.rank) {
+          gave_up = wait_for_flag(s, owner * s.k_chunks + kc);
+        }
+      }
+      // The copy engine wrote A through the generic proxy; the TMA loads that follow use the async proxy.
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      int const tiles = kc == s.k_chunks - 1 ? k_tile_count : min(s.k_chunk_tiles, k_tile_count);
+      Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, tiles, thread_idx,
+                 block_rank_in_cluster, shared_tensors);
+      state.advance(tiles);
+      for (int i = 0; i < tiles; ++i) {
+        ++k_tile_iter;
+      }
+      k_tile_count -= tiles;
+    }
+  }
+};
+
 // One kernel configuration per (element type, layout of B, tile config).  B: [K, N] as torch holds it; a transposed
 // nn.Linear weight ([N, K] row-major) is cutlass::layout::ColumnMajor here, a plain [K, N] row-major
 // weight is cutlass::layout::RowMajor.
@@ -89,7 +149,7 @@ struct AllGatherGemmConfig {
       ElementD, LayoutD, kAlignmentD,
       EpilogueSchedule, FusionOperation>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = KChunkWaitingMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementA, LayoutA, kAlignmentA,
       ElementB, LayoutB, kAlignmentB,
@@ -97,7 +157,7 @@ struct AllGatherGemmConfig {
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<     // as many stages as the epilogue leaves room for
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+      KernelSchedule>::CollectiveOp>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>,                       // M, N, K, L (L = 1)

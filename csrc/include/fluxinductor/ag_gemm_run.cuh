@@ -58,6 +58,11 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   schedule.group_cluster_rows = p.group_cluster_rows > 0 ? p.group_cluster_rows : 8;
   schedule.timeout_ns = p.timeout_ns;
   schedule.error_word = p.error_word;
+  if (p.flags && p.k_chunks > 1) {  // whole shards in column blocks of K tiles (all variants' K tile: 64)
+    int const k_tiles = (k + 63) / 64;
+    schedule.k_chunks = p.k_chunks;
+    schedule.k_chunk_tiles = (k_tiles + p.k_chunks - 1) / p.k_chunks;
+  }
 
   cutlass::KernelHardwareInfo hw_info;
   cudaGetDevice(&hw_info.device_id);
@@ -66,7 +71,7 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
-      {static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
+      {{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b}, schedule},
       {{}, nullptr, stride_d, static_cast<Element*>(p.out), stride_d},
       hw_info};
   arguments.epilogue.thread.alpha = 1.0f;

@@ -49,7 +49,65 @@ struct AllGatherSchedule {
   // Optional: stop waiting, without an error, once *abort_word == abort_value (the call was aborted elsewhere).
   uint32_t const* abort_word = nullptr;
   uint32_t abort_value = 0;
+  // K chunks (k_chunks > 1, for problems of about one wave, where every tile starts at once): rank q's whole shard
+  // arrives in k_chunks column blocks of k_chunk_tiles K tiles, block kc setting flags[q * k_chunks + kc]; the
+  // producer waits before each block of a tile's K loop (KChunkWaitingMainloop) instead of the scheduler before
+  // the tile, so a peer's tiles start on the first block while the rest streams in.
+  int k_chunks = 1;
+  int k_chunk_tiles = 1;
 };
+
+namespace detail {
+
+CUTLASS_DEVICE uint32_t load_acquire_sys(uint32_t const* address) {
+  uint32_t value;
+  // System scope: the flag may be written by a peer GPU's copy engine across NVLink.
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+CUTLASS_DEVICE long long global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return (long long)t;
+}
+
+}  // namespace detail
+
+// Waits until flags[flag] - epoch >= 0 (as int32).  Called by a whole warp (or its active lanes): the first lane
+// polls, the warp agrees on the outcome.  Returns true when it gave up: the call was aborted, or the timeout passed
+// (then error_code is written to the error word).
+CUTLASS_DEVICE bool wait_for_flag(AllGatherSchedule const& schedule, int flag) {
+  unsigned const lanes = __activemask();
+  int gave_up = 0;
+  if ((threadIdx.x & 31) == (__ffs(lanes) - 1)) {
+    uint32_t const* address = schedule.flags + flag;
+    if (int(detail::load_acquire_sys(address) - schedule.epoch) < 0) {
+      long long const start = detail::global_timer_ns();
+      unsigned sleep_ns = 32;
+      while (int(detail::load_acquire_sys(address) - schedule.epoch) < 0) {
+        if (schedule.abort_word != nullptr &&
+            *reinterpret_cast<uint32_t const volatile*>(schedule.abort_word) == schedule.abort_value) {
+          gave_up = 1;
+          break;
+        }
+        if (detail::global_timer_ns() - start > schedule.timeout_ns) {
+          gave_up = 1;
+          if (schedule.error_word != nullptr) {
+            *schedule.error_word = schedule.error_code;
+            __threadfence_system();
+          }
+          break;
+        }
+        __nanosleep(sleep_ns);
+        sleep_ns = min(sleep_ns * 2, 1024u);
+      }
+    }
+  }
+  gave_up = __shfl_sync(lanes, gave_up, __ffs(lanes) - 1);
+  __syncwarp(lanes);
+  return gave_up != 0;
+}
 
 // Tag selecting AllGatherTileScheduler in CUTLASS's TileSchedulerSelector.
 struct AllGatherSchedulerTag {};
@@ -96,7 +154,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   CUTLASS_HOST_DEVICE static bool can_implement(Arguments const& args) {
     return args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 && args.schedule.shard_rows >= 1 &&
            args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1 && args.schedule.col_chunks >= 1 &&
-           args.schedule.chunk_col_tiles >= 1;
+           args.schedule.chunk_col_tiles >= 1 && args.schedule.k_chunks >= 1 && args.schedule.k_chunk_tiles >= 1;
   }
 
   template <class ProblemShapeMNK, class BlockShape, class ClusterShape>
@@ -118,8 +176,9 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     dim3 in_cluster = cute::block_id_in_cluster();
     cta_m_in_cluster_ = int(in_cluster.x);
     cta_n_in_cluster_ = int(in_cluster.y);
-    // Only the producer warp group (warp group 0 in the cooperative and ping-pong kernels) loads A.
-    waits_ = schedule_.flags != nullptr && threadIdx.x < 128;
+    // Only the producer warp group (warp group 0 in the cooperative and ping-pong kernels) loads A.  With K chunks
+    // the mainloop's producer waits instead, per block of the K loop.
+    waits_ = schedule_.flags != nullptr && threadIdx.x < 128 && schedule_.k_chunks <= 1;
   }
 
   template <class ClusterShape>
@@ -204,51 +263,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 
-  CUTLASS_DEVICE static uint32_t load_acquire(uint32_t const* address) {
-    uint32_t value;
-    // System scope: the flag may be written by a peer GPU's copy engine across NVLink.
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-    return value;
-  }
-
-  CUTLASS_DEVICE static long long global_timer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return (long long)t;
-  }
-
-  // Lane 0 of each warp polls; the warp then agrees on the outcome.
-  CUTLASS_DEVICE void wait_for_flag(int flag) {
-    unsigned const lanes = __activemask();
-    int timed_out = 0;
-    if ((threadIdx.x & 31) == (__ffs(lanes) - 1)) {
-      uint32_t const* address = schedule_.flags + flag;
-      if (int(load_acquire(address) - schedule_.epoch) < 0) {
-        long long const start = global_timer_ns();
-        unsigned sleep_ns = 32;
-        while (int(load_acquire(address) - schedule_.epoch) < 0) {
-          if (schedule_.abort_word != nullptr &&
-              *reinterpret_cast<uint32_t const volatile*>(schedule_.abort_word) == schedule_.abort_value) {
-            timed_out = 1;
-            break;
-          }
-          if (global_timer_ns() - start > schedule_.timeout_ns) {
-            timed_out = 1;
-            if (schedule_.error_word != nullptr) {
-              *schedule_.error_word = schedule_.error_code;
-              __threadfence_system();
-            }
-            break;
-          }
-          __nanosleep(sleep_ns);
-          sleep_ns = min(sleep_ns * 2, 1024u);
-        }
-      }
-    }
-    timed_out = __shfl_sync(lanes, timed_out, __ffs(lanes) - 1);
-    __syncwarp(lanes);
-    gave_up_ = gave_up_ || timed_out != 0;
-  }
+  CUTLASS_DEVICE void wait_for_flag(int flag) { gave_up_ = gave_up_ || ag_gemm::wait_for_flag(schedule_, flag); }
 
   AllGatherSchedule schedule_{};
   uint64_t unit_ = 0;
