@@ -85,5 +85,8 @@ def test_ag_k_chunk_bounds_and_choice():
 
     assert ag_gemm.k_chunk_bounds(264, 3) == [(0, 128), (128, 256), (256, 264)]
     assert ag_gemm.k_chunk_bounds(128, 4) == [(0, 64), (64, 128), (128, 128), (128, 128)]
-    assert ag_gemm.use_k_chunks(1024, 4096, 132) == min(ag_gemm.K_CHUNKS, 16)  # 128 tiles: one wave
-    assert ag_gemm.use_k_chunks(2048, 4096, 132) == 1
+    mb = 1 << 20
+    assert ag_gemm.use_k_chunks(1024, 4096, 132, 8 * mb) == min(ag_gemm.K_CHUNKS, 8)  # 128 tiles: one wave
+    assert ag_gemm.use_k_chunks(2048, 4096, 132, 8 * mb) == 1                         # two waves: row chunks
+    assert ag_gemm.use_k_chunks(1024, 4096, 132, 2 * mb) == min(ag_gemm.K_CHUNKS, 2)  # blocks of >= 1 MB
+    assert ag_gemm.use_k_chunks(258, 512, 132, 129 * 2048) == 1                       # too small to split

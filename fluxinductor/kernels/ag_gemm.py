@@ -40,6 +40,10 @@ VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
 # loop (csrc/NOTES_ag_gemm.md, session 6).  1 turns it off.
 K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "4"))
 _K_TILE = 64  # every variant's K tile
+# Each column block of a K-chunked pull moves at least this many bytes.  On 2xH200 a 2-D peer copy of 129 rows x
+# 512 bytes (66 KB) stalled behind the persistent GEMM until its flag wait timed out (as if it needed SMs, which the
+# GEMM holds), while blocks of 256 KB and more ran beside it (csrc/NOTES_ag_gemm.md, session 6).
+_MIN_K_BLOCK_BYTES = 1 << 20
 # Rows of A one cluster row covers, per variant (tile M x cluster M).
 _CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}
 
@@ -217,10 +221,12 @@ def k_chunk_bounds(k: int, k_chunks: int) -> List[Tuple[int, int]]:
     return [(min(c * cols, k), min((c + 1) * cols, k)) for c in range(k_chunks)]
 
 
-def use_k_chunks(m: int, n: int, sm_count: int) -> int:
-    """The K blocks per shard for an [M, N] output: K_CHUNKS when its 128x256 tiles fit one wave, else 1."""
+def use_k_chunks(m: int, n: int, sm_count: int, shard_bytes: int) -> int:
+    """The K blocks per shard for an [M, N] output: up to K_CHUNKS when its 128x256 tiles fit one wave and each
+    block keeps _MIN_K_BLOCK_BYTES of the shard's ``shard_bytes``, else 1 (row chunks)."""
     tiles = -(-m // 128) * -(-n // 256)
-    return max(1, min(K_CHUNKS, symm.MAX_CHUNKS_PER_RANK)) if tiles <= sm_count else 1
+    chunks = min(K_CHUNKS, symm.MAX_CHUNKS_PER_RANK, shard_bytes // _MIN_K_BLOCK_BYTES)
+    return chunks if tiles <= sm_count and chunks >= 2 else 1
 
 
 def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
@@ -322,7 +328,8 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     side = ws.side_stream
     side.wait_stream(main)
     sources = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
-    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count())
+    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
+                            shard2d.numel() * shard2d.element_size())
     pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
 
     outputs = []
