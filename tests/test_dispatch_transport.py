@@ -79,14 +79,18 @@ def test_split_reason():
     assert "out" in gemm_rs.split_reason(2, k_major, None, torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:68])
 
 
-def test_ag_k_chunk_bounds_and_choice():
-    """AG+GEMM's column blocks (the kernel's ceil(K tiles / blocks) split) and when one-wave problems use them."""
+def test_ag_k_chunk_bounds_and_choice(monkeypatch):
+    """AG+GEMM's column blocks (the kernel's ceil(K tiles / blocks) split) and when one-wave problems use them
+    (FLUXINDUCTOR_AG_K_CHUNKS; off by default)."""
     from fluxinductor.kernels import ag_gemm
 
+    monkeypatch.setattr(ag_gemm, "K_CHUNKS", 1)
+    assert ag_gemm.use_k_chunks(1024, 4096, 132, 8 << 20) == 1  # off: row chunks even for one wave
+    monkeypatch.setattr(ag_gemm, "K_CHUNKS", 4)
     assert ag_gemm.k_chunk_bounds(264, 3) == [(0, 128), (128, 256), (256, 264)]
     assert ag_gemm.k_chunk_bounds(128, 4) == [(0, 64), (64, 128), (128, 128), (128, 128)]
     mb = 1 << 20
-    assert ag_gemm.use_k_chunks(1024, 4096, 132, 8 * mb) == min(ag_gemm.K_CHUNKS, 8)  # 128 tiles: one wave
-    assert ag_gemm.use_k_chunks(2048, 4096, 132, 8 * mb) == 1                         # two waves: row chunks
-    assert ag_gemm.use_k_chunks(1024, 4096, 132, 2 * mb) == min(ag_gemm.K_CHUNKS, 2)  # blocks of >= 1 MB
-    assert ag_gemm.use_k_chunks(258, 512, 132, 129 * 2048) == 1                       # too small to split
+    assert ag_gemm.use_k_chunks(1024, 4096, 132, 8 * mb) == 4                          # 128 tiles: one wave
+    assert ag_gemm.use_k_chunks(2048, 4096, 132, 8 * mb) == 1                          # two waves: row chunks
+    assert ag_gemm.use_k_chunks(1024, 4096, 132, 2 * mb) == 2                          # blocks of >= 1 MB
+    assert ag_gemm.use_k_chunks(258, 512, 132, 129 * 2048) == 1                        # too small to split

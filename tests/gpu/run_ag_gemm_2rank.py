@@ -46,7 +46,7 @@ def check_numerics(ag_gemm, group, rank, dtype):
         (129, 264, [520], False, False),
         (1024, 1024, [2048, 1024, 512], True, True),
         (8, 64, [64], False, True),
-        (512, 8192, [512, 1024], True, True),  # one wave, 8 MB shards: the K-chunked pull (blocks of 2 MB)
+        (512, 8192, [512, 1024], True, True),  # one wave, 8 MB shards (with FLUXINDUCTOR_AG_K_CHUNKS=4: 2 MB blocks)
     ]:
         torch.manual_seed(1000 * rank + shard_rows + k)
         shard = torch.randn(shard_rows, k, dtype=dtype, device=device)
