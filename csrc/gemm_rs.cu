@@ -438,13 +438,18 @@ SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks, gemm_rs_s
 }
 
 // The split GEMMs' configuration: 0, or in tuning builds FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG (every rank must pick the
-// same).
+// same); -1 with the reason in g_last_error when that is out of range.
 int split_config() {
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  return env_int("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", 0);
+  int const config = env_int("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", 0);
 #else
-  return 0;
+  int const config = 0;
 #endif
+  if (config < 0 || config >= gemm_rs_split::kSplitConfigs) {
+    return fail("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG must be in [0, " + std::to_string(gemm_rs_split::kSplitConfigs) +
+                ")");
+  }
+  return config;
 }
 
 // What every split GEMM takes from the call: dtype, configuration, N, K, B and the grid size (A, rows, C, D and the
@@ -511,8 +516,8 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   int const to = (args.rank + args.world - 1) % args.world;  // the rank this one's partial sums go to
   size_t const element_bytes = 2;
   int const config = split_config();
-  if (config < 0 || config >= split::kSplitConfigs) {
-    return fail("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG must be in [0, " + std::to_string(split::kSplitConfigs) + ")");
+  if (config < 0) {
+    return config;
   }
   split::SplitTiling const tiling = split::kSplitTilings[config];
   SplitBands const bands = split_bands(segment_rows, args.n, args.bands, tiling);
@@ -597,8 +602,8 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   size_t const element_bytes = 2;
   std::string message;
   int const config = split_config();
-  if (config < 0 || config >= gemm_rs_split::kSplitConfigs) {
-    return fail("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG out of range");
+  if (config < 0) {
+    return config;
   }
   gemm_rs_split::SplitGemmParams gemm = split_gemm_params(args, config);
   gemm.bias = args.bias;
