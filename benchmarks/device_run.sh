@@ -86,8 +86,8 @@ for step in $STEPS; do
       for t in "${traces[@]}"; do
         read -ra words <<< "$t"; envs=()
         for w in "${words[@]:2}"; do envs+=(--env "$w"); done
-        timeout 120 torchrun --nproc-per-node "$NPROC" benchmarks/trace_op.py --shape "${words[0]}" --path "${words[1]}" \
-          "${envs[@]}" ${TRACE_ARGS:-} --out "$OUT/${TAG}_trace_$i.json" > "$OUT/trace_$i.log" 2>&1
+        timeout 120 torchrun --nproc-per-node "$NPROC" benchmarks/trace_op.py --shape "${words[0]}" \
+          --path "${words[1]}" "${envs[@]}" ${TRACE_ARGS:-} --out "$OUT/${TAG}_trace_$i.json" > "$OUT/trace_$i.log" 2>&1
         echo "trace $i ($t) rc=$?"; grep -v Warning "$OUT/trace_$i.log" | grep -E "^(---|  stream)" | head -${TRACE_LINES:-60}
         i=$((i+1))
       done ;;

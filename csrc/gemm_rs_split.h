@@ -41,15 +41,15 @@ struct SplitGemmParams {
   // Bands: blocks of band_rows rows (a multiple of the tile's rows) x chunk_col_tiles column tiles, numbered
   // row band * col_chunks + column chunk.  With band_rows a multiple of the tiling's group_rows() the bands complete
   // in their numbering's order.
-  int band_rows = 0;
+  int band_rows = 0;                // 0 without counting (band_rows is read only where counters is set)
   int col_chunks = 1;
   int chunk_col_tiles = 1;
   // Peer and relay GEMM: each stored tile adds 1 to counters[segment * bands + its band].
   uint32_t* counters = nullptr;
   int segment = 0;
   int bands = 1;
-  // Relay and own GEMM: before a tile, wait until flags[its band] - epoch >= 0 (as int32); give up without an error once
-  // *abort_word == abort_value, or with error_code in *error after timeout_ns.
+  // Relay and own GEMM: before a tile, wait until flags[its band] - epoch >= 0 (as int32); give up without an error
+  // once *abort_word == abort_value, or with error_code in *error after timeout_ns.
   uint32_t const* flags = nullptr;
   uint32_t epoch = 0;
   uint32_t const* abort_word = nullptr;

@@ -5,7 +5,8 @@ The tables are data, not code: ``fluxinductor/tuning/<device_key>_tp<world>.json
 under version control.  A table holds, per op and global GEMM shape (M, K, N), the median time of the
 sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the overlapped paths
 (:data:`PATHS`): ``fused`` (fluxinductor's kernels), ``fused_copy`` (the GEMM+RS kernel with its
-copy-engine transport), ``fused_split`` (GEMM+RS as a ring of stock CUTLASS GEMMs with the copy engine between them) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
+copy-engine transport), ``fused_split`` (GEMM+RS as a ring of stock CUTLASS GEMMs with the copy engine between
+them) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
 dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
 
 Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):

@@ -81,9 +81,12 @@ class CountingEpilogue : public Base {
       int const n_block = int(cute::get<1>(tile_coord_mnkl));
       bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
                         n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
-      int const band = (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
-      pending_ = real && counting_.counters != nullptr ? counting_.counters + counting_.segment * counting_.bands + band
-                                                      : nullptr;
+      pending_ = nullptr;
+      if (real && counting_.counters != nullptr) {
+        int const band =
+            (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
+        pending_ = counting_.counters + counting_.segment * counting_.bands + band;
+      }
     }
     return next;
   }
@@ -129,7 +132,8 @@ template <int Config>
 constexpr bool tiling_matches() {
   using Tiles = SplitTiles<Config>;
   constexpr SplitTiling t = kSplitTilings[Config];
-  return cute::size<0>(typename Tiles::TileShape{}) == t.tile_m && cute::size<1>(typename Tiles::TileShape{}) == t.tile_n &&
+  return cute::size<0>(typename Tiles::TileShape{}) == t.tile_m &&
+         cute::size<1>(typename Tiles::TileShape{}) == t.tile_n &&
          cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m;
 }
 static_assert(tiling_matches<0>() && tiling_matches<1>() && kSplitConfigs == 2,
@@ -221,9 +225,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
-    int const band_tile_rows = p.band_rows / Config::kTiling.tile_m;
-    arguments.epilogue.counting = {p.counters, p.segment, p.bands, band_tile_rows > 0 ? band_tile_rows : 1, p.col_chunks,
-                                   p.chunk_col_tiles};
+    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_rows / Config::kTiling.tile_m,
+                                   p.col_chunks, p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
@@ -252,20 +255,22 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   return 0;
 }
 
-}  // namespace fluxinductor::gemm_rs_split
-
-namespace fluxinductor::gemm_rs_split {
-
 // One GEMM kind (PeerGemm, RelayGemm or OwnGemm) for the params' configuration and dtype.
 template <template <class, int> class Kind>
 int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_message) {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
   using cutlass::bfloat16_t;
   using cutlass::half_t;
-  if (p.config == 0 && p.dtype == 0) return run_split_gemm<Kind<bfloat16_t, 0>, bfloat16_t>(p, stream, error_message);
-  if (p.config == 0 && p.dtype == 1) return run_split_gemm<Kind<half_t, 0>, half_t>(p, stream, error_message);
+  if (p.config == 0 && p.dtype == 0) {
+    return run_split_gemm<Kind<bfloat16_t, 0>, bfloat16_t>(p, stream, error_message);
+  }
+  if (p.config == 0 && p.dtype == 1) {
+    return run_split_gemm<Kind<half_t, 0>, half_t>(p, stream, error_message);
+  }
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
-  if (p.config == 1 && p.dtype == 0) return run_split_gemm<Kind<bfloat16_t, 1>, bfloat16_t>(p, stream, error_message);
+  if (p.config == 1 && p.dtype == 0) {
+    return run_split_gemm<Kind<bfloat16_t, 1>, bfloat16_t>(p, stream, error_message);
+  }
 #endif
   *error_message = "no split GEMM for configuration " + std::to_string(p.config) + " and dtype " +
                    std::to_string(p.dtype) + " in this build";
