@@ -81,7 +81,7 @@ def test_split_reason():
 
 def test_ag_k_chunk_bounds_and_choice(monkeypatch):
     """AG+GEMM's column blocks (the kernel's ceil(K tiles / blocks) split) and when one-wave problems use them
-    (FLUXINDUCTOR_AG_K_CHUNKS; off by default)."""
+    (FLUXINDUCTOR_AG_K_CHUNKS, default 4; 1 turns it off)."""
     from fluxinductor.kernels import ag_gemm
 
     monkeypatch.setattr(ag_gemm, "K_CHUNKS", 1)

@@ -37,13 +37,12 @@ GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
 # Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
 # shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
-# loop (csrc/NOTES_ag_gemm.md, session 6).  Off (1) by default: it took 1024x8192x8192 from 0.150-0.160 to 0.124 ms
-# on 2xH200, but the 2-D peer copies it needs crashed or stalled the call on two small shapes, not yet explained.
-K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "1"))
+# loop (csrc/NOTES_ag_gemm.md, sessions 6 and 7): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
+# FLUXINDUCTOR_AG_K_CHUNKS=1 turns it off (row chunks for every shape).
+K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "4"))
 _K_TILE = 64  # every variant's K tile
-# Each column block of a K-chunked pull moves at least this many bytes: on 2xH200 the call failed with 2-D peer
-# copies of 129 rows x 512 bytes (66 KB), while blocks of 256 KB to 2 MB ran beside the GEMM (csrc/NOTES_ag_gemm.md,
-# session 6; 1024 rows x 1024 bytes failed too, so this bound is not the whole story).
+# Each column block moves at least this many bytes; smaller shards keep row chunks.  The K-chunked pull was measured
+# with blocks of 1-4 MB only, and a 2-D copy's fixed cost weighs more on smaller blocks.
 _MIN_K_BLOCK_BYTES = 1 << 20
 # Rows of A one cluster row covers, per variant (tile M x cluster M).
 _CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}

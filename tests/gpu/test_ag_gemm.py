@@ -217,6 +217,20 @@ def test_other_kernel_variants(variant):
 
 
 @pytest.mark.gpu
+def test_k_chunk_waits_mid_loop():
+    """Blocks released one at a time while the kernel runs: every producer stops between blocks of its K loop.
+    In a subprocess with a timeout, since a hang there would not reach the kernel's own flag timeout."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.join(HERE, "run_ag_k_chunk_waits.py"), "--calls", "20"]
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the K-chunked kernel hung with blocks arriving mid-loop")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "K-CHUNK WAITS OK" in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.gpu
 def test_peer_that_never_delivers_raises():
     from fluxinductor.kernels import ag_gemm
 

@@ -96,6 +96,9 @@ class KChunkWaitingMainloop : public Base {
     int const last_owner = (min(first_row + kTileM, s.total_rows) - 1) / s.shard_rows;
     bool gave_up = false;
     for (int kc = 0; kc < s.k_chunks && k_tile_count > 0; ++kc) {
+      // Base::load issues from one elected lane, which may still be at the previous block's loads: reconverge,
+      // so the whole warp waits for this block together.
+      __syncwarp();
       for (int owner = first_owner; owner <= last_owner && !gave_up; ++owner) {
         if (owner != s.rank) {
           gave_up = wait_for_flag(s, owner * s.k_chunks + kc);
