@@ -31,7 +31,10 @@ Contenders (``--contenders``), each timed on the same inputs:
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
 Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synchronize before each
-iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  Every contender's
+iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  Unlike the anchors, on GPUs
+a one-element all-reduce sits between the host-hiding sleep and the start event (``--align-start``, default on;
+``--no-align-start`` for the old way): without it the host's skew leaving the barrier (up to ~40 us) was timed on whichever rank
+started first, once the op synchronized the ranks (``benchmarks/results/align_start_ab/``).  Every contender's
 output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over ranks.
 
 Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused, fused_copy,
@@ -119,6 +122,7 @@ class Ctx:
             want = "cuda" if torch.cuda.is_available() else "cpu"
         self.is_cuda = want == "cuda"
         self.hide_host = args.host_overhead == "hidden"
+        self.align_start = getattr(args, "align_start", False)
         if self.is_cuda:
             if not torch.cuda.is_available():
                 raise SystemExit("--device cuda but CUDA is not available")
@@ -143,6 +147,7 @@ class Ctx:
             kwargs.pop("device_id", None)
             dist.init_process_group(**kwargs)
         self.group = dist.group.WORLD
+        self.align_token = torch.zeros(1, device=self.device) if self.is_cuda else None
         self.group_name = self.group.group_name
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -464,6 +469,11 @@ def time_calls(ctx: Ctx, fn: Callable[[], object]) -> List[float]:
                 # Keep the GPU busy while the host enqueues the call, so every contender's number is its
                 # device time; host-side launch cost (larger for the fused ops' Python) stays out.
                 torch.cuda._sleep(2_000_000)
+            if ctx.align_start:
+                # A one-element all-reduce behind the sleep: every GPU's start event waits for the slowest rank,
+                # so the host's skew between ranks leaving the barrier is not timed (it lands on whichever rank
+                # starts first once the op synchronizes the ranks).
+                dist.all_reduce(ctx.align_token, group=ctx.group)
             start.record()
             fn()
             end.record()
@@ -592,6 +602,7 @@ def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
         "b_layout": ctx.b_layout,
         "timer": "cuda_events" if ctx.is_cuda else "perf_counter",
         "host_overhead": ("hidden" if ctx.hide_host else "exposed") if ctx.is_cuda else "exposed",
+        "align_start": bool(ctx.align_start and ctx.is_cuda),
         "warmup": ctx.warmup,
         "iters": ctx.iters,
         "torch": torch.__version__,
@@ -793,6 +804,9 @@ def build_args(argv=None) -> argparse.Namespace:
                    help="hidden (default): a GPU sleep before the start event lets the host enqueue each call "
                    "first, so times are device times; exposed: the GPU idles while the host launches (the "
                    "anchors' method), so host-side launch cost is in every number")
+    p.add_argument("--align-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU only (default on): start each timed call after a one-element all-reduce, so every "
+                        "rank's start event follows the slowest rank's (the host's skew between ranks is not timed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--contender-timeout", type=float, default=180.0,
