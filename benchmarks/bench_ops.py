@@ -33,9 +33,10 @@ Contenders (``--contenders``), each timed on the same inputs:
 Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synchronize before each
 iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  Unlike the anchors, on GPUs
 a one-element all-reduce sits between the host-hiding sleep and the start event (``--align-start``, default on;
-``--no-align-start`` for the old way): without it the host's skew leaving the barrier (up to ~40 us) was timed on whichever rank
-started first, once the op synchronized the ranks (``benchmarks/results/align_start_ab/``).  Every contender's
-output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over ranks.
+``--no-align-start`` for the old way): without it the host's skew leaving the barrier (up to ~40 us) was timed on
+whichever rank started first, once the op synchronized the ranks (``benchmarks/results/align_start_ab/``).
+Every contender's output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over
+ranks.
 
 Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused, fused_copy,
 fused_split), then
