@@ -123,7 +123,7 @@ class Ctx:
             want = "cuda" if torch.cuda.is_available() else "cpu"
         self.is_cuda = want == "cuda"
         self.hide_host = args.host_overhead == "hidden"
-        self.align_start = getattr(args, "align_start", False)
+        self.align_start = args.align_start
         if self.is_cuda:
             if not torch.cuda.is_available():
                 raise SystemExit("--device cuda but CUDA is not available")

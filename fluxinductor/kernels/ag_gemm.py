@@ -229,6 +229,21 @@ def use_k_chunks(m: int, n: int, sm_count: int, shard_bytes: int) -> int:
     return chunks if tiles <= sm_count and chunks >= 2 else 1
 
 
+def pull_k_block(dst: Tensor, source: Tensor, peer: int, shard_rows: int, k_chunks: int, block: int, flags: Tensor,
+                 epoch: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: copy column block ``block`` (of ``k_chunks``, :func:`k_chunk_bounds`) of ``peer``'s
+    shard rows from ``source`` into ``dst`` (a 2-D copy-engine copy), then set flags[peer * k_chunks + block] to
+    ``epoch``.  dst, source: [M, K] with the same strides."""
+    ext = symm.extension()
+    row_bytes = dst.stride(0) * dst.element_size()
+    c0, c1 = k_chunk_bounds(dst.shape[1], k_chunks)[block]
+    offset = peer * shard_rows * row_bytes + c0 * dst.element_size()
+    if c1 > c0:
+        ext.ag_memcpy2d_async(dst.data_ptr() + offset, source.data_ptr() + offset, row_bytes,
+                              (c1 - c0) * dst.element_size(), shard_rows, stream.cuda_stream)
+    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * k_chunks + block), epoch, stream.cuda_stream)
+
+
 def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
                 epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
                 gathered_out: Optional[Tensor] = None, k_chunks: int = 1) -> None:
@@ -252,13 +267,8 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
         peer = (rank + step) % world
         src_ptr = sources[peer].data_ptr()
         if k_chunks > 1:
-            first = peer * shard_rows * row_bytes
-            for c, (c0, c1) in enumerate(k_chunk_bounds(dst.shape[1], k_chunks)):
-                offset = first + c0 * dst.element_size()
-                if c1 > c0:
-                    ext.ag_memcpy2d_async(dst_ptr + offset, src_ptr + offset, row_bytes, (c1 - c0) * dst.element_size(),
-                                          shard_rows, handle)
-                ext.ag_stream_write_value32(flag_ptr + 4 * (peer * k_chunks + c), epoch, handle)
+            for c in range(k_chunks):
+                pull_k_block(dst, sources[peer], peer, shard_rows, k_chunks, c, flags, epoch, stream)
             continue
         for c, (start, end) in enumerate(bounds):
             first = peer * shard_rows + start

@@ -28,7 +28,6 @@ def main() -> None:
 
     from fluxinductor.kernels import ag_gemm, symm
 
-    ext = symm.extension()
     device = torch.device("cuda", 0)
     world, rank, peer = 2, 0, 1
     rows, k, n = args.shard_rows, args.k, args.n
@@ -37,7 +36,6 @@ def main() -> None:
     main_stream, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
     flags = torch.zeros(world * symm.MAX_CHUNKS_PER_RANK, dtype=torch.int32, device=device)
     weight = torch.randn(n, k, dtype=torch.bfloat16, device=device).t()  # nn.Linear's transposed view
-    row_bytes = k * 2
     for call in range(args.calls):
         k_chunks = (2, 4)[call % 2]
         epoch = call + 1
@@ -49,13 +47,9 @@ def main() -> None:
         torch.cuda.synchronize()
         ag_gemm.launch_gemm(buffer, weight, None, out, flags=flags, epoch=epoch, rank=rank, world=world,
                             shard_rows=rows, k_chunks=k_chunks, timeout_s=5.0, stream=main_stream)
-        first = peer * rows * row_bytes
-        for c, (c0, c1) in enumerate(ag_gemm.k_chunk_bounds(k, k_chunks)):
+        for block in range(k_chunks):
             time.sleep(0.002)  # the kernel is running and waiting for this block by now
-            offset = first + c0 * 2
-            ext.ag_memcpy2d_async(buffer.data_ptr() + offset, peer_buffer.data_ptr() + offset, row_bytes,
-                                  (c1 - c0) * 2, rows, side.cuda_stream)
-            ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * k_chunks + c), epoch, side.cuda_stream)
+            ag_gemm.pull_k_block(buffer, peer_buffer, peer, rows, k_chunks, block, flags, epoch, side)
         main_stream.synchronize()
         side.synchronize()
         ag_gemm.check_errors(device, synchronize=True)

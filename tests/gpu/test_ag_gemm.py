@@ -117,15 +117,9 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                 if q == skip_pull_from:
                     continue
                 if k_chunks > 1:
-                    base = q * shard_rows * row_bytes
-                    for c, (c0, c1) in enumerate(ag_gemm.k_chunk_bounds(k, k_chunks)):
-                        offset = base + c0 * buffers[r].element_size()
-                        if c1 > c0:
-                            ext.ag_memcpy2d_async(buffers[r].data_ptr() + offset, buffers[q].data_ptr() + offset,
-                                                  row_bytes, (c1 - c0) * buffers[r].element_size(), shard_rows,
-                                                  side[r].cuda_stream)
-                        ext.ag_stream_write_value32(flags[r].data_ptr() + 4 * (q * k_chunks + c), epoch,
-                                                    side[r].cuda_stream)
+                    for c in range(k_chunks):
+                        ag_gemm.pull_k_block(buffers[r], buffers[q], q, shard_rows, k_chunks, c, flags[r], epoch,
+                                             side[r])
                     continue
                 for c, (s0, s1) in enumerate(ag_gemm.chunk_bounds(shard_rows, chunks)):
                     first = q * shard_rows + s0
