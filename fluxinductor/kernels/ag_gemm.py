@@ -244,6 +244,21 @@ def pull_k_block(dst: Tensor, source: Tensor, peer: int, shard_rows: int, k_chun
     ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * k_chunks + block), epoch, stream.cuda_stream)
 
 
+def pull_row_chunk(dst: Tensor, source: Tensor, peer: int, shard_rows: int, chunks_per_rank: int, chunk: int,
+                   flags: Tensor, epoch: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: copy row chunk ``chunk`` (of ``chunks_per_rank``, :func:`chunk_bounds`) of ``peer``'s
+    shard from ``source`` into ``dst`` (one copy-engine copy), then set flags[peer * chunks_per_rank + chunk] to
+    ``epoch``.  dst, source: [M, K] with the same strides."""
+    ext = symm.extension()
+    row_bytes = dst.stride(0) * dst.element_size()
+    start, end = chunk_bounds(shard_rows, chunks_per_rank)[chunk]
+    offset = (peer * shard_rows + start) * row_bytes
+    if end > start:
+        ext.ag_memcpy_async(dst.data_ptr() + offset, source.data_ptr() + offset, (end - start) * row_bytes,
+                            stream.cuda_stream)
+    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * chunks_per_rank + chunk), epoch, stream.cuda_stream)
+
+
 def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
                 epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
                 gathered_out: Optional[Tensor] = None, k_chunks: int = 1) -> None:
@@ -255,29 +270,19 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
     column blocks instead (2-D copies), block c setting flags[q * k_chunks + c].  Then copies dst into
     ``gathered_out``.
     """
-    ext = symm.extension()
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     world = len(sources)
-    row_bytes = dst.stride(0) * dst.element_size()
-    handle = stream.cuda_stream
-    dst_ptr = dst.data_ptr()
-    flag_ptr = flags.data_ptr()
-    bounds = chunk_bounds(shard_rows, chunks_per_rank)
     for step in range(1, world):
         peer = (rank + step) % world
-        src_ptr = sources[peer].data_ptr()
         if k_chunks > 1:
             for c in range(k_chunks):
                 pull_k_block(dst, sources[peer], peer, shard_rows, k_chunks, c, flags, epoch, stream)
-            continue
-        for c, (start, end) in enumerate(bounds):
-            first = peer * shard_rows + start
-            if end > start:
-                ext.ag_memcpy_async(dst_ptr + first * row_bytes, src_ptr + first * row_bytes,
-                                    (end - start) * row_bytes, handle)
-            ext.ag_stream_write_value32(flag_ptr + 4 * (peer * chunks_per_rank + c), epoch, handle)
+        else:
+            for c in range(chunks_per_rank):
+                pull_row_chunk(dst, sources[peer], peer, shard_rows, chunks_per_rank, c, flags, epoch, stream)
     if gathered_out is not None and gathered_out.numel():
-        ext.ag_memcpy_async(gathered_out.data_ptr(), dst_ptr, dst.numel() * dst.element_size(), handle)
+        symm.extension().ag_memcpy_async(gathered_out.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size(),
+                                         stream.cuda_stream)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -211,17 +211,20 @@ def test_other_kernel_variants(variant):
 
 
 @pytest.mark.gpu
-def test_k_chunk_waits_mid_loop():
-    """Blocks released one at a time while the kernel runs: every producer stops between blocks of its K loop.
-    In a subprocess with a timeout, since a hang there would not reach the kernel's own flag timeout."""
+@pytest.mark.parametrize("mode", ["k", "rows"])
+def test_waits_mid_call(mode):
+    """The peer's pieces released one at a time while the kernel runs: with K chunks every producer stops between
+    blocks of its K loop, with row chunks in the scheduler's wait before a tile.  In a subprocess with a timeout,
+    since a hang there would not reach the kernel's own flag timeout."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, os.path.join(HERE, "run_ag_k_chunk_waits.py"), "--calls", "20"]
+    cmd = [sys.executable, os.path.join(HERE, "run_ag_k_chunk_waits.py"), "--calls", "20", "--mode", mode]
     try:
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        pytest.fail("the K-chunked kernel hung with blocks arriving mid-loop")
+        pytest.fail(f"the kernel hung with the peer's {mode} chunks arriving mid-call")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "K-CHUNK WAITS OK" in result.stdout, result.stdout[-4000:]
+    label = "K-CHUNK" if mode == "k" else "ROW-CHUNK"
+    assert f"{label} WAITS OK" in result.stdout, result.stdout[-4000:]
 
 
 @pytest.mark.gpu
