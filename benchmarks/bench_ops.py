@@ -38,13 +38,18 @@ whichever rank started first, once the op synchronized the ranks (``benchmarks/r
 Every contender's output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over
 ranks.
 
-Contenders run in phases, every shape per phase: (gemm, comm, nccl_seq), then (fused_nocomm, fused, fused_copy,
-fused_split), then
-(asynctp), then (auto).  fluxinductor runs before async-TP because torch's symmetric memory lets a backend
-be chosen (``set_backend``) only before its first allocation, and async-TP allocates with the default
+Order (``--interleave``, default): per shape, every contender but auto is checked (gemm, comm, nccl_seq, then
+fluxinductor's, then asynctp), then timed in ``--rounds`` rounds (default 4), each round a share of every
+contender's calls, the order rotated by one per round.  An H200 under sustained GEMM load slows down within
+seconds to a minute; timed one after another, the contenders that ran first (cuBLAS) had the cooler GPU.  Then auto,
+every shape, in its own phase.  ``--no-interleave``: the old phases, every shape per phase: (gemm, comm,
+nccl_seq), then (fused_nocomm, split_nocomm, fused, fused_copy, fused_split), then (asynctp), then (auto), each
+contender's calls back to back.  Either way fluxinductor allocates before async-TP: torch's symmetric memory lets a
+backend be chosen (``set_backend``) only before its first allocation, and async-TP allocates with the default
 backend.  With ``--emit-tuning`` the cost-model table is written from this run's numbers before the auto
 phase, so ``auto`` measures what users get with that table.  A CUDA error that breaks the context loses
-only the later phases: ``<out>.json`` is rewritten after every phase (``"complete": false`` until the end).
+only the later shapes and phases: ``<out>.json`` is rewritten after every shape (``"complete": false`` until the
+end).
 
 Outputs on rank 0: ``<out>.json`` (device, versions, git sha, every raw number), ``<out>.png`` (needs
 matplotlib; skipped with a note otherwise), optionally the cost-model table (``--emit-tuning``), and the
@@ -457,12 +462,16 @@ def _reset_fallbacks() -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def time_calls(ctx: Ctx, fn: Callable[[], object]) -> List[float]:
-    """Per-iteration times in ms after ``ctx.warmup`` warm-ups (barrier + synchronize before each)."""
+def time_calls(ctx: Ctx, fn: Callable[[], object], warmup: Optional[int] = None,
+               iters: Optional[int] = None) -> List[float]:
+    """Per-iteration times in ms after ``warmup`` warm-ups (default ``ctx.warmup``; ``iters`` default
+    ``ctx.iters``), barrier + synchronize before each."""
+    warmup = ctx.warmup if warmup is None else warmup
+    iters = ctx.iters if iters is None else iters
     times: List[float] = []
     if ctx.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(ctx.warmup + ctx.iters):
+    for i in range(warmup + iters):
         ctx.barrier()
         ctx.sync()
         if ctx.is_cuda:
@@ -484,17 +493,20 @@ def time_calls(ctx: Ctx, fn: Callable[[], object]) -> List[float]:
             t0 = time.perf_counter()
             fn()
             t = (time.perf_counter() - t0) * 1e3
-        if i >= ctx.warmup:
+        if i >= warmup:
             times.append(float(t))
     return times
 
 
-def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
-    """Check and time one contender on every rank; returns the record all ranks agree on."""
+def check_contender(ctx: Ctx, problem: Problem, name: str) -> Tuple[dict, Optional[Callable[[], object]]]:
+    """Build one contender and check its output once on every rank.  Returns (record, fn): the record all ranks
+    agree on so far, and the callable to time, None when the record holds an error (on every rank alike, so no
+    rank waits for a peer that skips it)."""
     op = problem.op
     local: dict = {"error": None, "rel_err": None, "times": None, "path": None}
     err = setup_error(name, op, ctx)
     uses_dispatch = name in DISPATCHED
+    fn = None
     if err is None:
         try:
             with DispatchMode(name if uses_dispatch else None):
@@ -530,15 +542,23 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
         record["error"] = first if len(failed) == ctx.world else f"rank(s) {failed}: {first}"
         if "traceback" in local:
             record["traceback_rank%d" % ctx.rank] = local["traceback"]
-        return record
+        return record, None
     record["rel_err"] = max(r["rel_err"] for r in everyone)
     record["paths"] = [r["path"] for r in everyone]
+    return record, fn
 
+
+def time_contender(ctx: Ctx, op: str, name: str, fn: Callable[[], object], record: dict, warmup: int,
+                   iters: int) -> bool:
+    """Time ``iters`` calls of a checked contender on every rank and append them to ``record["iter_ms"]`` (one list
+    per rank); an error (on any rank) goes to ``record["error"]``.  Returns whether the record is still good."""
+    uses_dispatch = name in DISPATCHED
+    local: dict = {"error": None, "times": None, "path": record.get("path")}
     try:
         with DispatchMode(name if uses_dispatch else None):
             if uses_dispatch:
                 _reset_fallbacks()
-            times = time_calls(ctx, fn)
+            times = time_calls(ctx, fn, warmup, iters)
             if name in KERNEL_CONTENDERS and ctx.is_cuda:
                 kernel_error_check(op, ctx)
             if uses_dispatch:
@@ -556,16 +576,62 @@ def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
     errors = [r["error"] for r in everyone]
     if any(e is not None for e in errors):
         record["error"] = next(e for e in errors if e is not None)
-        return record
-    per_rank = [r["times"] for r in everyone]
+        record["ms"] = None
+        return False
+    previous = record.get("iter_ms") or [[] for _ in everyone]
+    record["iter_ms"] = [old + r["times"] for old, r in zip(previous, everyone)]
+    record["path"] = everyone[0]["path"]
+    record["paths"] = [r["path"] for r in everyone]
+    return True
+
+
+def summarize(record: dict) -> None:
+    """ms (the maximum over ranks of each rank's median), per-rank medians and the median of per-call maxima, from
+    the record's per-rank times."""
+    per_rank = record["iter_ms"]
     medians = [statistics.median(t) for t in per_rank]
     record["ms"] = max(medians)
     record["rank_median_ms"] = medians
     record["iter_max_median_ms"] = statistics.median(max(col) for col in zip(*per_rank))
-    record["iter_ms"] = per_rank
-    record["path"] = everyone[0]["path"]
-    record["paths"] = [r["path"] for r in everyone]
+
+
+def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
+    """Check and time one contender on every rank; returns the record all ranks agree on."""
+    record, fn = check_contender(ctx, problem, name)
+    if fn is not None and time_contender(ctx, problem.op, name, fn, record, ctx.warmup, ctx.iters):
+        summarize(record)
     return record
+
+
+def round_sizes(iters: int, rounds: int) -> List[int]:
+    """``iters`` timed calls split over at most ``rounds`` rounds, as evenly as possible (no empty round)."""
+    rounds = max(1, min(rounds, iters))
+    return [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+
+
+def measure_interleaved(ctx: Ctx, problem: Problem, names: Sequence[str], rounds: int) -> Dict[str, dict]:
+    """Check every contender, then time them in ``rounds`` rounds, each round a share of every contender's calls,
+    the order rotated by one per round.  The GPU's clock drifts over a run (heat, power); timed one contender
+    after another, the first ones ran on a cooler GPU.  Interleaved, every contender sees the same drift.  The
+    first round has ``ctx.warmup`` warm-ups per contender, later rounds one."""
+    records: Dict[str, dict] = {}
+    fns: Dict[str, Callable[[], object]] = {}
+    for name in names:
+        records[name], fn = check_contender(ctx, problem, name)
+        if fn is not None:
+            fns[name] = fn
+    live = list(fns)
+    for r, size in enumerate(round_sizes(ctx.iters, rounds)):
+        if not live:
+            break
+        shift = r % len(live)
+        for name in live[shift:] + live[:shift]:
+            if records[name]["error"] is None:
+                time_contender(ctx, problem.op, name, fns[name], records[name], ctx.warmup if r == 0 else 1, size)
+    for name in live:
+        if records[name]["error"] is None:
+            summarize(records[name])
+    return records
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -606,6 +672,8 @@ def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
         "align_start": bool(ctx.align_start and ctx.is_cuda),
         "warmup": ctx.warmup,
         "iters": ctx.iters,
+        "order": (f"interleaved, {len(round_sizes(ctx.iters, args.rounds))} rounds" if args.interleave
+                  else "phases"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl": None,
@@ -808,6 +876,11 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--align-start", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU only (default on): start each timed call after a one-element all-reduce, so every "
                         "rank's start event follows the slowest rank's (the host's skew between ranks is not timed)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="default on: per shape, time every contender but auto in --rounds rounds of a share of its "
+                        "calls each, the order rotated per round, so clock drift over the run hits all alike; "
+                        "--no-interleave: each contender's calls back to back, in phases (every shape per phase)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per shape with --interleave (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--contender-timeout", type=float, default=180.0,
@@ -878,8 +951,10 @@ def main(argv=None) -> int:
                 f.write(f"{time.strftime('%H:%M:%S')} {step}\n")
 
     messages: List[str] = []
+    # Interleaved, everything but auto is one phase (auto needs the table written from the others' numbers).
+    phases = ((tuple(c for phase in PHASES[:-1] for c in phase), PHASES[-1]) if args.interleave else PHASES)
     try:
-        for phase in PHASES:
+        for phase in phases:
             names = [c for c in phase if c in contenders]
             if not names:
                 continue
@@ -904,20 +979,27 @@ def main(argv=None) -> int:
             for op, shape in work:
                 entry = by_key[(op, shape)]
                 problem = Problem(op, shape, ctx)
-                for name in names:
-                    mark(f"{OP_LABEL[op]} {shape[0]}x{shape[1]}x{shape[2]} {name}")
+                label = f"{OP_LABEL[op]} {shape[0]}x{shape[1]}x{shape[2]}"
+                together = args.interleave and len(names) > 1
+                for group in ([names] if together else [[name] for name in names]):
+                    mark(f"{label} {','.join(group)}")
                     # A contender that hangs (a flag never set, a peer stuck in a collective) must not eat
                     # the whole device call: dump every thread's stack and exit; the JSON is already saved.
-                    faulthandler.dump_traceback_later(args.contender_timeout, exit=True)
+                    faulthandler.dump_traceback_later(args.contender_timeout * len(group), exit=True)
                     try:
-                        record = measure(ctx, problem, name)
+                        if together:
+                            records = measure_interleaved(ctx, problem, group, args.rounds)
+                        else:
+                            records = {group[0]: measure(ctx, problem, group[0])}
                     finally:
                         faulthandler.cancel_dump_traceback_later()
-                    if record.get("rel_err") is not None:
-                        record["rel_ok"] = bool(record["rel_err"] <= tol)
-                    entry["contenders"][name] = record
-                    status = record["error"] or f"{record['ms']:.4f} ms, err {record['rel_err']:.1e}"
-                    log(f"{OP_LABEL[op]} {shape[0]}x{shape[1]}x{shape[2]} {name}: {status}")
+                    for name in group:
+                        record = records[name]
+                        if record.get("rel_err") is not None:
+                            record["rel_ok"] = bool(record["rel_err"] <= tol)
+                        entry["contenders"][name] = record
+                        status = record["error"] or f"{record['ms']:.4f} ms, err {record['rel_err']:.1e}"
+                        log(f"{label} {name}: {status}")
                 del problem
                 save()
     except ContextBroken as e:

@@ -175,7 +175,7 @@ class _FakeProblem:
         raise ValueError(name)
 
 
-def _measure_fake_contenders(rank, world):
+def _measure_fake_contenders(rank, world, interleaved=False):
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import bench_ops
     import torch
@@ -187,14 +187,18 @@ def _measure_fake_contenders(rank, world):
     ctx.group, ctx.group_name = dist.group.WORLD, dist.group.WORLD.group_name
     ctx.warmup, ctx.iters, ctx.b_layout, ctx.seed, ctx.broken = 1, 3, "t", 0, None
     problem = _FakeProblem(rank)
+    if interleaved:
+        return bench_ops.measure_interleaved(
+            ctx, problem, ("ok", "raises_on_rank1", "wrong_shape", "nan", "fused", "auto"), rounds=2)
     return {name: bench_ops.measure(ctx, problem, name)
             for name in ("ok", "raises_on_rank1", "wrong_shape", "nan", "fused", "auto", "ok")}
 
 
-def test_measure_error_paths_on_two_ranks():
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_measure_error_paths_on_two_ranks(interleaved):
     from _dist import run_ranks
 
-    results = run_ranks(_measure_fake_contenders, 2, timeout=120)
+    results = run_ranks(_measure_fake_contenders, 2, interleaved, timeout=120)
     for res in results:  # every rank returns the same agreed record
         ok = res["ok"]
         assert ok["error"] is None and ok["ms"] > 0 and ok["rel_err"] == 0.0
@@ -206,3 +210,13 @@ def test_measure_error_paths_on_two_ranks():
         assert res["nan"]["rel_err"] == float("inf")
         assert res["fused"]["error"] is None and res["fused"]["path"] == "fused" and res["fused"]["ms"] > 0
         assert res["auto"]["error"] is None and res["auto"]["path"].startswith("decomposed: cost model")
+
+
+def test_round_sizes():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_ops
+
+    assert bench_ops.round_sizes(20, 4) == [5, 5, 5, 5]
+    assert bench_ops.round_sizes(3, 2) == [2, 1]
+    assert bench_ops.round_sizes(2, 4) == [1, 1]      # never an empty round
+    assert bench_ops.round_sizes(5, 0) == [5]
