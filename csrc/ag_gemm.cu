@@ -40,6 +40,15 @@ int device_sm_count() {
   return device < 64 ? cached[device] : 0;
 }
 
+// Every tail slot holds one CTA tile of fp32 accumulators (at most 128 x 256 in the cooperative variants), and
+// fewer slots than the grid has CTAs (ag_gemm_scheduler.cuh: tail tiles x (parts - 1) < clusters); two flags (one
+// per consumer warp group) per slot.
+int64_t tail_split_scratch_floats(int sm_count) {
+  return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * 128 * 256;
+}
+
+int64_t tail_split_flag_count(int sm_count) { return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * 2; }
+
 Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
   // 16-byte TMA rows and base addresses: 8 elements of a 2-byte type.
   constexpr int64_t kAlign = 8;

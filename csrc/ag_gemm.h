@@ -50,7 +50,19 @@ struct AllGatherGemmParams {
   Variant variant = Variant::kCooperative128x256Cluster2x1;
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
+  // Tail split (cooperative variants; ag_gemm_scheduler.cuh): a partial last wave of tiles split along K into up to
+  // split_max_parts parts.  split_partials: device scratch of at least tail_split_scratch_floats() floats,
+  // split_flags: as many uint32 flags as tail_split_flag_count() (zeroed once), split_epoch: larger than on any
+  // earlier launch with this scratch.  nullptr / max parts 1: off.  One scratch per stream.
+  float* split_partials = nullptr;
+  uint32_t* split_flags = nullptr;
+  uint32_t split_epoch = 0;
+  int split_max_parts = 1;
 };
+
+// The tail split's scratch for a grid of sm_count CTAs (0: all SMs): floats, and flags.
+int64_t tail_split_scratch_floats(int sm_count);
+int64_t tail_split_flag_count(int sm_count);
 
 // Checks and launches on `stream` (a cudaStream_t).
 Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);

@@ -27,7 +27,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int64_t ldo, int64_t flags, uint32_t epoch, int rank, int world,
                                              int64_t shard_rows, int chunks_per_rank, int k_chunks,
                                              int group_cluster_rows, int sm_count, long long timeout_ns,
-                                             int64_t error_word, int variant) {
+                                             int64_t error_word, int variant, int64_t split_partials,
+                                             int64_t split_flags, uint32_t split_epoch, int split_max_parts) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -47,6 +48,9 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.timeout_ns = timeout_ns;
   p.error_word = reinterpret_cast<int*>(error_word);
   p.variant = agg::Variant(variant);
+  p.split_partials = reinterpret_cast<float*>(split_partials);
+  p.split_flags = reinterpret_cast<uint32_t*>(split_flags);
+  p.split_epoch = split_epoch; p.split_max_parts = split_max_parts;
   return p;
 }
 
@@ -57,7 +61,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("shard_rows") = 0, py::arg("chunks_per_rank") = 1, py::arg("k_chunks") = 1,                    \
       py::arg("group_cluster_rows") = 8,                                                                   \
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
-      py::arg("variant") = 0
+      py::arg("variant") = 0, py::arg("split_partials") = 0, py::arg("split_flags") = 0,                    \
+      py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -65,11 +70,12 @@ void export_ag_gemm(py::module_& m) {
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
-         int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t stream) {
+         int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
+         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns,
-                                error_word, variant),
+                                error_word, variant, split_partials, split_flags, split_epoch, split_max_parts),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -79,10 +85,12 @@ void export_ag_gemm(py::module_& m) {
       [](int dtype, int64_t a, int64_t mm, int64_t k, int64_t lda, int64_t b, int64_t n, int64_t ldb,
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
-         int sm_count, long long timeout_ns, int64_t error_word, int variant) {
+         int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
+         int64_t split_flags, uint32_t split_epoch, int split_max_parts) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
-            chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant)).message);
+            chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant, split_partials,
+            split_flags, split_epoch, split_max_parts)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -118,6 +126,11 @@ void export_ag_gemm(py::module_& m) {
       },
       "a zeroed host-mapped int32: (host address, device address); never freed");
   m.def("ag_device_sm_count", &agg::device_sm_count, "SM count of the current device");
+  m.def("ag_tail_split_scratch", [](int sm_count) {
+        return py::make_tuple(agg::tail_split_scratch_floats(sm_count), agg::tail_split_flag_count(sm_count));
+      },
+      "(floats, uint32 flags) of the AG+GEMM tail split's scratch for a grid of sm_count CTAs (0: all SMs)",
+      py::arg("sm_count") = 0);
 }
 
 #undef FLUXINDUCTOR_AG_GEMM_ARGS

@@ -27,6 +27,7 @@ from torch import Tensor
 from fluxinductor.kernels import symm
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+_ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
 
 # Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md).
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
@@ -44,6 +45,10 @@ _K_TILE = 64  # every variant's K tile
 # Each column block moves at least this many bytes; smaller shards keep row chunks.  The K-chunked pull was measured
 # with blocks of 1-4 MB only, and a 2-D copy's fixed cost weighs more on smaller blocks.
 _MIN_K_BLOCK_BYTES = 1 << 20
+# Tail split: when the last wave of tiles is partial (after at least one full wave), its tiles are split along K into
+# up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
+# (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
+TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
 # Rows of A one cluster row covers, per variant (tile M x cluster M).
 _CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}
 
@@ -164,9 +169,11 @@ def check_errors(device: Optional[torch.device] = None, synchronize: bool = Fals
     code = symm.read_error(index)
     if code:
         symm.clear_error(index)
+        what = ("a tail tile's last part waited too long for its other parts" if code == _ERROR_SPLIT_TIMEOUT
+                else "a wait for a peer's shard timed out")
         raise AllGatherGemmError(
-            f"all_gather_matmul on cuda:{index}: a wait for a peer's shard timed out after "
-            f"{symm.timeout_seconds()} s (error code {code}); its outputs were wrong")
+            f"all_gather_matmul on cuda:{index}: {what} (error code {code}, timeout {symm.timeout_seconds()} s); "
+            "its outputs were wrong")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,13 +185,15 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 epoch: int = 0, rank: int = 0, world: int = 1, shard_rows: int = 0,
                 chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
-                timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None) -> Tensor:
+                timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
+                tail_split: Optional[int] = None) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
     the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).  With ``k_chunks`` > 1
     (flags [world * k_chunks], see :func:`pull_shards`) it waits instead before each column block of its K loop.
-    ``group_rows``/``variant`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT).
+    ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT,
+    TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     variant = VARIANT if variant is None else variant
@@ -204,8 +213,41 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
         shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
-        stream=stream.cuda_stream)
+        stream=stream.cuda_stream,
+        **_tail_split_args(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
     return out
+
+
+class _TailScratch:
+    """One stream's tail-split scratch: fp32 partial sums, their flags (zeroed once) and the launch counter the
+    flags are compared against, so they never need resetting.  Per stream because launches on different streams may
+    run at once; launches on one stream run in order."""
+
+    def __init__(self, device: torch.device, sm_count: int):
+        floats, flags = symm.extension().ag_tail_split_scratch(sm_count)
+        self.sm_count = sm_count
+        self.partials = torch.empty(floats, dtype=torch.float32, device=device)
+        self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
+        self.epoch = 0
+
+    def next_epoch(self) -> int:
+        self.epoch = (self.epoch + 1) & 0x7FFFFFFF or 1
+        return self.epoch
+
+
+_tail_scratch: dict = {}
+
+
+def _tail_split_args(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int) -> dict:
+    """The kernel's tail-split arguments for a launch on ``stream`` (off with ``parts`` < 2)."""
+    if parts < 2:
+        return {}
+    key = (device.index, stream.cuda_stream, sm_count)
+    scratch = _tail_scratch.get(key)
+    if scratch is None:
+        scratch = _tail_scratch[key] = _TailScratch(device, sm_count)
+    return dict(split_partials=scratch.partials.data_ptr(), split_flags=scratch.flags.data_ptr(),
+                split_epoch=scratch.next_epoch(), split_max_parts=parts)
 
 
 def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:

@@ -188,6 +188,46 @@ def test_k_chunks_on_one_gpu(world, shard_rows, k, k_chunks):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k_contiguous", [True, False])
+@pytest.mark.parametrize("m,k,n,sm_count,tail_split", [
+    (1000, 776, 1032, 32, 4),   # 16 clusters, 20 tiles: 1 full wave + 4 tail tiles in 4 parts (3/3/3/4 K tiles)
+    (1000, 776, 1032, 32, 2),   # the same tail in 2 parts
+    (258, 72, 2056, 16, 4),     # 8 clusters, 18 tiles: 2 waves + 2 tail tiles; 2 K tiles cap the parts at 2
+    (1000, 40, 1032, 32, 4),    # 1 K tile: nothing to split
+])
+def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split):
+    """A partial last wave split along K (parts on different clusters, the last part adding the others' fp32
+    sums): as exact as the unsplit kernel, with bias, M and N not multiples of the tile."""
+    from fluxinductor.kernels import ag_gemm
+
+    torch.manual_seed(m + n + tail_split)
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = make_weight(k, n, k_contiguous, dtype, "cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda")
+    ref = a.float() @ w.float() + bias.float()
+    for call in range(3):  # the scratch and its flags are reused: each launch's epoch is new
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        ag_gemm.launch_gemm(a, w, bias, out, sm_count=sm_count, tail_split=tail_split)
+        ag_gemm.check_errors(synchronize=True)
+        assert not out.isnan().any(), f"call {call}: unwritten output"
+        assert relative_error(out, ref) <= 1e-2, f"call {call}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,shard_rows,n", [(2, 500, 2056), (4, 250, 1544)])
+def test_tail_split_n_ranks_on_one_gpu(world, shard_rows, n):
+    """Tail tiles split along K while every simulated rank's kernel runs at once on its own stream (each with its
+    own scratch) and waits per tile for the peers' rows (world 2: 24 clusters, 36 tiles, 12 tail tiles in 2 parts;
+    world 4: 12 clusters, 28 tiles, 4 tail tiles in 3 parts)."""
+    torch.manual_seed(world + n)
+    outputs, refs, _, _ = run_ranks_on_one_gpu(world, shard_rows=shard_rows, k=776, ns=[n], with_bias=True)
+    for r in range(world):
+        assert not outputs[r][0].isnan().any(), f"rank {r}: unwritten output"
+        assert relative_error(outputs[r][0], refs[0]) <= 1e-2, f"rank {r}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", [1, 2])
 def test_other_kernel_variants(variant):
     """The tuning variants of the bf16 kernel (K-contiguous weight) are exact too, with and without waits."""

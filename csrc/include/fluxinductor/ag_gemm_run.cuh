@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <type_traits>
 #include <string>
 
 #include "ag_gemm.h"
@@ -63,6 +64,20 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
     int const k_tiles = (k + kTileK - 1) / kTileK;
     schedule.k_chunks = p.k_chunks;
     schedule.k_chunk_tiles = (k_tiles + p.k_chunks - 1) / p.k_chunks;
+  }
+
+  // Tail split: cooperative kernels only (their two consumer warp groups share one tile, which the scratch layout
+  // assumes), tiles of at most 128 x 256 (the scratch's size).
+  constexpr bool kCooperative =
+      std::is_same_v<typename Config::KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using TileShape = typename Config::TileShape;
+  constexpr int kTileElements = cute::size<0>(TileShape{}) * cute::size<1>(TileShape{});
+  if (kCooperative && kTileElements <= 128 * 256 && p.split_partials != nullptr && p.split_flags != nullptr &&
+      p.split_max_parts > 1) {
+    schedule.split_partials = p.split_partials;
+    schedule.split_flags = p.split_flags;
+    schedule.split_epoch = p.split_epoch;
+    schedule.split_max_parts = p.split_max_parts;
   }
 
   cutlass::KernelHardwareInfo hw_info;

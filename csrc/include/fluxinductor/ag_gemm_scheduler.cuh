@@ -26,6 +26,7 @@ namespace fluxinductor::ag_gemm {
 // Error codes written to AllGatherSchedule::error_word.
 constexpr int kErrorNone = 0;
 constexpr int kErrorFlagTimeout = 1;
+constexpr int kErrorSplitTimeout = 3;  // a tail tile's last part waited too long for the other parts
 
 // What the scheduler needs to order tiles and wait for the rows they read.  Plain data, filled on the host.
 struct AllGatherSchedule {
@@ -55,6 +56,17 @@ struct AllGatherSchedule {
   // the tile, so a peer's tiles start on the first block while the rest streams in.
   int k_chunks = 1;
   int k_chunk_tiles = 1;
+  // Tail split (split_partials != nullptr, cooperative kernels only): when the last wave of tiles is partial (R of C
+  // clusters busy, after at least one full wave), each of its R tiles is split along K into up to
+  // split_max_parts parts run by different clusters of that wave, so the wave takes 1/parts of a tile's time.
+  // Parts but the last store their fp32 accumulators in split_partials and raise their flag in split_flags to
+  // split_epoch; the last part (on the highest cluster of the tile's parts) waits for them, adds, and runs the
+  // epilogue.  Scratch: R * (parts - 1) * CTAs per cluster * TileM * TileN floats (at most a grid's worth of
+  // tiles) and as many flags per consumer warp group, both owned by one stream (concurrent launches need their own).
+  float* split_partials = nullptr;
+  uint32_t* split_flags = nullptr;
+  uint32_t split_epoch = 0;
+  int split_max_parts = 1;
 };
 
 namespace detail {
@@ -64,6 +76,16 @@ CUTLASS_DEVICE uint32_t load_acquire_sys(uint32_t const* address) {
   // System scope: the flag may be written by a peer GPU's copy engine across NVLink.
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
   return value;
+}
+
+CUTLASS_DEVICE uint32_t load_acquire_gpu(uint32_t const* address) {
+  uint32_t value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+CUTLASS_DEVICE void store_release_gpu(uint32_t* address, uint32_t value) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
 CUTLASS_DEVICE long long global_timer_ns() {
@@ -118,15 +140,110 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   static constexpr int kTileM = cute::size<0>(TileShape{});
 
  public:
-  using WorkTileInfo = typename Base::WorkTileInfo;
   using RasterOrderOptions = typename Base::RasterOrderOptions;
+
+  // The base's work tile plus the K range of a tail-split part (parts == 1: the whole K loop).
+  struct WorkTileInfo {
+    int32_t M_idx = 0;
+    int32_t N_idx = 0;
+    int32_t L_idx = 0;
+    bool is_valid_tile = false;
+    int32_t k_start = 0;      // first K tile
+    int32_t k_count = 0;      // K tiles (parts > 1 only)
+    int32_t part = 0;         // this part; the last one reduces and stores
+    int32_t parts = 1;
+    int32_t tail_index = 0;   // which tile of the tail wave (its scratch slots)
+
+    CUTLASS_HOST_DEVICE bool is_valid() const { return is_valid_tile; }
+    CUTLASS_HOST_DEVICE static WorkTileInfo invalid_work_tile() { return WorkTileInfo{-1, -1, -1, false}; }
+    CUTLASS_HOST_DEVICE bool is_final_split(uint32_t) const { return part == parts - 1; }
+    CUTLASS_HOST_DEVICE int32_t reduction_subtile_idx() const { return -1; }
+  };
 
   struct Arguments : Base::Arguments {
     AllGatherSchedule schedule{};
   };
   struct Params : Base::Params {
     AllGatherSchedule schedule{};
+    int k_tiles = 1;  // K tiles of the problem
   };
+
+  template <class ProblemShape, class TileShape_>
+  CUTLASS_HOST_DEVICE static int get_work_k_tile_count(WorkTileInfo const& work, ProblemShape problem_shape,
+                                                        TileShape_ tile_shape) {
+    return work.parts > 1 ? work.k_count
+                          : int(cute::size(cute::ceil_div(cute::get<2>(problem_shape), cute::get<2>(tile_shape))));
+  }
+  CUTLASS_HOST_DEVICE static uint32_t get_work_k_tile_start(WorkTileInfo const& work) { return work.k_start; }
+  CUTLASS_HOST_DEVICE static bool valid_warpgroup_in_work_tile(WorkTileInfo const&) { return true; }
+  CUTLASS_HOST_DEVICE static bool requires_separate_reduction(Params const&) { return false; }
+  CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const& work, Params const&) {
+    return work.part == work.parts - 1;
+  }
+  CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const& work) { return work.part == work.parts - 1; }
+
+  // Called by every consumer warp group after its MMAs, before the epilogue.  Parts of a split tile but the last
+  // store this warp group's accumulators (thread-interleaved, so the stores coalesce) and release its flag; the last
+  // part waits for every other part's flag and adds their accumulators.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE static void fixup(Params const& params, WorkTileInfo const& work, FrgTensorC& accumulators,
+                                   uint32_t num_warp_groups, uint32_t warp_group) {
+    if (work.parts <= 1) {
+      return;
+    }
+    constexpr int kThreads = 128;  // one consumer warp group
+    AllGatherSchedule const& s = params.schedule;
+    constexpr int values = int(decltype(cute::size(accumulators))::value);  // registers: index them statically
+    int const thread = int(threadIdx.x % kThreads);
+    auto const barrier = warp_group == 0 ? cutlass::arch::ReservedNamedBarriers::StreamkBarrier0
+                                         : cutlass::arch::ReservedNamedBarriers::StreamkBarrier1;
+    int const cta = int(cute::block_rank_in_cluster());
+    dim3 const cluster = cute::cluster_shape();
+    int const ctas = int(cluster.x * cluster.y * cluster.z);
+    // Slots of (tail tile, CTA of the cluster, warp group), one per part but the last.
+    int64_t const slot = ((int64_t(work.tail_index) * ctas + cta) * num_warp_groups + warp_group) * (work.parts - 1);
+    float* partials = s.split_partials + slot * values * kThreads;
+    uint32_t* flags = s.split_flags + slot;
+    if (work.part < work.parts - 1) {
+      float* mine = partials + int64_t(work.part) * values * kThreads;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < values; ++i) {
+        mine[i * kThreads + thread] = accumulators(i);
+      }
+      __threadfence();
+      cutlass::arch::NamedBarrier::arrive_and_wait(kThreads, barrier);
+      if (thread == 0) {
+        detail::store_release_gpu(flags + work.part, s.split_epoch);
+      }
+      return;
+    }
+    if (thread == 0) {
+      for (int p = 0; p < work.parts - 1; ++p) {
+        if (int(detail::load_acquire_gpu(flags + p) - s.split_epoch) >= 0) {
+          continue;
+        }
+        long long const start = detail::global_timer_ns();
+        while (int(detail::load_acquire_gpu(flags + p) - s.split_epoch) < 0) {
+          if (detail::global_timer_ns() - start > s.timeout_ns) {
+            if (s.error_word != nullptr) {
+              *s.error_word = kErrorSplitTimeout;
+              __threadfence_system();
+            }
+            break;
+          }
+          __nanosleep(64);
+        }
+      }
+    }
+    cutlass::arch::NamedBarrier::arrive_and_wait(kThreads, barrier);
+    for (int p = 0; p < work.parts - 1; ++p) {
+      float const* theirs = partials + int64_t(p) * values * kThreads;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < values; ++i) {
+        accumulators(i) += theirs[i * kThreads + thread];
+      }
+    }
+  }
 
   // Our own walk needs the base's tile counts without swizzle; the raster order only matters for how
   // the base lays out the grid.
@@ -148,11 +265,12 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
         problem_shape_mnkl, tile_shape, cluster_shape, hw_info, base_arguments(), workspace, epilogue_subtile,
         ktile_start_alignment_count);
     params.schedule = arguments.schedule;
+    params.k_tiles = int(cute::size(cute::ceil_div(cute::get<2>(problem_shape_mnkl), cute::get<2>(TileShape{}))));
     return params;
   }
 
   CUTLASS_HOST_DEVICE static bool can_implement(Arguments const& args) {
-    return args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 && args.schedule.shard_rows >= 1 &&
+    return args.schedule.split_max_parts >= 1 && args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 && args.schedule.shard_rows >= 1 &&
            args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1 && args.schedule.col_chunks >= 1 &&
            args.schedule.chunk_col_tiles >= 1 && args.schedule.k_chunks >= 1 && args.schedule.k_chunk_tiles >= 1;
   }
@@ -179,6 +297,20 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     // Only the producer warp group (warp group 0 in the cooperative and ping-pong kernels) loads A.  With K chunks
     // the mainloop's producer waits instead, per block of the K loop.
     waits_ = schedule_.flags != nullptr && threadIdx.x < 128 && schedule_.k_chunks <= 1;
+    // Tail split: only after a full wave, with K tiles to share, and not with K chunks (their waits assume a tile's
+    // K loop starts at 0).
+    uint32_t const units = uint32_t(scheduler_params.problem_tiles_m_) * scheduler_params.problem_tiles_n_;
+    uint32_t const clusters32 = uint32_t(num_clusters_);
+    uint32_t const tail = units % clusters32;
+    full_units_ = units - tail;
+    if (schedule_.split_partials != nullptr && schedule_.k_chunks <= 1 && units >= clusters32 && tail > 0) {
+      int const parts = min(min(schedule_.split_max_parts, int(clusters32 / tail)), params.k_tiles);
+      if (parts >= 2) {
+        tail_units_ = tail;
+        parts_ = parts;
+        k_tiles_ = params.k_tiles;
+      }
+    }
   }
 
   template <class ClusterShape>
@@ -208,8 +340,10 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   }
 
  private:
+  // Units handed out: the full waves' tiles, then the tail's tiles times their parts.
   CUTLASS_DEVICE uint64_t total_units() const {
-    return uint64_t(scheduler_params.problem_tiles_m_) * scheduler_params.problem_tiles_n_;
+    return tail_units_ > 0 ? uint64_t(full_units_) + uint64_t(tail_units_) * parts_
+                           : uint64_t(scheduler_params.problem_tiles_m_) * scheduler_params.problem_tiles_n_;
   }
 
   // unit -> (cluster row, cluster column): groups of group_cluster_rows cluster rows, rotated so the walk
@@ -218,10 +352,22 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   CUTLASS_DEVICE WorkTileInfo work_for_unit(uint64_t unit64) {
     uint32_t const cluster_rows = scheduler_params.problem_tiles_m_;
     uint32_t const cluster_cols = scheduler_params.problem_tiles_n_;
-    if (unit64 >= uint64_t(cluster_rows) * cluster_cols) {
+    if (unit64 >= total_units()) {
       return WorkTileInfo::invalid_work_tile();
     }
-    uint32_t const unit = uint32_t(unit64);
+    uint32_t unit = uint32_t(unit64);
+    // A tail unit: the last wave holds tail_units_ tiles x parts_, part p of tile t on unit full + p * tail + t, so
+    // the parts of one tile run on different clusters and the last part (which waits for the others) on the highest.
+    int32_t part = 0, parts = 1, tail_index = 0, k_start = 0, k_count = 0;
+    if (tail_units_ > 0 && unit >= full_units_) {
+      uint32_t const v = unit - full_units_;
+      part = int32_t(v / tail_units_);
+      tail_index = int32_t(v - uint32_t(part) * tail_units_);
+      parts = parts_;
+      k_start = int32_t((part * k_tiles_) / parts_);
+      k_count = int32_t(((part + 1) * k_tiles_) / parts_) - k_start;
+      unit = full_units_ + uint32_t(tail_index);
+    }
     uint32_t const group_rows = min(uint32_t(schedule_.group_cluster_rows), cluster_rows);
     uint32_t const units_per_group = group_rows * cluster_cols;
     uint32_t const group = unit / units_per_group;
@@ -233,7 +379,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
       row -= cluster_rows;
     }
     WorkTileInfo work{int(row * scheduler_params.cluster_shape_m_) + cta_m_in_cluster_,
-                      int(col * scheduler_params.cluster_shape_n_) + cta_n_in_cluster_, 0, true};
+                      int(col * scheduler_params.cluster_shape_n_) + cta_n_in_cluster_, 0, true,
+                      k_start, k_count, part, parts, tail_index};
     if (waits_) {
       wait_for_tile(work.M_idx, work.N_idx);
     }
@@ -276,6 +423,10 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   int cta_n_in_cluster_ = 0;
   bool waits_ = false;
   bool gave_up_ = false;
+  uint32_t full_units_ = 0;  // units before the tail wave
+  uint32_t tail_units_ = 0;  // tiles of the tail wave when it is split (0: no split)
+  int parts_ = 1;
+  int k_tiles_ = 1;
 };
 
 }  // namespace fluxinductor::ag_gemm
