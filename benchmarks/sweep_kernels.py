@@ -83,11 +83,15 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def configs(op: str, quick: bool) -> List[Dict[str, int]]:
+def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None) -> List[Dict[str, int]]:
     if op == "ag":
         variants = [0, 1, 3, 4] if not quick else [0]
         groups = [4, 8, 16] if not quick else [8]
-        return [{"variant": v, "group_rows": g} for v, g in itertools.product(variants, groups)]
+        if tail_splits is None:
+            from fluxinductor.kernels import ag_gemm
+            tail_splits = [ag_gemm.TAIL_SPLIT]
+        return [{"variant": v, "group_rows": g, "tail_split": t}
+                for v, g, t in itertools.product(variants, groups, tail_splits)]
     cfgs = [0, 1, 4, 5, 6] if not quick else [0]
     orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
     return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
@@ -96,7 +100,8 @@ def configs(op: str, quick: bool) -> List[Dict[str, int]]:
 def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor):
     if op == "ag":
         from fluxinductor.kernels import ag_gemm
-        return lambda: ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"])
+        return lambda: ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"],
+                                           tail_split=cfg["tail_split"])
     from fluxinductor.kernels import gemm_rs
 
     def call():  # the launcher reads these per call, so each contender sets its own
@@ -116,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="default configuration only")
+    p.add_argument("--tail-splits", default=None,
+                   help="--op ag: comma-separated FLUXINDUCTOR_AG_TAIL_SPLIT values to compare (default: the default)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -141,7 +148,8 @@ def main(argv=None) -> int:
         cublas_fn = lambda: torch.mm(a, w_t)  # noqa: E731
         entry["cublas_kernel"] = cublas_kernel_name(cublas_fn)
         fns: Dict[str, Callable[[], object]] = {"cublas": cublas_fn}
-        for i, cfg in enumerate(configs(args.op, args.quick)):
+        splits = [int(t) for t in args.tail_splits.split(",")] if args.tail_splits else None
+        for i, cfg in enumerate(configs(args.op, args.quick, splits)):
             row = dict(cfg)
             try:
                 fn = run_config(args.op, cfg, a, w_t, out)
@@ -171,7 +179,8 @@ def main(argv=None) -> int:
               f"(rounds {rounds[0]:.3f} .. {rounds[-1]:.3f}) "
               f"[{entry['cublas_kernel']}]", flush=True)
         for row in entry["configs"]:
-            cfg = {key: row[key] for key in row if key in ("variant", "group_rows", "config", "swizzle", "raster")}
+            cfg = {key: row[key] for key in row
+                   if key in ("variant", "group_rows", "tail_split", "config", "swizzle", "raster")}
             if "ms" in row:
                 print(f"   {cfg} {row['ms']:.3f} ms  x{row['ratio']:.3f}  err {row['rel_err']:.1e}", flush=True)
             else:
