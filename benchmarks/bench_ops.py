@@ -503,7 +503,7 @@ def check_contender(ctx: Ctx, problem: Problem, name: str) -> Tuple[dict, Option
     agree on so far, and the callable to time, None when the record holds an error (on every rank alike, so no
     rank waits for a peer that skips it)."""
     op = problem.op
-    local: dict = {"error": None, "rel_err": None, "times": None, "path": None}
+    local: dict = {"error": None, "rel_err": None, "path": None}
     err = setup_error(name, op, ctx)
     uses_dispatch = name in DISPATCHED
     fn = None

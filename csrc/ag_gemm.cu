@@ -40,11 +40,10 @@ int device_sm_count() {
   return device < 64 ? cached[device] : 0;
 }
 
-// Every tail slot holds one CTA tile of fp32 accumulators (at most 128 x 256 in the cooperative variants), and
-// fewer slots than the grid has CTAs (ag_gemm_scheduler.cuh: tail tiles x (parts - 1) < clusters); two flags (one
-// per consumer warp group) per slot.
+// Fewer tail slots than the grid has CTAs (ag_gemm_scheduler.cuh: tail tiles x (parts - 1) < clusters), each one CTA
+// tile; two flags (one per consumer warp group) per slot.
 int64_t tail_split_scratch_floats(int sm_count) {
-  return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * 128 * 256;
+  return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * kMaxTailTileElements;
 }
 
 int64_t tail_split_flag_count(int sm_count) { return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * 2; }

@@ -60,7 +60,9 @@ struct AllGatherGemmParams {
   int split_max_parts = 1;
 };
 
-// The tail split's scratch for a grid of sm_count CTAs (0: all SMs): floats, and flags.
+// The tail split's scratch for a grid of sm_count CTAs (0: all SMs): floats, and flags.  Each slot holds one CTA
+// tile of fp32 accumulators, at most kMaxTailTileElements (the split is off for larger tiles).
+constexpr int kMaxTailTileElements = 128 * 256;
 int64_t tail_split_scratch_floats(int sm_count);
 int64_t tail_split_flag_count(int sm_count);
 

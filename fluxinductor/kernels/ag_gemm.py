@@ -225,7 +225,6 @@ class _TailScratch:
 
     def __init__(self, device: torch.device, sm_count: int):
         floats, flags = symm.extension().ag_tail_split_scratch(sm_count)
-        self.sm_count = sm_count
         self.partials = torch.empty(floats, dtype=torch.float32, device=device)
         self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
         self.epoch = 0

@@ -81,7 +81,7 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                          skip_pull_from=None, timeout_s=None, k_chunks=1):
     """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
     k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop."""
-    from fluxinductor.kernels import ag_gemm, symm
+    from fluxinductor.kernels import ag_gemm
 
     device = torch.device("cuda", 0)
     m = world * shard_rows
@@ -110,8 +110,6 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
             side[r].wait_event(event)
         if skip_pull_from is not None and r != skip_pull_from:
             # A peer that never delivers: pull the others only, so its flags are never set.
-            ext = symm.extension()
-            row_bytes = k * buffers[r].element_size()
             for step in range(1, world):
                 q = (r + step) % world
                 if q == skip_pull_from:
@@ -121,13 +119,8 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                         ag_gemm.pull_k_block(buffers[r], buffers[q], q, shard_rows, k_chunks, c, flags[r], epoch,
                                              side[r])
                     continue
-                for c, (s0, s1) in enumerate(ag_gemm.chunk_bounds(shard_rows, chunks)):
-                    first = q * shard_rows + s0
-                    ext.ag_memcpy_async(buffers[r].data_ptr() + first * row_bytes,
-                                        buffers[q].data_ptr() + first * row_bytes, (s1 - s0) * row_bytes,
-                                        side[r].cuda_stream)
-                    ext.ag_stream_write_value32(flags[r].data_ptr() + 4 * (q * chunks + c), epoch,
-                                                side[r].cuda_stream)
+                for c in range(chunks):
+                    ag_gemm.pull_row_chunk(buffers[r], buffers[q], q, shard_rows, chunks, c, flags[r], epoch, side[r])
         else:
             ag_gemm.pull_shards(buffers[r], buffers, r, shard_rows, flags[r], epoch, side[r], chunks,
                                 gathered_out=gathered[r], k_chunks=k_chunks)

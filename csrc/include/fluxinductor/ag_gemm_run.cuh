@@ -67,12 +67,12 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   }
 
   // Tail split: cooperative kernels only (their two consumer warp groups share one tile, which the scratch layout
-  // assumes), tiles of at most 128 x 256 (the scratch's size).
+  // assumes), tiles that fit the scratch's slots.
   constexpr bool kCooperative =
       std::is_same_v<typename Config::KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using TileShape = typename Config::TileShape;
   constexpr int kTileElements = cute::size<0>(TileShape{}) * cute::size<1>(TileShape{});
-  if (kCooperative && kTileElements <= 128 * 256 && p.split_partials != nullptr && p.split_flags != nullptr &&
+  if (kCooperative && kTileElements <= kMaxTailTileElements && p.split_partials != nullptr && p.split_flags != nullptr &&
       p.split_max_parts > 1) {
     schedule.split_partials = p.split_partials;
     schedule.split_flags = p.split_flags;

@@ -78,12 +78,6 @@ CUTLASS_DEVICE uint32_t load_acquire_sys(uint32_t const* address) {
   return value;
 }
 
-CUTLASS_DEVICE uint32_t load_acquire_gpu(uint32_t const* address) {
-  uint32_t value;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}
-
 CUTLASS_DEVICE void store_release_gpu(uint32_t* address, uint32_t value) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
@@ -96,35 +90,40 @@ CUTLASS_DEVICE long long global_timer_ns() {
 
 }  // namespace detail
 
+// One thread polls until int32(*address - epoch) >= 0.  Returns true when it gave up: the call was aborted, or the
+// timeout passed (then error_code is written to the error word).
+CUTLASS_DEVICE bool poll_for_epoch(AllGatherSchedule const& schedule, uint32_t const* address, uint32_t epoch,
+                                   int error_code) {
+  if (int(detail::load_acquire_sys(address) - epoch) >= 0) {
+    return false;
+  }
+  long long const start = detail::global_timer_ns();
+  unsigned sleep_ns = 32;
+  while (int(detail::load_acquire_sys(address) - epoch) < 0) {
+    if (schedule.abort_word != nullptr &&
+        *reinterpret_cast<uint32_t const volatile*>(schedule.abort_word) == schedule.abort_value) {
+      return true;
+    }
+    if (detail::global_timer_ns() - start > schedule.timeout_ns) {
+      if (schedule.error_word != nullptr) {
+        *schedule.error_word = error_code;
+        __threadfence_system();
+      }
+      return true;
+    }
+    __nanosleep(sleep_ns);
+    sleep_ns = min(sleep_ns * 2, 1024u);
+  }
+  return false;
+}
+
 // Waits until flags[flag] - epoch >= 0 (as int32).  Called by a whole warp (or its active lanes): the first lane
-// polls, the warp agrees on the outcome.  Returns true when it gave up: the call was aborted, or the timeout passed
-// (then error_code is written to the error word).
+// polls, the warp agrees on the outcome.  Returns true when it gave up (see poll_for_epoch).
 CUTLASS_DEVICE bool wait_for_flag(AllGatherSchedule const& schedule, int flag) {
   unsigned const lanes = __activemask();
   int gave_up = 0;
   if ((threadIdx.x & 31) == (__ffs(lanes) - 1)) {
-    uint32_t const* address = schedule.flags + flag;
-    if (int(detail::load_acquire_sys(address) - schedule.epoch) < 0) {
-      long long const start = detail::global_timer_ns();
-      unsigned sleep_ns = 32;
-      while (int(detail::load_acquire_sys(address) - schedule.epoch) < 0) {
-        if (schedule.abort_word != nullptr &&
-            *reinterpret_cast<uint32_t const volatile*>(schedule.abort_word) == schedule.abort_value) {
-          gave_up = 1;
-          break;
-        }
-        if (detail::global_timer_ns() - start > schedule.timeout_ns) {
-          gave_up = 1;
-          if (schedule.error_word != nullptr) {
-            *schedule.error_word = schedule.error_code;
-            __threadfence_system();
-          }
-          break;
-        }
-        __nanosleep(sleep_ns);
-        sleep_ns = min(sleep_ns * 2, 1024u);
-      }
-    }
+    gave_up = poll_for_epoch(schedule, schedule.flags + flag, schedule.epoch, schedule.error_code) ? 1 : 0;
   }
   gave_up = __shfl_sync(lanes, gave_up, __ffs(lanes) - 1);
   __syncwarp(lanes);
@@ -219,19 +218,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     }
     if (thread == 0) {
       for (int p = 0; p < work.parts - 1; ++p) {
-        if (int(detail::load_acquire_gpu(flags + p) - s.split_epoch) >= 0) {
-          continue;
-        }
-        long long const start = detail::global_timer_ns();
-        while (int(detail::load_acquire_gpu(flags + p) - s.split_epoch) < 0) {
-          if (detail::global_timer_ns() - start > s.timeout_ns) {
-            if (s.error_word != nullptr) {
-              *s.error_word = kErrorSplitTimeout;
-              __threadfence_system();
-            }
-            break;
-          }
-          __nanosleep(64);
+        if (poll_for_epoch(s, flags + p, s.split_epoch, kErrorSplitTimeout)) {
+          break;  // timed out: the error word says so, and the sums are wrong
         }
       }
     }
@@ -270,8 +258,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   }
 
   CUTLASS_HOST_DEVICE static bool can_implement(Arguments const& args) {
-    return args.schedule.split_max_parts >= 1 && args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 && args.schedule.shard_rows >= 1 &&
-           args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1 && args.schedule.col_chunks >= 1 &&
+    return args.schedule.split_max_parts >= 1 && args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 &&
+           args.schedule.shard_rows >= 1 && args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1 && args.schedule.col_chunks >= 1 &&
            args.schedule.chunk_col_tiles >= 1 && args.schedule.k_chunks >= 1 && args.schedule.k_chunk_tiles >= 1;
   }
 
