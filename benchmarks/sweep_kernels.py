@@ -3,13 +3,15 @@
 
     python3 benchmarks/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
     python3 benchmarks/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
+    python3 benchmarks/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
 
 Needs an extension built with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING for the tuning variants (AG variants
 3, 4; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
 
 Shapes are the *global* (M, K, N) of benchmarks/bench_ops.py at TP = ``--world``; the per-rank problem is
 AG: [M, K] @ [K, N/w] (the gathered input), GEMM+RS: [M, K/w] @ [K/w, N].  The weight is the transposed
-nn.Linear view (K-major), as in a model.
+nn.Linear view (K-major), as in a model.  ``rs-split``: the split GEMM+RS transport's two GEMMs (``gemm_only(split=
+True)``: rows [0, M/2), then [M/2, M) reading a zero source C), one contender per ``--tail-splits`` value.
 
 Per shape: cuBLAS (``torch.mm``, its kernel name read from the profiler) and every configuration are timed
 round-robin: ``--rounds`` rounds, each timing every contender ``--iters // --rounds`` times after one
@@ -92,6 +94,8 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None) -> Li
             tail_splits = [ag_gemm.TAIL_SPLIT]
         return [{"variant": v, "group_rows": g, "tail_split": t}
                 for v, g, t in itertools.product(variants, groups, tail_splits)]
+    if op == "rs-split":
+        return [{"split": 1, "tail_split": t} for t in (tail_splits or [1, 4])]
     cfgs = [0, 1, 4, 5, 6] if not quick else [0]
     orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
     return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
@@ -104,6 +108,9 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
                                            tail_split=cfg["tail_split"])
     from fluxinductor.kernels import gemm_rs
 
+    if op == "rs-split":
+        return lambda: gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"])
+
     def call():  # the launcher reads these per call, so each contender sets its own
         os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
         os.environ["FLUXINDUCTOR_GEMM_RS_SWIZZLE"] = str(cfg["swizzle"])
@@ -114,7 +121,7 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=["ag", "rs"], required=True)
+    p.add_argument("--op", choices=["ag", "rs", "rs-split"], required=True)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--shapes", default=None, help="M,K,N;M,K,N (global shapes); default: bench_ops' list")
     p.add_argument("--warmup", type=int, default=5)
@@ -122,7 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="default configuration only")
     p.add_argument("--tail-splits", default=None,
-                   help="--op ag: comma-separated FLUXINDUCTOR_AG_TAIL_SPLIT values to compare (default: the default)")
+                   help="--op ag / rs-split: comma-separated tail-split values to compare (FLUXINDUCTOR_AG_TAIL_SPLIT / "
+                        "FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default: ag the default, rs-split 1,4)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -180,7 +188,7 @@ def main(argv=None) -> int:
               f"[{entry['cublas_kernel']}]", flush=True)
         for row in entry["configs"]:
             cfg = {key: row[key] for key in row
-                   if key in ("variant", "group_rows", "tail_split", "config", "swizzle", "raster")}
+                   if key in ("variant", "group_rows", "tail_split", "config", "swizzle", "raster", "split")}
             if "ms" in row:
                 print(f"   {cfg} {row['ms']:.3f} ms  x{row['ratio']:.3f}  err {row['rel_err']:.1e}", flush=True)
             else:

@@ -152,7 +152,8 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
          bool b_k_major, int64_t bias, int64_t out, int64_t ldo, float out_scale, std::vector<int64_t> buffers,
          int64_t flags_offset, int64_t data_offset, uint32_t epoch, uint64_t signature, int64_t error,
          int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
-         int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl) {
+         int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl, int64_t tail_split_partials,
+         int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.m = m; args.n = n; args.k = k;
@@ -181,6 +182,10 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
   args.split = split;
   args.bias_scaled = reinterpret_cast<const void*>(bias_scaled);
   args.split_pdl = split_pdl;
+  args.tail_split_partials = reinterpret_cast<float*>(tail_split_partials);
+  args.tail_split_flags = reinterpret_cast<uint32_t*>(tail_split_flags);
+  args.tail_split_epoch = tail_split_epoch;
+  args.tail_split_parts = tail_split_parts;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
@@ -194,7 +199,9 @@ void export_gemm_rs(py::module_& m) {
         py::arg("ldo"), py::arg("out_scale"), py::arg("buffers"), py::arg("flags_offset"), py::arg("data_offset"),
         py::arg("epoch"), py::arg("signature"), py::arg("error"), py::arg("timeout_ns"), py::arg("sm_count"),
         py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("epoch_word"), py::arg("bands"),
-        py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"));
+        py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
+        py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
+        py::arg("tail_split_parts") = 1);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),

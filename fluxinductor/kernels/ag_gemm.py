@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from fluxinductor.kernels import symm
+from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
@@ -214,39 +215,14 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
         stream=stream.cuda_stream,
-        **_tail_split_args(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
+        **_tail_split_kwargs(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
     return out
 
 
-class _TailScratch:
-    """One stream's tail-split scratch: fp32 partial sums, their flags (zeroed once) and the launch counter the
-    flags are compared against, so they never need resetting.  Per stream because launches on different streams may
-    run at once; launches on one stream run in order."""
-
-    def __init__(self, device: torch.device, sm_count: int):
-        floats, flags = symm.extension().ag_tail_split_scratch(sm_count)
-        self.partials = torch.empty(floats, dtype=torch.float32, device=device)
-        self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
-        self.epoch = 0
-
-    def next_epoch(self) -> int:
-        self.epoch = (self.epoch + 1) & 0x7FFFFFFF or 1
-        return self.epoch
-
-
-_tail_scratch: dict = {}
-
-
-def _tail_split_args(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int) -> dict:
+def _tail_split_kwargs(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int) -> dict:
     """The kernel's tail-split arguments for a launch on ``stream`` (off with ``parts`` < 2)."""
-    if parts < 2:
-        return {}
-    key = (device.index, stream.cuda_stream, sm_count)
-    scratch = _tail_scratch.get(key)
-    if scratch is None:
-        scratch = _tail_scratch[key] = _TailScratch(device, sm_count)
-    return dict(split_partials=scratch.partials.data_ptr(), split_flags=scratch.flags.data_ptr(),
-                split_epoch=scratch.next_epoch(), split_max_parts=parts)
+    partials, flags, epoch, parts = tail_split_args(device, stream, sm_count, parts)
+    return dict(split_partials=partials, split_flags=flags, split_epoch=epoch, split_max_parts=parts)
 
 
 def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:

@@ -50,6 +50,8 @@ import torch
 from torch import Tensor
 
 from fluxinductor import log
+from fluxinductor.kernels.tail_split import OFF as tail_split_off
+from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
 REDUCE_OPS = ("sum", "avg")
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -61,6 +63,7 @@ _ERRORS = {
     1: "a peer never entered the call (it crashed, hung, or made a different sequence of calls)",
     2: "ranks called matmul_reduce_scatter with different shapes or dtypes",
     3: "a peer entered the call but never delivered its tiles",
+    4: "a split GEMM's tail tile waited too long for its other parts",
 }
 
 PUSH_MODES = ("store", "copy", "split")
@@ -117,6 +120,17 @@ def split_pdl() -> bool:
     """Whether the split transport launches its second GEMM as a programmatic dependent of the first, so it takes
     SMs as the first one's CTAs finish (FLUXINDUCTOR_GEMM_RS_SPLIT_PDL, default 1)."""
     return os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
+
+
+def tail_split_parts() -> int:
+    """The most parts the split transport's GEMMs split a partial last wave's tiles into along K
+    (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default 1, off: not yet measured on two GPUs).  With 2 or more the GEMMs share
+    one scratch per stream (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as
+    programmatic dependents."""
+    value = int(os.environ.get("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1"))
+    if value < 1:
+        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT must be at least 1, got {value}")
+    return value
 
 
 def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
@@ -226,6 +240,7 @@ def launch(
     copy: Optional[CopyEngineWorkspace] = None,
     split: bool = False,
     split_source: Optional[Tensor] = None,
+    tail_split: Optional[int] = None,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
@@ -233,7 +248,8 @@ def launch(
     ``copy``: move the peer tiles with the copy engine, with these resources (None: NVLink stores).
     ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).  With world 1
     (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
-    [m - m/2, N]) as its source C.
+    [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
+    :func:`tail_split_parts`; 1 = off).
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -251,13 +267,15 @@ def launch(
     if split and bias is not None and out_scale != 1.0:
         bias_scaled = (bias.float() * out_scale).to(bias.dtype)  # the second GEMM adds the bias unscaled
         bias_scaled.record_stream(stream)
+    tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
+                            launches=max(world, 2)) if split else tail_split_off
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
-        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(),
+        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
     )
 
 
@@ -543,11 +561,12 @@ _split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
 
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
-              split: bool = False) -> Tensor:
+              split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0) -> Tensor:
     """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
 
     ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
-    buffer as their source, as the transport's second GEMM reads the peer's partial)."""
+    buffer as their source, as the transport's second GEMM reads the peer's partial); ``tail_split`` and
+    ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`.  A kernel error (a tail split's timed-out wait) is reported by :func:`check_gemm_only`."""
     reason = unsupported_reason(a2d, weight, bias, "sum", None)
     if reason is None and split:
         reason = split_reason(2, weight, bias, out)
@@ -566,6 +585,26 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
         zeros = _split_zeros.get(key)
         if zeros is None or zeros.shape[0] < m - m // 2:
             zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
-    launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0, error_address=0, split=split,
-           split_source=zeros)
+    launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
+           error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
+           tail_split=tail_split)
     return out
+
+
+def _gemm_only_error(device: torch.device) -> ErrorWord:
+    word = _gemm_only_errors.get(device.index)
+    if word is None:
+        word = _gemm_only_errors[device.index] = ErrorWord()
+    return word
+
+
+def check_gemm_only(device: Optional[torch.device] = None) -> None:
+    """Synchronize ``device`` (default: the current one); raise RuntimeError, and clear the error, if a
+    :func:`gemm_only` launch there reported one."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    torch.cuda.synchronize(device)
+    word = _gemm_only_error(device)
+    code = word.read()
+    if code:
+        word.clear()
+        raise RuntimeError(error_message(code).replace("matmul_reduce_scatter", "gemm_only"))

@@ -183,16 +183,17 @@ def test_k_chunks_on_one_gpu(world, shard_rows, k, k_chunks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_contiguous", [True, False])
-@pytest.mark.parametrize("m,k,n,sm_count,tail_split", [
-    (1000, 776, 1032, 32, 4),   # 16 clusters, 20 tiles: 1 full wave + 4 tail tiles in 4 parts (3/3/3/4 K tiles)
-    (1000, 776, 1032, 32, 2),   # the same tail in 2 parts
-    (258, 72, 2056, 16, 4),     # 8 clusters, 18 tiles: 2 waves + 2 tail tiles; 2 K tiles cap the parts at 2
-    (1000, 40, 1032, 32, 4),    # 1 K tile: nothing to split
+@pytest.mark.parametrize("m,k,n,sm_count,tail_split,flags", [
+    (1000, 776, 1032, 32, 4, 48),  # 16 clusters, 20 tiles: 1 full wave + 4 tail tiles in 4 parts (3/3/3/4 K tiles)
+    (1000, 776, 1032, 32, 2, 16),  # the same tail in 2 parts
+    (258, 72, 2056, 16, 4, 8),     # 8 clusters, 18 tiles: 2 waves + 2 tail tiles; 2 K tiles cap the parts at 2
+    (1000, 40, 1032, 32, 4, 0),    # 1 K tile: nothing to split
 ])
-def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split):
+def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split, flags):
     """A partial last wave split along K (parts on different clusters, the last part adding the others' fp32
-    sums): as exact as the unsplit kernel, with bias, M and N not multiples of the tile."""
-    from fluxinductor.kernels import ag_gemm
+    sums): as exact as the unsplit kernel, with bias, M and N not multiples of the tile.  ``flags``: the parts' flags
+    the launch raises in its scratch, tail tiles x 2 CTAs x 2 consumer warp groups x (parts - 1): the split ran."""
+    from fluxinductor.kernels import ag_gemm, tail_split as tails
 
     torch.manual_seed(m + n + tail_split)
     a = torch.randn(m, k, dtype=dtype, device="cuda")
@@ -205,6 +206,8 @@ def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split):
         ag_gemm.check_errors(synchronize=True)
         assert not out.isnan().any(), f"call {call}: unwritten output"
         assert relative_error(out, ref) <= 1e-2, f"call {call}"
+        scratch = tails.scratch(a.device, torch.cuda.current_stream(), sm_count)
+        assert int((scratch.flags == scratch.epoch).sum()) == flags, f"call {call}: parts' flags"
 
 
 @pytest.mark.gpu

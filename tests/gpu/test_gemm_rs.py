@@ -146,23 +146,28 @@ def test_gemm_only_odd_n_k_major():
     assert "K=60" in gemm_rs.unsupported_reason(a[:, :60], w[:60], None, "sum", None)
 
 
+def _sm_budget(world, split):
+    """CTAs per simulated rank: all ranks resident at once, room for the handshakes.  The split transport's GEMMs
+    after the first launch as programmatic dependents, so two GEMMs per rank may hold SMs at once: one waiting for
+    another rank's flags must not keep that rank's GEMM off the GPU."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(2, (sms // (2 * world if split else world) - 1) // 2 * 2)
+
+
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
-              copy_engine=False, split=False):
+              copy_engine=False, split=False, streams=None, tail_split=None):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy).
-    split: the split transport (a ring of GEMMs; implies the copy-engine resources)."""
+    split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
+    environment's).  streams: each rank's stream (default: new ones)."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # All ranks resident at once, room for the handshakes.  The split transport's GEMMs after the first launch as
-    # programmatic dependents, so two GEMMs per rank may hold SMs at once: one waiting for another rank's flags must
-    # not keep that rank's GEMM off the GPU.
-    sm_budget = max(2, (sms // (2 * world if split else world) - 1) // 2 * 2)
+    sm_budget = _sm_budget(world, split)
     _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     pointers = [b.data_ptr() for b in buffers]
-    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    streams = streams or [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
     copy_engine = copy_engine or split
@@ -186,6 +191,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
                     a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
                     error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
                     timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r], split=split,
+                    tail_split=tail_split,
                 )
         torch.cuda.synchronize()
         assert error.read() == 0, gemm_rs.error_message(error.read())
@@ -323,6 +329,88 @@ def test_split_tuning_config_n_ranks_one_gpu(world, rows, n, bands, monkeypatch)
 def test_split_ring_dtypes_no_bias():
     assert _simulate(4, 4 * 384, 512, 1024, dtype=torch.float16, with_bias=False, split=True) < 1e-2
     assert _simulate(3, 3 * 130, 64, 1000, with_bias=False, split=True) < 1e-2
+
+
+def _tail_flags(rows, n, k, sm_count, max_parts):
+    """How many flags a split GEMM of [rows, n] x K=k raises when it splits its tail (ag_gemm_scheduler.cuh's rule,
+    restated): 128x256 tiles in clusters of 2 CTAs, sm_count / 2 clusters; after at least one full wave, each of the
+    T tail tiles in P = min(max_parts, clusters / T, K tiles) parts; every part but the last raises a flag per CTA
+    and consumer warp group (2 each)."""
+    clusters = sm_count // 2
+    units = -(-rows // 256) * -(-n // 256)
+    tail = units % clusters
+    if units < clusters or tail == 0:
+        return 0
+    parts = min(max_parts, clusters // tail, -(-k // 64))
+    return tail * 2 * 2 * (parts - 1) if parts >= 2 else 0
+
+
+def _flags_at(scratch, epoch):
+    """How many of the scratch's flags (int32 storage of uint32 epochs) hold ``epoch``."""
+    return int((scratch.flags == (epoch - (1 << 32) if epoch >= 1 << 31 else epoch)).sum())
+
+
+@_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n,parts,first,second", [
+    (2000, 776, 2552, 4, 32, 32),   # 1000 rows: 40 units on 16 clusters, 8 tail tiles in 2 parts (both GEMMs)
+    (1025, 776, 2552, 4, 48, 0),    # 512 rows: 20 units, 4 tail tiles in 4 parts; 513 rows: 30 units, 14 tail: no
+    (1537, 776, 2552, 4, 0, 32),    # 768 rows: 30 units, no split; 769 rows: 40 units, 8 tail tiles in 2 parts
+    (1025, 776, 2552, 2, 16, 0),    # at most 2 parts
+    (1025, 40, 2552, 4, 0, 0),      # one K tile: nothing to split
+])
+def test_gemm_only_split_tail_split(dtype, m, k, n, parts, first, second):
+    """The split transport's GEMMs with their partial last waves split along K (communication off), on a grid of 32
+    CTAs: exact against the fp32 reference with the output poisoned, three calls reusing the scratch, and the
+    scratch's flags show which GEMM split (each GEMM has its own epoch)."""
+    from fluxinductor.kernels import gemm_rs, tail_split
+
+    sm_count = 32
+    assert _tail_flags(m // 2, n, k, sm_count, parts) == first
+    assert _tail_flags(m - m // 2, n, k, sm_count, parts) == second
+    torch.manual_seed(m + k + parts)
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = make_weight(k, n, True, dtype, "cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda")
+    ref = a.float() @ w.float() + bias.float()
+    scratch = tail_split.scratch(a.device, torch.cuda.current_stream(), sm_count)
+    for call in range(3):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        gemm_rs.gemm_only(a, w, bias, out=out, split=True, tail_split=parts, sm_count=sm_count)
+        gemm_rs.check_gemm_only()
+        assert not out.isnan().any(), f"call {call}: unwritten output"
+        assert relative_error(out, ref) < 1e-2, f"call {call}"
+        # The second GEMM took the scratch's last epoch; where it split, it overwrote the first GEMM's flags.
+        assert _flags_at(scratch, scratch.epoch) == second, f"call {call}"
+        assert _flags_at(scratch, scratch.epoch - 1) == (first if second == 0 else 0), f"call {call}"
+
+
+@_gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("world,rows,k,n,bands,parts", [
+    (2, 1000, 776, 1032, 4, 4),   # 16 clusters per rank, 20 units per GEMM: 4 tail tiles in 4 parts
+    (2, 2500, 512, 2048, 32, 3),  # 16 clusters, 80 units: no tail (nothing split), 2 row bands x 8 column chunks
+    (4, 300, 264, 1280, 3, 4),    # 7 clusters per rank, 10 units: 3 tail tiles in 2 parts; two relay GEMMs
+])
+def test_split_tail_split_n_ranks_one_gpu(world, rows, k, n, bands, parts, pdl, monkeypatch):
+    """The split transport with its GEMMs' tails split (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT): the peer, relay and own
+    GEMMs' split tiles beside the band counting, the per-band waits and the source C, every simulated rank with its
+    own stream and scratch; the GEMMs run one after another whatever FLUXINDUCTOR_GEMM_RS_SPLIT_PDL says."""
+    from fluxinductor.kernels import tail_split
+
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", str(parts))
+    device = torch.device("cuda", 0)
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    sm_budget = _sm_budget(world, True)
+    scratches = [tail_split.scratch(device, stream, sm_budget) for stream in streams]  # pooled streams: maybe used
+    before = [scratch.epoch for scratch in scratches]
+    assert _simulate(world, world * rows, k, n, reduce_op="avg", split=True, calls=3, streams=streams) < 1e-2
+    expected = _tail_flags(rows, n, k, sm_budget, parts)
+    for r, scratch in enumerate(scratches):
+        assert scratch.epoch == before[r] + 3 * world, f"rank {r}: one epoch per GEMM"
+        assert _flags_at(scratch, scratch.epoch) == expected, f"rank {r}"
 
 
 @_gpu

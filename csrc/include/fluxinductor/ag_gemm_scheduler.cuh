@@ -63,10 +63,13 @@ struct AllGatherSchedule {
   // split_epoch; the last part (on the highest cluster of the tile's parts) waits for them, adds, and runs the
   // epilogue.  Scratch: R * (parts - 1) * CTAs per cluster * TileM * TileN floats (at most a grid's worth of
   // tiles) and as many flags per consumer warp group, both owned by one stream (concurrent launches need their own).
+  // A part's flag is ready when it equals split_epoch exactly (not "at least": a slot left unused for 2^31 launches
+  // must not read as ready).  A last part that waits past timeout_ns writes split_error_code to error_word.
   float* split_partials = nullptr;
   uint32_t* split_flags = nullptr;
   uint32_t split_epoch = 0;
   int split_max_parts = 1;
+  int split_error_code = kErrorSplitTimeout;
 };
 
 namespace detail {
@@ -90,16 +93,20 @@ CUTLASS_DEVICE long long global_timer_ns() {
 
 }  // namespace detail
 
-// One thread polls until int32(*address - epoch) >= 0.  Returns true when it gave up: the call was aborted, or the
-// timeout passed (then error_code is written to the error word).
+// One thread polls until int32(*address - epoch) >= 0 (exact: until *address == epoch).  Returns true when it gave
+// up: the call was aborted, or the timeout passed (then error_code is written to the error word).
 CUTLASS_DEVICE bool poll_for_epoch(AllGatherSchedule const& schedule, uint32_t const* address, uint32_t epoch,
-                                   int error_code) {
-  if (int(detail::load_acquire_sys(address) - epoch) >= 0) {
+                                   int error_code, bool exact = false) {
+  auto ready = [&] {
+    uint32_t const value = detail::load_acquire_sys(address);
+    return exact ? value == epoch : int(value - epoch) >= 0;
+  };
+  if (ready()) {
     return false;
   }
   long long const start = detail::global_timer_ns();
   unsigned sleep_ns = 32;
-  while (int(detail::load_acquire_sys(address) - epoch) < 0) {
+  while (!ready()) {
     if (schedule.abort_word != nullptr &&
         *reinterpret_cast<uint32_t const volatile*>(schedule.abort_word) == schedule.abort_value) {
       return true;
@@ -218,7 +225,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     }
     if (thread == 0) {
       for (int p = 0; p < work.parts - 1; ++p) {
-        if (poll_for_epoch(s, flags + p, s.split_epoch, kErrorSplitTimeout)) {
+        if (poll_for_epoch(s, flags + p, s.split_epoch, s.split_error_code, /*exact=*/true)) {
           break;  // timed out: the error word says so, and the sums are wrong
         }
       }
