@@ -6,6 +6,7 @@
 #   sweep: sweep_ag.{json,log} (GPU 0) and sweep_rs.{json,log} (GPU 1), kernel configurations vs cuBLAS
 #   tails (one GPU): tail_tests.log, sweep_rs_split.{json,log} (the split GEMM+RS GEMMs, tail split off / on)
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
+# BENCH_SUFFIX names the bench step's JSON apart (an A/B of two settings in one call).
 # STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
@@ -108,7 +109,7 @@ for step in $STEPS; do
       echo "probe rc=$?"; grep -v Warning "$OUT/probe_transport.log" | tail -30 ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
-        torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops" \
+        torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops${BENCH_SUFFIX:-}" \
         --emit-tuning "$OUT/tuning/{device_key}_tp{world}.json" ${BENCH_ARGS:-} > "$OUT/bench_ops.log" 2>&1
       echo "bench rc=$?"; tail -c 6000 "$OUT/bench_ops.log" ;;
   esac
