@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
-#include <type_traits>
 #include <string>
 
 #include "ag_gemm.h"
@@ -66,18 +65,8 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
     schedule.k_chunk_tiles = (k_tiles + p.k_chunks - 1) / p.k_chunks;
   }
 
-  // Tail split: cooperative kernels only (their two consumer warp groups share one tile, which the scratch layout
-  // assumes), tiles that fit the scratch's slots.
-  constexpr bool kCooperative =
-      std::is_same_v<typename Config::KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  using TileShape = typename Config::TileShape;
-  constexpr int kTileElements = cute::size<0>(TileShape{}) * cute::size<1>(TileShape{});
-  if (kCooperative && kTileElements <= kMaxTailTileElements && p.split_partials != nullptr && p.split_flags != nullptr &&
-      p.split_max_parts > 1) {
-    schedule.split_partials = p.split_partials;
-    schedule.split_flags = p.split_flags;
-    schedule.split_epoch = p.split_epoch;
-    schedule.split_max_parts = p.split_max_parts;
+  if constexpr (supports_tail_split<Config>()) {
+    set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts);
   }
 
   cutlass::KernelHardwareInfo hw_info;

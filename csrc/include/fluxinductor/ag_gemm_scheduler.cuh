@@ -16,8 +16,11 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "ag_gemm.h"
 #include "cute/arch/cluster_sm90.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
@@ -71,6 +74,26 @@ struct AllGatherSchedule {
   int split_max_parts = 1;
   int split_error_code = kErrorSplitTimeout;
 };
+
+// Whether a kernel of these tiles (TileShape, KernelSchedule) can split its tail: the cooperative schedule, whose two
+// consumer warp groups share one tile as the scratch layout assumes, with a tile that fits a scratch slot.
+template <class Tiles>
+constexpr bool supports_tail_split() {
+  using TileShape = typename Tiles::TileShape;
+  return std::is_same_v<typename Tiles::KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative> &&
+         cute::size<0>(TileShape{}) * cute::size<1>(TileShape{}) <= kMaxTailTileElements;
+}
+
+// Turns the tail split on in `schedule` (scratch as AllGatherSchedule describes it; parts < 2 or no scratch: off).
+inline void set_tail_split(AllGatherSchedule& schedule, float* partials, uint32_t* flags, uint32_t epoch, int parts) {
+  if (partials == nullptr || flags == nullptr || parts < 2) {
+    return;
+  }
+  schedule.split_partials = partials;
+  schedule.split_flags = flags;
+  schedule.split_epoch = epoch;
+  schedule.split_max_parts = parts;
+}
 
 namespace detail {
 

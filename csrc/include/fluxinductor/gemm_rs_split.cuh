@@ -19,7 +19,6 @@
 #include <cstdint>
 
 #include <string>
-#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -213,22 +212,17 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
     schedule.abort_word = p.abort_word;
     schedule.abort_value = p.abort_value;
   }
-  constexpr bool kCooperative =
-      std::is_same_v<typename Config::Tiles::KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  constexpr int kTileElements = Config::kTiling.tile_m * Config::kTiling.tile_n;
-  if (kCooperative && kTileElements <= ag_gemm::kMaxTailTileElements && p.split_partials != nullptr &&
-      p.split_flags != nullptr && p.split_max_parts > 1) {
-    if (p.pdl) {
-      *error_message = "the split GEMM+RS tail split needs its scratch to itself: launch without pdl";
-      return -1;
+  if constexpr (ag_gemm::supports_tail_split<typename Config::Tiles>()) {
+    ag_gemm::set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts);
+    if (schedule.split_partials != nullptr) {
+      if (p.pdl) {
+        *error_message = "the split GEMM+RS tail split needs its scratch to itself: launch without pdl";
+        return -1;
+      }
+      schedule.split_error_code = p.split_error_code;
+      schedule.timeout_ns = p.timeout_ns;
+      schedule.error_word = p.error;
     }
-    schedule.split_partials = p.split_partials;
-    schedule.split_flags = p.split_flags;
-    schedule.split_epoch = p.split_epoch;
-    schedule.split_max_parts = p.split_max_parts;
-    schedule.split_error_code = p.split_error_code;
-    schedule.timeout_ns = p.timeout_ns;
-    schedule.error_word = p.error;
   }
 
   typename Gemm::Arguments arguments{};
