@@ -51,20 +51,26 @@ struct AllGatherGemmParams {
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
   // Tail split (cooperative variants; ag_gemm_scheduler.cuh): a partial last wave of tiles split along K into up to
-  // split_max_parts parts.  split_partials: device scratch of at least tail_split_scratch_floats() floats,
-  // split_flags: as many uint32 flags as tail_split_flag_count() (zeroed once), split_epoch: larger than on any
-  // earlier launch with this scratch.  nullptr / max parts 1: off.  One scratch per stream.
+  // split_max_parts parts, run in up to split_waves waves.  split_partials: device scratch of at least
+  // tail_split_scratch_floats(sm_count, split_waves) floats, split_flags: as many uint32 flags as
+  // tail_split_flag_count(sm_count, split_waves) (zeroed once), split_epoch: nonzero and new for this scratch (the
+  // flags of an earlier launch must not hold it).  nullptr / max parts 1: off.  One scratch per stream.
   float* split_partials = nullptr;
   uint32_t* split_flags = nullptr;
   uint32_t split_epoch = 0;
   int split_max_parts = 1;
+  int split_waves = 1;
 };
 
-// The tail split's scratch for a grid of sm_count CTAs (0: all SMs): floats, and flags.  Each slot holds one CTA
-// tile of fp32 accumulators, at most kMaxTailTileElements (the split is off for larger tiles).
+// The tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail runs in up to `waves` waves:
+// floats, and flags.  Each slot holds one CTA tile of fp32 accumulators, at most kMaxTailTileElements (the split is
+// off for larger tiles).
 constexpr int kMaxTailTileElements = 128 * 256;
-int64_t tail_split_scratch_floats(int sm_count);
-int64_t tail_split_flag_count(int sm_count);
+int64_t tail_split_scratch_floats(int sm_count, int waves = 1);
+int64_t tail_split_flag_count(int sm_count, int waves = 1);
+// The parts a split tail of `tail` tiles on `clusters` clusters takes (ag_gemm_scheduler.cuh tail_split_parts; 1: no
+// split), for tests on the host.
+int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves);
 
 // Checks and launches on `stream` (a cudaStream_t).
 Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);

@@ -28,7 +28,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int64_t shard_rows, int chunks_per_rank, int k_chunks,
                                              int group_cluster_rows, int sm_count, long long timeout_ns,
                                              int64_t error_word, int variant, int64_t split_partials,
-                                             int64_t split_flags, uint32_t split_epoch, int split_max_parts) {
+                                             int64_t split_flags, uint32_t split_epoch, int split_max_parts,
+                                             int split_waves) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -50,7 +51,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.variant = agg::Variant(variant);
   p.split_partials = reinterpret_cast<float*>(split_partials);
   p.split_flags = reinterpret_cast<uint32_t*>(split_flags);
-  p.split_epoch = split_epoch; p.split_max_parts = split_max_parts;
+  p.split_epoch = split_epoch; p.split_max_parts = split_max_parts; p.split_waves = split_waves;
   return p;
 }
 
@@ -62,7 +63,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("group_cluster_rows") = 8,                                                                   \
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
       py::arg("variant") = 0, py::arg("split_partials") = 0, py::arg("split_flags") = 0,                    \
-      py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1
+      py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1, py::arg("split_waves") = 1
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -71,11 +72,12 @@ void export_ag_gemm(py::module_& m) {
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
-         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int64_t stream) {
+         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns,
-                                error_word, variant, split_partials, split_flags, split_epoch, split_max_parts),
+                                error_word, variant, split_partials, split_flags, split_epoch, split_max_parts,
+                                split_waves),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -86,11 +88,11 @@ void export_ag_gemm(py::module_& m) {
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
-         int64_t split_flags, uint32_t split_epoch, int split_max_parts) {
+         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
             chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant, split_partials,
-            split_flags, split_epoch, split_max_parts)).message);
+            split_flags, split_epoch, split_max_parts, split_waves)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -126,11 +128,16 @@ void export_ag_gemm(py::module_& m) {
       },
       "a zeroed host-mapped int32: (host address, device address); never freed");
   m.def("ag_device_sm_count", &agg::device_sm_count, "SM count of the current device");
-  m.def("ag_tail_split_scratch", [](int sm_count) {
-        return py::make_tuple(agg::tail_split_scratch_floats(sm_count), agg::tail_split_flag_count(sm_count));
+  m.def("ag_tail_split_scratch", [](int sm_count, int waves) {
+        return py::make_tuple(agg::tail_split_scratch_floats(sm_count, waves),
+                              agg::tail_split_flag_count(sm_count, waves));
       },
-      "(floats, uint32 flags) of the AG+GEMM tail split's scratch for a grid of sm_count CTAs (0: all SMs)",
-      py::arg("sm_count") = 0);
+      "(floats, uint32 flags) of the tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail "
+      "runs in up to `waves` waves",
+      py::arg("sm_count") = 0, py::arg("waves") = 1);
+  m.def("ag_tail_split_parts", &agg::tail_split_parts_for,
+        "the parts a split tail of `tail` tiles on `clusters` clusters takes (1: no split)", py::arg("tail"),
+        py::arg("clusters"), py::arg("max_parts"), py::arg("max_waves"));
 }
 
 #undef FLUXINDUCTOR_AG_GEMM_ARGS
@@ -153,7 +160,7 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
          int64_t flags_offset, int64_t data_offset, uint32_t epoch, uint64_t signature, int64_t error,
          int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
          int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl, int64_t tail_split_partials,
-         int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts) {
+         int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts, int tail_split_waves) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.m = m; args.n = n; args.k = k;
@@ -186,6 +193,7 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
   args.tail_split_flags = reinterpret_cast<uint32_t*>(tail_split_flags);
   args.tail_split_epoch = tail_split_epoch;
   args.tail_split_parts = tail_split_parts;
+  args.tail_split_waves = tail_split_waves;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
@@ -201,7 +209,7 @@ void export_gemm_rs(py::module_& m) {
         py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("epoch_word"), py::arg("bands"),
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
-        py::arg("tail_split_parts") = 1);
+        py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),

@@ -483,6 +483,7 @@ void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args
   gemm->split_flags = args.tail_split_flags;
   gemm->split_epoch = args.tail_split_epoch + uint32_t(index);
   gemm->split_max_parts = args.tail_split_parts;
+  gemm->split_waves = args.tail_split_waves;
   gemm->split_error_code = kGemmRsSplitTimeout;
 }
 

@@ -79,6 +79,7 @@ struct GemmRsArgs {
   uint32_t* tail_split_flags = nullptr;
   uint32_t tail_split_epoch = 0;
   int tail_split_parts = 1;
+  int tail_split_waves = 1;            // the scratch's waves (ag_gemm.h tail_split_scratch_floats)
 };
 
 // The tile shape and flags per tile (1) fix the flag layout (the launcher and Python agree through these).

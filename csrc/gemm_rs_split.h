@@ -66,6 +66,7 @@ struct SplitGemmParams {
   uint32_t* split_flags = nullptr;
   uint32_t split_epoch = 0;
   int split_max_parts = 1;
+  int split_waves = 1;
   int32_t split_error_code = 0;
 };
 

@@ -49,3 +49,56 @@ def test_gemm_rs_knob(monkeypatch):
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "0")
     with pytest.raises(ValueError, match="at least 1"):
         gemm_rs.tail_split_parts()
+
+
+def test_waves_knob(monkeypatch):
+    monkeypatch.delenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", raising=False)
+    assert tail_split.waves() == 1
+    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "2")
+    assert tail_split.waves() == 2
+    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "0")
+    with pytest.raises(ValueError, match=r"\[1, 4\]"):
+        tail_split.waves()
+
+
+def _simulated_parts(tail: int, clusters: int, max_parts: int, max_waves: int) -> int:
+    """The scheduler's choice found by dealing the tail's units out as the kernel does: part p of tail tile t is unit
+    p * tail + t after the full waves, and unit u goes to cluster u % clusters.  A choice is valid when no cluster gets
+    two parts of one tile and the busiest cluster runs at most max_waves units; its time is that cluster's units x
+    1/P of a tile.  The fastest valid P wins, the fewest parts on a tie; 1 (no split) takes a whole tile."""
+    best, best_time = 1, 1.0
+    for parts in range(2, max_parts + 1):
+        per_cluster = [[] for _ in range(clusters)]
+        for p in range(parts):
+            for t in range(tail):
+                per_cluster[(p * tail + t) % clusters].append(t)
+        if any(len(set(tiles)) < len(tiles) for tiles in per_cluster):
+            break  # two parts of one tile on one cluster; more parts keep that pair
+        busiest = max(len(tiles) for tiles in per_cluster)
+        if busiest > max_waves:
+            break
+        if busiest / parts < best_time - 1e-12:
+            best, best_time = parts, busiest / parts
+    return best
+
+
+def test_tail_parts_rule_matches_a_simulation():
+    """The kernel's closed form (ag_gemm_scheduler.cuh tail_split_parts, called through the extension) against the
+    simulated deal of units to clusters, over every tail of 66 and 16 clusters."""
+    from fluxinductor.kernels import extension_available
+
+    reason = extension_available()
+    if reason is not None:
+        pytest.skip(reason)
+    from fluxinductor import _C
+
+    for clusters in (66, 16, 7):
+        for tail in range(1, clusters):
+            for max_parts in (1, 2, 3, 4):
+                for max_waves in (1, 2):
+                    expected = _simulated_parts(tail, clusters, max_parts, max_waves)
+                    got = _C.ag_tail_split_parts(tail, clusters, max_parts, max_waves)
+                    assert got == expected, (tail, clusters, max_parts, max_waves)
+    # The cases the tests on the GPU and csrc/NOTES rely on.
+    assert _C.ag_tail_split_parts(38, 66, 4, 1) == 1 and _C.ag_tail_split_parts(38, 66, 4, 2) == 3
+    assert _C.ag_tail_split_parts(18, 66, 4, 1) == 3 and _C.ag_tail_split_parts(10, 16, 4, 2) == 3

@@ -221,8 +221,9 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
 
 def _tail_split_kwargs(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int) -> dict:
     """The kernel's tail-split arguments for a launch on ``stream`` (off with ``parts`` < 2)."""
-    partials, flags, epoch, parts = tail_split_args(device, stream, sm_count, parts)
-    return dict(split_partials=partials, split_flags=flags, split_epoch=epoch, split_max_parts=parts)
+    partials, flags, epoch, parts, waves = tail_split_args(device, stream, sm_count, parts)
+    return dict(split_partials=partials, split_flags=flags, split_epoch=epoch, split_max_parts=parts,
+                split_waves=waves)
 
 
 def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:

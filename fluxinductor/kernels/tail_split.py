@@ -10,20 +10,34 @@ exactly that epoch.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import os
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from fluxinductor.kernels import symm
 
-OFF = (0, 0, 0, 1)  # (partials, flags, first epoch, parts): no tail split
+OFF = (0, 0, 0, 1, 1)  # (partials, flags, first epoch, parts, waves): no tail split
+
+
+def waves() -> int:
+    """How many waves a split tail may take (FLUXINDUCTOR_TAIL_SPLIT_WAVES, default 1).  With 1, a tail of T tiles on
+    C clusters splits only where P T <= C (P >= 2 parts); with 2, also into parts that take two waves where that ends
+    sooner (a tail of more than half a wave: T = 38 of 66 clusters splits in 3 parts, 2/3 of a tile's time), for
+    twice the scratch.  Not yet run on a GPU: off by default."""
+    value = int(os.environ.get("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1"))
+    if not 1 <= value <= 4:
+        raise ValueError(f"FLUXINDUCTOR_TAIL_SPLIT_WAVES must be in [1, 4], got {value}")
+    return value
 
 
 class Scratch:
-    """One stream's scratch: fp32 partial sums, their flags (zeroed once) and the launch counter."""
+    """One stream's scratch for tails of up to ``waves`` waves: fp32 partial sums, their flags (zeroed once) and the
+    launch counter."""
 
-    def __init__(self, device: torch.device, sm_count: int):
-        floats, flags = symm.extension().ag_tail_split_scratch(sm_count)
+    def __init__(self, device: torch.device, sm_count: int, waves: int = 1):
+        self.waves = waves
+        floats, flags = symm.extension().ag_tail_split_scratch(sm_count, waves)
         self.partials = torch.empty(floats, dtype=torch.float32, device=device)
         self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
         self.epoch = 0
@@ -40,21 +54,28 @@ class Scratch:
 _scratch: Dict[Tuple[int, int, int], Scratch] = {}
 
 
-def scratch(device: torch.device, stream: torch.cuda.Stream, sm_count: int) -> Scratch:
-    """The scratch of ``stream`` for grids of ``sm_count`` CTAs (0: every SM), allocated on first use."""
+def scratch(device: torch.device, stream: torch.cuda.Stream, sm_count: int, tail_waves: int = 1) -> Scratch:
+    """The scratch of ``stream`` for grids of ``sm_count`` CTAs (0: every SM) and tails of up to ``tail_waves`` waves,
+    allocated on first use (one per stream: a larger one replaces a smaller one, after the stream's work so far)."""
     key = (device.index, stream.cuda_stream, sm_count)
     found = _scratch.get(key)
-    if found is None:
-        found = _scratch[key] = Scratch(device, sm_count)
+    if found is None or found.waves < tail_waves:
+        replacement = Scratch(device, sm_count, tail_waves)
+        if found is not None:  # launches already enqueued on the stream may still use the old one
+            found.partials.record_stream(stream)
+            found.flags.record_stream(stream)
+            replacement.epoch = found.epoch
+        found = _scratch[key] = replacement
     return found
 
 
-def kernel_args(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int,
-                launches: int = 1) -> Tuple[int, int, int, int]:
-    """(partials address, flags address, first epoch, parts) for ``launches`` GEMMs enqueued next on ``stream``, each
-    splitting its tail into at most ``parts`` parts (the n-th takes the first epoch + n); :data:`OFF` when ``parts``
-    is below 2."""
+def kernel_args(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int, launches: int = 1,
+                tail_waves: Optional[int] = None) -> Tuple[int, int, int, int, int]:
+    """(partials address, flags address, first epoch, parts, waves) for ``launches`` GEMMs enqueued next on
+    ``stream``, each splitting its tail into at most ``parts`` parts over at most ``tail_waves`` waves (default
+    :func:`waves`); the n-th takes the first epoch + n.  :data:`OFF` when ``parts`` is below 2."""
     if parts < 2:
         return OFF
-    found = scratch(device, stream, sm_count)
-    return found.partials.data_ptr(), found.flags.data_ptr(), found.take_epochs(launches), parts
+    tail_waves = waves() if tail_waves is None else tail_waves
+    found = scratch(device, stream, sm_count, tail_waves)
+    return found.partials.data_ptr(), found.flags.data_ptr(), found.take_epochs(launches), parts, tail_waves

@@ -183,17 +183,22 @@ def test_k_chunks_on_one_gpu(world, shard_rows, k, k_chunks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_contiguous", [True, False])
-@pytest.mark.parametrize("m,k,n,sm_count,tail_split,flags", [
-    (1000, 776, 1032, 32, 4, 48),  # 16 clusters, 20 tiles: 1 full wave + 4 tail tiles in 4 parts (3/3/3/4 K tiles)
-    (1000, 776, 1032, 32, 2, 16),  # the same tail in 2 parts
-    (258, 72, 2056, 16, 4, 8),     # 8 clusters, 18 tiles: 2 waves + 2 tail tiles; 2 K tiles cap the parts at 2
-    (1000, 40, 1032, 32, 4, 0),    # 1 K tile: nothing to split
+@pytest.mark.parametrize("m,k,n,sm_count,tail_split,waves,flags", [
+    (1000, 776, 1032, 32, 4, 1, 48),  # 16 clusters, 20 tiles: 1 full wave + 4 tail tiles in 4 parts (3/3/3/4 K tiles)
+    (1000, 776, 1032, 32, 2, 1, 16),  # the same tail in 2 parts
+    (258, 72, 2056, 16, 4, 1, 8),     # 8 clusters, 18 tiles: 2 waves + 2 tail tiles; 2 K tiles cap the parts at 2
+    (1000, 40, 1032, 32, 4, 1, 0),    # 1 K tile: nothing to split
+    (500, 776, 3320, 32, 4, 1, 0),    # 16 clusters, 26 tiles: 10 tail tiles, more than fit one wave in 2 parts
+    (500, 776, 3320, 32, 4, 2, 80),   # the same in 3 parts over two waves (2/3 of a tile's time)
 ])
-def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split, flags):
+def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split, waves, flags, monkeypatch):
     """A partial last wave split along K (parts on different clusters, the last part adding the others' fp32
     sums): as exact as the unsplit kernel, with bias, M and N not multiples of the tile.  ``flags``: the parts' flags
-    the launch raises in its scratch, tail tiles x 2 CTAs x 2 consumer warp groups x (parts - 1): the split ran."""
+    the launch raises in its scratch, tail tiles x 2 CTAs x 2 consumer warp groups x (parts - 1): the split ran.
+    ``waves``: FLUXINDUCTOR_TAIL_SPLIT_WAVES."""
     from fluxinductor.kernels import ag_gemm, tail_split as tails
+
+    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", str(waves))
 
     torch.manual_seed(m + n + tail_split)
     a = torch.randn(m, k, dtype=dtype, device="cuda")
@@ -206,7 +211,7 @@ def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split, flags):
         ag_gemm.check_errors(synchronize=True)
         assert not out.isnan().any(), f"call {call}: unwritten output"
         assert relative_error(out, ref) <= 1e-2, f"call {call}"
-        scratch = tails.scratch(a.device, torch.cuda.current_stream(), sm_count)
+        scratch = tails.scratch(a.device, torch.cuda.current_stream(), sm_count, waves)
         assert int((scratch.flags == scratch.epoch).sum()) == flags, f"call {call}: parts' flags"
 
 

@@ -331,18 +331,20 @@ def test_split_ring_dtypes_no_bias():
     assert _simulate(3, 3 * 130, 64, 1000, with_bias=False, split=True) < 1e-2
 
 
-def _tail_flags(rows, n, k, sm_count, max_parts):
-    """How many flags a split GEMM of [rows, n] x K=k raises when it splits its tail (ag_gemm_scheduler.cuh's rule,
-    restated): 128x256 tiles in clusters of 2 CTAs, sm_count / 2 clusters; after at least one full wave, each of the
-    T tail tiles in P = min(max_parts, clusters / T, K tiles) parts; every part but the last raises a flag per CTA
-    and consumer warp group (2 each)."""
+def _tail_flags(rows, n, k, sm_count, max_parts, waves=1):
+    """How many flags a split GEMM of [rows, n] x K=k raises when it splits its tail: 128x256 tiles in clusters of 2
+    CTAs, sm_count / 2 clusters; after at least one full wave, each of the T tail tiles in P parts (the extension's
+    ag_tail_split_parts, checked against a simulation in tests/test_tail_split_cpu.py); every part but the last
+    raises a flag per CTA and consumer warp group (2 each)."""
+    from fluxinductor import _C
+
     clusters = sm_count // 2
     units = -(-rows // 256) * -(-n // 256)
     tail = units % clusters
     if units < clusters or tail == 0:
         return 0
-    parts = min(max_parts, clusters // tail, -(-k // 64))
-    return tail * 2 * 2 * (parts - 1) if parts >= 2 else 0
+    parts = _C.ag_tail_split_parts(tail, clusters, min(max_parts, -(-k // 64)), waves)
+    return tail * 2 * 2 * (parts - 1)
 
 
 def _flags_at(scratch, epoch):
@@ -352,28 +354,30 @@ def _flags_at(scratch, epoch):
 
 @_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k,n,parts,first,second", [
-    (2000, 776, 2552, 4, 32, 32),   # 1000 rows: 40 units on 16 clusters, 8 tail tiles in 2 parts (both GEMMs)
-    (1025, 776, 2552, 4, 48, 0),    # 512 rows: 20 units, 4 tail tiles in 4 parts; 513 rows: 30 units, 14 tail: no
-    (1537, 776, 2552, 4, 0, 32),    # 768 rows: 30 units, no split; 769 rows: 40 units, 8 tail tiles in 2 parts
-    (1025, 776, 2552, 2, 16, 0),    # at most 2 parts
-    (1025, 40, 2552, 4, 0, 0),      # one K tile: nothing to split
+@pytest.mark.parametrize("m,k,n,parts,waves,first,second", [
+    (2000, 776, 2552, 4, 1, 32, 32),  # 1000 rows: 40 units on 16 clusters, 8 tail tiles in 2 parts (both GEMMs)
+    (1025, 776, 2552, 4, 1, 48, 0),   # 512 rows: 20 units, 4 tail tiles in 4 parts; 513 rows: 30 units, 14 tail: no
+    (1537, 776, 2552, 4, 1, 0, 32),   # 768 rows: 30 units, no split; 769 rows: 40 units, 8 tail tiles in 2 parts
+    (1025, 776, 2552, 2, 1, 16, 0),   # at most 2 parts
+    (1025, 40, 2552, 4, 1, 0, 0),     # one K tile: nothing to split
+    (1000, 776, 3320, 4, 2, 80, 80),  # 500 rows: 26 units, 10 tail tiles in 3 parts over two waves
 ])
-def test_gemm_only_split_tail_split(dtype, m, k, n, parts, first, second):
+def test_gemm_only_split_tail_split(dtype, m, k, n, parts, waves, first, second, monkeypatch):
     """The split transport's GEMMs with their partial last waves split along K (communication off), on a grid of 32
     CTAs: exact against the fp32 reference with the output poisoned, three calls reusing the scratch, and the
-    scratch's flags show which GEMM split (each GEMM has its own epoch)."""
+    scratch's flags show which GEMM split (each GEMM has its own epoch).  ``waves``: FLUXINDUCTOR_TAIL_SPLIT_WAVES."""
     from fluxinductor.kernels import gemm_rs, tail_split
 
+    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", str(waves))
     sm_count = 32
-    assert _tail_flags(m // 2, n, k, sm_count, parts) == first
-    assert _tail_flags(m - m // 2, n, k, sm_count, parts) == second
+    assert _tail_flags(m // 2, n, k, sm_count, parts, waves) == first
+    assert _tail_flags(m - m // 2, n, k, sm_count, parts, waves) == second
     torch.manual_seed(m + k + parts)
     a = torch.randn(m, k, dtype=dtype, device="cuda")
     w = make_weight(k, n, True, dtype, "cuda")
     bias = torch.randn(n, dtype=dtype, device="cuda")
     ref = a.float() @ w.float() + bias.float()
-    scratch = tail_split.scratch(a.device, torch.cuda.current_stream(), sm_count)
+    scratch = tail_split.scratch(a.device, torch.cuda.current_stream(), sm_count, waves)
     for call in range(3):
         out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
         gemm_rs.gemm_only(a, w, bias, out=out, split=True, tail_split=parts, sm_count=sm_count)

@@ -66,7 +66,7 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   }
 
   if constexpr (supports_tail_split<Config>()) {
-    set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts);
+    set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts, p.split_waves);
   }
 
   cutlass::KernelHardwareInfo hw_info;

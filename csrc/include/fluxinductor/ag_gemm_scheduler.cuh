@@ -60,18 +60,20 @@ struct AllGatherSchedule {
   int k_chunks = 1;
   int k_chunk_tiles = 1;
   // Tail split (split_partials != nullptr, cooperative kernels only): when the last wave of tiles is partial (R of C
-  // clusters busy, after at least one full wave), each of its R tiles is split along K into up to
-  // split_max_parts parts run by different clusters of that wave, so the wave takes 1/parts of a tile's time.
-  // Parts but the last store their fp32 accumulators in split_partials and raise their flag in split_flags to
-  // split_epoch; the last part (on the highest cluster of the tile's parts) waits for them, adds, and runs the
-  // epilogue.  Scratch: R * (parts - 1) * CTAs per cluster * TileM * TileN floats (at most a grid's worth of
-  // tiles) and as many flags per consumer warp group, both owned by one stream (concurrent launches need their own).
+  // clusters busy, after at least one full wave), each of its R tiles is split along K into P parts run by different
+  // clusters, P <= split_max_parts chosen so the parts' ceil(P R / C) <= split_waves waves take the least time,
+  // ceil(P R / C) / P of a tile's (with one wave: the most P with P R <= C).  Parts but the last store their fp32
+  // accumulators in split_partials and raise their flag in split_flags to split_epoch; the last part (the tile's
+  // highest unit, handed out after the others) waits for them, adds, and runs the epilogue.  Scratch: R * (P - 1) *
+  // CTAs per cluster * TileM * TileN floats (less than split_waves grids' worth of tiles) and as many flags per
+  // consumer warp group, both owned by one stream (concurrent launches need their own).
   // A part's flag is ready when it equals split_epoch exactly (not "at least": a slot left unused for 2^31 launches
   // must not read as ready).  A last part that waits past timeout_ns writes split_error_code to error_word.
   float* split_partials = nullptr;
   uint32_t* split_flags = nullptr;
   uint32_t split_epoch = 0;
   int split_max_parts = 1;
+  int split_waves = 1;
   int split_error_code = kErrorSplitTimeout;
 };
 
@@ -85,7 +87,8 @@ constexpr bool supports_tail_split() {
 }
 
 // Turns the tail split on in `schedule` (scratch as AllGatherSchedule describes it; parts < 2 or no scratch: off).
-inline void set_tail_split(AllGatherSchedule& schedule, float* partials, uint32_t* flags, uint32_t epoch, int parts) {
+inline void set_tail_split(AllGatherSchedule& schedule, float* partials, uint32_t* flags, uint32_t epoch, int parts,
+                           int waves) {
   if (partials == nullptr || flags == nullptr || parts < 2) {
     return;
   }
@@ -93,6 +96,27 @@ inline void set_tail_split(AllGatherSchedule& schedule, float* partials, uint32_
   schedule.split_flags = flags;
   schedule.split_epoch = epoch;
   schedule.split_max_parts = parts;
+  schedule.split_waves = waves > 1 ? waves : 1;
+}
+
+// The parts P (1: no split) a tail of `tail` tiles on `clusters` clusters splits into: among P <= max_parts whose
+// parts fit max_waves waves, the one that ends soonest, ceil(P tail / clusters) / P of a tile's time (the fewest parts
+// on a tie).  Part p of tail tile t runs on cluster (p tail + t) % clusters, so no P whose parts of one tile would meet
+// on a cluster (d tail a multiple of clusters for some d < P).  With one wave: the most P with P tail <= clusters.
+CUTLASS_HOST_DEVICE int tail_split_parts(uint32_t tail, uint32_t clusters, int max_parts, int max_waves) {
+  int best = 1;
+  uint32_t best_waves = 1;
+  for (int p = 2; p <= max_parts; ++p) {
+    uint32_t const waves = (uint32_t(p) * tail + clusters - 1) / clusters;
+    if (waves > uint32_t(max_waves) || (uint32_t(p - 1) * tail) % clusters == 0) {
+      break;  // more parts only take more waves, or keep this collision
+    }
+    if (waves * uint32_t(best) < best_waves * uint32_t(p)) {
+      best = p;
+      best_waves = waves;
+    }
+  }
+  return best;
 }
 
 namespace detail {
@@ -322,7 +346,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     uint32_t const tail = units % clusters32;
     full_units_ = units - tail;
     if (schedule_.split_partials != nullptr && schedule_.k_chunks <= 1 && units >= clusters32 && tail > 0) {
-      int const parts = min(min(schedule_.split_max_parts, int(clusters32 / tail)), params.k_tiles);
+      int const parts =
+          tail_split_parts(tail, clusters32, min(schedule_.split_max_parts, params.k_tiles), schedule_.split_waves);
       if (parts >= 2) {
         tail_units_ = tail;
         parts_ = parts;

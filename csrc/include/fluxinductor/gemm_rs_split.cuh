@@ -213,7 +213,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
     schedule.abort_value = p.abort_value;
   }
   if constexpr (ag_gemm::supports_tail_split<typename Config::Tiles>()) {
-    ag_gemm::set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts);
+    ag_gemm::set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts,
+                            p.split_waves);
     if (schedule.split_partials != nullptr) {
       if (p.pdl) {
         *error_message = "the split GEMM+RS tail split needs its scratch to itself: launch without pdl";
