@@ -4,7 +4,8 @@
 #   build.log, _C*.so, gpu_tests.log, example.log, bench_ops.log, h200x<N>_tp<N>_ops.{json,png},
 #   tuning/<device>_tp<N>.json, bench_model.log, h200x<N>_tp<N>_model.json  (N = NPROC, default 2)
 #   sweep: sweep_ag.{json,log} (GPU 0) and sweep_rs.{json,log} (GPU 1), kernel configurations vs cuBLAS
-#   tails (one GPU): tail_tests.log, sweep_rs_split.{json,log} (the split GEMM+RS GEMMs, tail split off / on)
+#   gtests (one GPU): the single-GPU tests.  tails (one GPU): tail_tests.log, sweep_rs_split.{json,log} (the split
+#   GEMM+RS GEMMs) and sweep_ag_tails.{json,log}, tail split off / on, one or two waves
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
 # BENCH_SUFFIX names the bench step's JSON apart (an A/B of two settings in one call).
 # STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
@@ -66,15 +67,25 @@ for step in $STEPS; do
         timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py --pushes split; } \
         > "$OUT/split_tests.log" 2>&1
       grep -E "passed|failed|error|Error|FAIL|all checks" "$OUT/split_tests.log" | tail -12 ;;
+    gtests)
+      # the single-GPU tests only (one GPU is enough; the torchrun checks need NPROC GPUs: step dtests)
+      timeout ${GTESTS_TIMEOUT:-300} python3 -m pytest -q -rs tests/gpu -k "not torchrun" > "$OUT/gpu_tests.log" 2>&1
+      echo "gpu tests rc=$?"; grep -E "passed|failed|FAIL|Error" "$OUT/gpu_tests.log" | tail -15 ;;
     tails)
-      # the tail splits, one GPU is enough: their tests, then the split GEMM+RS transport's GEMMs with communication off
-      # against cuBLAS with the tail split off and on (TAIL_SPLITS), round-robin
+      # the tail splits, one GPU is enough: their tests, then the GEMMs with communication off against cuBLAS, round-
+      # robin, with the tail split off and on (TAIL_SPLITS) over one or two waves (TAIL_WAVES): the split GEMM+RS
+      # transport's GEMMs on the default shapes, AG+GEMM on TAIL_AG_SHAPES
       timeout 300 python3 -m pytest -q -rs tests/gpu -k "tail_split" > "$OUT/tail_tests.log" 2>&1
       echo "tail tests rc=$?"; tail -5 "$OUT/tail_tests.log"
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/sweep_kernels.py \
-        --op rs-split --tail-splits "${TAIL_SPLITS:-1,4}" --out "$OUT/sweep_rs_split.json" ${SWEEP_ARGS:-} \
-        > "$OUT/sweep_rs_split.log" 2>&1
-      echo "rs-split sweep rc=$?"; cat "$OUT/sweep_rs_split.log" ;;
+        --op rs-split --tail-splits "${TAIL_SPLITS:-1,4}" --tail-waves "${TAIL_WAVES:-1,2}" \
+        --out "$OUT/sweep_rs_split.json" ${SWEEP_ARGS:-} > "$OUT/sweep_rs_split.log" 2>&1
+      echo "rs-split sweep rc=$?"; cat "$OUT/sweep_rs_split.log"
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/sweep_kernels.py \
+        --op ag --quick --tail-splits "${TAIL_SPLITS:-1,4}" --tail-waves "${TAIL_WAVES:-1,2}" \
+        --shapes "${TAIL_AG_SHAPES:-4096,8192,28672;4096,12288,49152;3072,8192,28672}" \
+        --out "$OUT/sweep_ag_tails.json" ${SWEEP_ARGS:-} > "$OUT/sweep_ag_tails.log" 2>&1
+      echo "ag sweep rc=$?"; cat "$OUT/sweep_ag_tails.log" ;;
     rstests)
       timeout 300 python3 -m pytest -q -rs tests/gpu/test_gemm_rs.py -k "tuning or n_ranks or gemm_only or copy_engine or peer_never" \
         > "$OUT/rstests.log" 2>&1; echo "rstests rc=$?"; tail -5 "$OUT/rstests.log" ;;

@@ -85,17 +85,21 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None) -> List[Dict[str, int]]:
+def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
+            tail_waves: Optional[List[int]] = None) -> List[Dict[str, int]]:
+    waves = tail_waves or [1]
     if op == "ag":
         variants = [0, 1, 3, 4] if not quick else [0]
         groups = [4, 8, 16] if not quick else [8]
         if tail_splits is None:
             from fluxinductor.kernels import ag_gemm
             tail_splits = [ag_gemm.TAIL_SPLIT]
-        return [{"variant": v, "group_rows": g, "tail_split": t}
-                for v, g, t in itertools.product(variants, groups, tail_splits)]
+        return [{"variant": v, "group_rows": g, "tail_split": t, "tail_waves": w}
+                for v, g, t, w in itertools.product(variants, groups, tail_splits, waves)
+                if t > 1 or w == waves[0]]
     if op == "rs-split":
-        return [{"split": 1, "tail_split": t} for t in (tail_splits or [1, 4])]
+        return [{"split": 1, "tail_split": t, "tail_waves": w}
+                for t, w in itertools.product(tail_splits or [1, 4], waves) if t > 1 or w == waves[0]]
     cfgs = [0, 1, 4, 5, 6] if not quick else [0]
     orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
     return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
@@ -104,12 +108,19 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None) -> Li
 def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor):
     if op == "ag":
         from fluxinductor.kernels import ag_gemm
-        return lambda: ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"],
-                                           tail_split=cfg["tail_split"])
+
+        def call_ag():  # the launcher reads the waves per call, so each contender sets its own
+            os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
+            return ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"],
+                                       tail_split=cfg["tail_split"])
+        return call_ag
     from fluxinductor.kernels import gemm_rs
 
     if op == "rs-split":
-        return lambda: gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"])
+        def call_split():
+            os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
+            return gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"])
+        return call_split
 
     def call():  # the launcher reads these per call, so each contender sets its own
         os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
@@ -131,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--tail-splits", default=None,
                    help="--op ag / rs-split: comma-separated tail-split values to compare (FLUXINDUCTOR_AG_TAIL_SPLIT / "
                         "FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default: ag the default, rs-split 1,4)")
+    p.add_argument("--tail-waves", default=None,
+                   help="--op ag / rs-split: comma-separated FLUXINDUCTOR_TAIL_SPLIT_WAVES values (default 1)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -157,7 +170,8 @@ def main(argv=None) -> int:
         entry["cublas_kernel"] = cublas_kernel_name(cublas_fn)
         fns: Dict[str, Callable[[], object]] = {"cublas": cublas_fn}
         splits = [int(t) for t in args.tail_splits.split(",")] if args.tail_splits else None
-        for i, cfg in enumerate(configs(args.op, args.quick, splits)):
+        waves = [int(t) for t in args.tail_waves.split(",")] if args.tail_waves else None
+        for i, cfg in enumerate(configs(args.op, args.quick, splits, waves)):
             row = dict(cfg)
             try:
                 fn = run_config(args.op, cfg, a, w_t, out)
@@ -188,7 +202,8 @@ def main(argv=None) -> int:
               f"[{entry['cublas_kernel']}]", flush=True)
         for row in entry["configs"]:
             cfg = {key: row[key] for key in row
-                   if key in ("variant", "group_rows", "tail_split", "config", "swizzle", "raster", "split")}
+                   if key in ("variant", "group_rows", "tail_split", "tail_waves", "config", "swizzle", "raster",
+                              "split")}
             if "ms" in row:
                 print(f"   {cfg} {row['ms']:.3f} ms  x{row['ratio']:.3f}  err {row['rel_err']:.1e}", flush=True)
             else:
