@@ -43,9 +43,9 @@ def test_gemm_rs_knob(monkeypatch):
     from fluxinductor.kernels import gemm_rs
 
     monkeypatch.delenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", raising=False)
-    assert gemm_rs.tail_split_parts() == 1  # off until measured on two GPUs
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4")
     assert gemm_rs.tail_split_parts() == 4
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1")
+    assert gemm_rs.tail_split_parts() == 1
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "0")
     with pytest.raises(ValueError, match="at least 1"):
         gemm_rs.tail_split_parts()

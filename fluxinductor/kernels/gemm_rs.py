@@ -124,10 +124,11 @@ def split_pdl() -> bool:
 
 def tail_split_parts() -> int:
     """The most parts the split transport's GEMMs split a partial last wave's tiles into along K
-    (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default 1, off: not yet measured on two GPUs).  With 2 or more the GEMMs share
-    one scratch per stream (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as
-    programmatic dependents."""
-    value = int(os.environ.get("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1"))
+    (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
+    (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as programmatic dependents.  The
+    two GEMMs with communication off went from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
+    (one H200, csrc/NOTES_gemm_rs.md session 8)."""
+    value = int(os.environ.get("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4"))
     if value < 1:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT must be at least 1, got {value}")
     return value

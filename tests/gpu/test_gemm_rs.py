@@ -274,9 +274,11 @@ def test_copy_engine_layouts_and_odd_n(dtype):
 ])
 def test_split_two_ranks_one_gpu(rows, k, n, bands, reduce_op, pdl, monkeypatch):
     """Split transport: the peer GEMM's counted TMA stores, the band copies, the own GEMM's per-band waits and its
-    source C (the peer's partial), with and without the programmatic dependent launch."""
+    source C (the peer's partial), with the programmatic dependent launch (tail split off, which PDL needs) and
+    without it (tail split on, the default)."""
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1" if pdl == "1" else "4")
     assert _simulate(2, 2 * rows, k, n, reduce_op=reduce_op, split=True, calls=4) < 1e-2
 
 
@@ -297,9 +299,10 @@ def test_split_dtypes_no_bias(dtype):
 ])
 def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, monkeypatch):
     """The split transport's ring with more than two ranks: relay GEMMs that wait per band for rank + 1's partial
-    sum, add it as source C and count their own tiles for the copy to rank - 1."""
+    sum, add it as source C and count their own tiles for the copy to rank - 1.  PDL as in the two-rank test."""
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1" if pdl == "1" else "4")
     assert _simulate(world, world * rows, k, n, reduce_op=reduce_op, split=True, calls=3) < 1e-2
 
 
