@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Where the split GEMM+RS transport's time goes with communication off (one GPU).
+
+    python3 benchmarks/probe_split_gemms.py --out $OUT/probe_split_gemms.json
+
+Per per-rank problem [M, K] @ [K, N] (default: the TP=2 problems of the shapes whose tails split), timed round-robin
+as in sweep_kernels.py: cuBLAS on the whole problem and on half its rows (alone and as addmm with a source, which is
+what the split's second GEMM does), AG+GEMM's kernel on half the rows (the split's first GEMM: the same mainloop and
+tile order, no source), and the split's two GEMMs (``gemm_only(split=True)``).  The second GEMM's time is estimated as
+the split's minus the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import git_sha, write_json  # noqa: E402
+from sweep_kernels import time_round_robin  # noqa: E402
+
+PROBLEMS = [(8192, 4096, 28672), (4096, 6144, 49152), (16384, 4096, 28672), (4096, 4096, 57344), (3072, 4096, 28672)]
+
+
+def main(argv=None) -> int:
+    from fluxinductor.kernels import ag_gemm, gemm_rs
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--problems", default=None, help="M,K,N;M,K,N (per-rank problems); default: " + str(PROBLEMS))
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
+    dev = torch.device("cuda")
+    sha, dirty = git_sha()
+    data = {"schema": 1, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "git_sha": sha,
+            "dirty": dirty, "iters": args.iters, "rounds": args.rounds, "results": []}
+    for m, k, n in problems:
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5).t()
+        h = m // 2
+        out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        out_half = torch.empty(h, n, device=dev, dtype=torch.bfloat16)
+        source = torch.zeros(h, n, device=dev, dtype=torch.bfloat16)
+        fns = {
+            "cublas_full": lambda: torch.mm(a, w),
+            "cublas_half": lambda: torch.mm(a[:h], w),
+            "cublas_half_addmm": lambda: torch.addmm(source, a[:h], w),
+            "first_gemm": lambda: ag_gemm.launch_gemm(a[:h], w, None, out_half),
+            "split_nocomm": lambda: gemm_rs.gemm_only(a, w, None, out=out, split=True),
+        }
+        times = time_round_robin(fns, 3, args.iters, args.rounds)
+        ms = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
+        second = ms["split_nocomm"] - ms["first_gemm"]
+        row = {"problem": [m, k, n], "ms": ms, "second_gemm_ms": second,
+               "second_over_first": second / ms["first_gemm"], "split_over_cublas": ms["split_nocomm"] / ms["cublas_full"]}
+        data["results"].append(row)
+        print(f"{m}x{k}x{n}: " + " ".join(f"{name} {t:.3f}" for name, t in ms.items()) +
+              f" | second GEMM {second:.3f} ms = {row['second_over_first']:.3f}x the first; "
+              f"split / cuBLAS {row['split_over_cublas']:.3f}", flush=True)
+        write_json(args.out, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
