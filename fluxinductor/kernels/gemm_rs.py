@@ -567,7 +567,8 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
 
     ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
     buffer as their source, as the transport's second GEMM reads the peer's partial); ``tail_split`` and
-    ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`.  A kernel error (a tail split's timed-out wait) is reported by :func:`check_gemm_only`."""
+    ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`.  A kernel error (a tail split's
+    timed-out wait) is reported by :func:`check_gemm_only`."""
     reason = unsupported_reason(a2d, weight, bias, "sum", None)
     if reason is None and split:
         reason = split_reason(2, weight, bias, out)
