@@ -59,9 +59,9 @@ struct SplitGemmParams {
   int64_t timeout_ns = 0;
   bool pdl = false;                 // launch as a programmatic dependent of the GEMM before it
   // Tail split (cooperative configurations; ag_gemm_scheduler.cuh AllGatherSchedule): a partial last wave's tiles
-  // split along K into up to split_max_parts parts.  The scratch (ag_gemm.h tail_split_scratch_floats / flag_count
-  // for sm_count) belongs to this launch until it ends, so the next GEMM on it must not start earlier (no pdl).  A
-  // last part that times out writes split_error_code to *error.
+  // split along K into up to split_max_parts parts over up to split_waves waves.  The scratch (ag_gemm.h
+  // tail_split_scratch_floats / flag_count for sm_count and split_waves) belongs to this launch until it ends, so the
+  // next GEMM on it must not start earlier (no pdl).  A last part that times out writes split_error_code to *error.
   float* split_partials = nullptr;
   uint32_t* split_flags = nullptr;
   uint32_t split_epoch = 0;
