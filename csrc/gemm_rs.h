@@ -73,9 +73,9 @@ struct GemmRsArgs {
   bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent
   // Split transport, optional: each GEMM's partial last wave split along K into up to tail_split_parts parts (> 1),
   // in up to tail_split_waves waves, with the AG+GEMM tail split's scratch (ag_gemm.h sizes it for sm_count and the
-  // waves), which must belong to `stream`.  The call
-  // uses the epochs tail_split_epoch, +1, ... one per GEMM (world of them; 2 with world 1), and launches its GEMMs
-  // one after another (split_pdl is ignored), since they share the scratch.
+  // waves), which must belong to `stream`.  The call uses the epochs tail_split_epoch, +1, ... one per GEMM (world of
+  // them; 2 with world 1), and launches its GEMMs one after another (split_pdl is ignored), since they share the
+  // scratch.
   float* tail_split_partials = nullptr;
   uint32_t* tail_split_flags = nullptr;
   uint32_t tail_split_epoch = 0;
