@@ -7,8 +7,7 @@ Per per-rank problem [M, K] @ [K, N] (default: the TP=2 problems of the shapes w
 as in sweep_kernels.py: cuBLAS on the whole problem and on half its rows (alone and as addmm with a source, which is
 what the split's second GEMM does), AG+GEMM's kernel on half the rows (the split's first GEMM: the same mainloop and
 tile order, no source), and the split's two GEMMs (``gemm_only(split=True)``).  The second GEMM's time is estimated as
-the split's minus the first's.  ``--own-epilogues 1,2,3`` (tuning builds) adds the split with each explicit epilogue
-policy of its second GEMM (FLUXINDUCTOR_GEMM_RS_OWN_EPILOGUE; csrc/gemm_rs_split_own.cu).
+the split's minus the first's.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ def main(argv=None) -> int:
     p.add_argument("--problems", default=None, help="M,K,N;M,K,N (per-rank problems); default: " + str(PROBLEMS))
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--own-epilogues", default="", help="comma-separated FLUXINDUCTOR_GEMM_RS_OWN_EPILOGUE values")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
@@ -49,36 +47,17 @@ def main(argv=None) -> int:
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         out_half = torch.empty(h, n, device=dev, dtype=torch.bfloat16)
         source = torch.zeros(h, n, device=dev, dtype=torch.bfloat16)
-        def split_with(epilogue: str):
-            def call():
-                os.environ["FLUXINDUCTOR_GEMM_RS_OWN_EPILOGUE"] = epilogue
-                return gemm_rs.gemm_only(a, w, None, out=out, split=True)
-            return call
-
         fns = {
             "cublas_full": lambda: torch.mm(a, w),
             "cublas_half": lambda: torch.mm(a[:h], w),
             "cublas_half_addmm": lambda: torch.addmm(source, a[:h], w),
             "first_gemm": lambda: ag_gemm.launch_gemm(a[:h], w, None, out_half),
-            "split_nocomm": split_with("0"),
+            "split_nocomm": lambda: gemm_rs.gemm_only(a, w, None, out=out, split=True),
         }
-        ref = torch.mm(a, w).float()
-        errors = {}
-        for epilogue in [e for e in args.own_epilogues.split(",") if e]:
-            out.fill_(float("nan"))
-            try:
-                split_with(epilogue)()
-                torch.cuda.synchronize()
-            except RuntimeError as e:  # a policy this build lacks, or one CUTLASS cannot run here
-                errors[epilogue] = f"{type(e).__name__}: {e}"[:300]
-                continue
-            errors[epilogue] = float((out.float() - ref).norm() / ref.norm())
-            fns[f"split_nocomm_e{epilogue}"] = split_with(epilogue)
-        os.environ["FLUXINDUCTOR_GEMM_RS_OWN_EPILOGUE"] = "0"
         times = time_round_robin(fns, 3, args.iters, args.rounds)
         ms = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
         second = ms["split_nocomm"] - ms["first_gemm"]
-        row = {"problem": [m, k, n], "ms": ms, "second_gemm_ms": second, "epilogue_rel_err": errors,
+        row = {"problem": [m, k, n], "ms": ms, "second_gemm_ms": second,
                "second_over_first": second / ms["first_gemm"], "split_over_cublas": ms["split_nocomm"] / ms["cublas_full"]}
         data["results"].append(row)
         print(f"{m}x{k}x{n}: " + " ".join(f"{name} {t:.3f}" for name, t in ms.items()) +

@@ -174,31 +174,6 @@ using RelayGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Elem
 template <class Element, int Config>
 using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>>;
 
-#if defined(FLUXINDUCTOR_KERNEL_TUNING)
-// Tuning builds: the epilogue with a source C under an explicit TMA dispatch policy instead of the builder's choice
-// for a 16-bit source (StagesC 4, StagesD 2, C's shared memory reused for D, TMA stores not delayed): whether the
-// second split GEMM's extra cost over the first (csrc/NOTES_gemm_rs.md, session 8) is the wait for D's stores
-// before C's buffer can be refilled.  FLUXINDUCTOR_GEMM_RS_OWN_EPILOGUE picks one (gemm_rs_split_own.cu).
-template <class Element, class Tiles, int StagesC, int StagesD, bool ReuseSmemC, bool DelayTmaStore>
-struct TunedSourceEpilogueOf {
-  using TileShape = typename Tiles::TileShape;
-  using EpilogueTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
-                                Element, cutlass::epilogue::collective::EpilogueTileAuto,
-                                typename Tiles::EpilogueSchedule, TileShape>());
-  static constexpr int kFragment = int(cute::size(EpilogueTile{})) / 256;  // cooperative: 2 warp groups
-  using Policy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, kFragment, ReuseSmemC, DelayTmaStore>;
-  using CollectiveOp = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-      TileShape, EpilogueTile, float, float, Element, cutlass::layout::RowMajor, 8, Element, cutlass::layout::RowMajor,
-      8, cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>, Policy>::CollectiveOp;
-};
-template <int StagesC, int StagesD, bool ReuseSmemC, bool DelayTmaStore>
-struct TunedOwn {
-  template <class Element, int Config>
-  using Gemm = SplitGemm<Element, Config, typename TunedSourceEpilogueOf<Element, SplitTiles<Config>, StagesC, StagesD,
-                                                                         ReuseSmemC, DelayTmaStore>::CollectiveOp>;
-};
-#endif
-
 template <class Epilogue>
 struct IsCounting : cute::false_type {};
 template <class Base>
