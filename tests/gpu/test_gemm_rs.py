@@ -408,6 +408,7 @@ def test_split_tail_split_n_ranks_one_gpu(world, rows, k, n, bands, parts, pdl, 
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", str(parts))
+    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1")  # the scratch below is the one the launches use
     device = torch.device("cuda", 0)
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     sm_budget = _sm_budget(world, True)
