@@ -7,7 +7,8 @@
 #   gtests (one GPU): the single-GPU tests.  tails (one GPU): tail_tests.log, sweep_rs_split.{json,log} (the split
 #   GEMM+RS GEMMs) and sweep_ag_tails.{json,log}, tail split off / on, one or two waves
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
-# BENCH_SUFFIX names the bench step's JSON apart (an A/B of two settings in one call).
+# BENCH_SUFFIX names the bench step's JSON apart (an A/B of two settings in one call); step tailsab is the bench with
+# both tail splits off (STEPS="bench tailsab" for that A/B).
 # STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
@@ -118,6 +119,13 @@ for step in $STEPS; do
       timeout 240 torchrun --nproc-per-node "$NPROC" benchmarks/probe_transport.py --out "$OUT/${TAG}_transport.json" \
         ${PROBE_ARGS:-} > "$OUT/probe_transport.log" 2>&1
       echo "probe rc=$?"; grep -v Warning "$OUT/probe_transport.log" | tail -30 ;;
+    tailsab)
+      # the op benchmark with both tail splits off (FLUXINDUCTOR_AG_TAIL_SPLIT=1, FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT=1), to
+      # set beside a bench step's run with the defaults; it writes no tuning table
+      FLUXINDUCTOR_AG_TAIL_SPLIT=1 FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT=1 FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} \
+        FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} torchrun --nproc-per-node "$NPROC" \
+        benchmarks/bench_ops.py --out "$OUT/${TAG}_ops_tails_off" ${BENCH_ARGS:-} > "$OUT/bench_ops_tails_off.log" 2>&1
+      echo "bench (tail splits off) rc=$?"; tail -c 6000 "$OUT/bench_ops_tails_off.log" ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
         torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops${BENCH_SUFFIX:-}" \
