@@ -46,12 +46,12 @@ int64_t tail_split_scratch_floats(int sm_count, int waves) {
   return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * (waves > 1 ? waves : 1) * kMaxTailTileElements;
 }
 
-int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves) {
-  return tail > 0 && clusters > 0 ? tail_split_parts(uint32_t(tail), uint32_t(clusters), max_parts, max_waves) : 1;
-}
-
 int64_t tail_split_flag_count(int sm_count, int waves) {
   return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * (waves > 1 ? waves : 1) * 2;
+}
+
+int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves) {
+  return tail > 0 && clusters > 0 ? tail_split_parts(uint32_t(tail), uint32_t(clusters), max_parts, max_waves) : 1;
 }
 
 Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {

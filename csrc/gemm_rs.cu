@@ -456,8 +456,8 @@ bool tail_split_on(GemmRsArgs const& args) {
   return args.tail_split_parts > 1 && args.tail_split_partials != nullptr && args.tail_split_flags != nullptr;
 }
 
-// What every split GEMM takes from the call: dtype, configuration, N, K, B, the grid size, the error word and the
-// launch mode (A, rows, C, D and the rest per GEMM).
+// What every split GEMM takes from the call: dtype, configuration, N, K, B, the grid size and the error word (A, rows,
+// C, D and the rest per GEMM).
 gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int config) {
   gemm_rs_split::SplitGemmParams gemm;
   gemm.dtype = args.dtype;
@@ -470,15 +470,16 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
   gemm.sm_count = args.sm_count;
   gemm.error = args.error;
   gemm.timeout_ns = args.timeout_ns;
-  gemm.pdl = args.split_pdl && !tail_split_on(args);
   return gemm;
 }
 
-// The tail split's arguments of the call's `index`-th GEMM (each has its own epoch).
+// The tail split's arguments of the call's `index`-th GEMM (each has its own epoch).  The GEMMs then share the
+// scratch, so each launches after the one before, not as its programmatic dependent.
 void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args, int index) {
   if (!tail_split_on(args)) {
     return;
   }
+  gemm->pdl = false;
   gemm->split_partials = args.tail_split_partials;
   gemm->split_flags = args.tail_split_flags;
   gemm->split_epoch = args.tail_split_epoch + uint32_t(index);
@@ -577,8 +578,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
       g.abort_value = kRsAborted;
       g.error_code = kGemmRsTileTimeout;
-    } else {
-      g.pdl = false;
+      g.pdl = args.split_pdl;
     }
     set_tail_split(&g, args, step);
     if (last) {
@@ -632,7 +632,6 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   first.rows = first_rows;
   first.a = args.a;
   first.d = args.out;
-  first.pdl = false;
   set_tail_split(&first, args, 0);
   if (gemm_rs_split::run_peer_gemm(first, stream, &message) != 0) {
     return fail(message);
@@ -643,6 +642,7 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   second.d = static_cast<char*>(args.out) + int64_t(first_rows) * args.ldo * element_bytes;
   second.c = args.outbox;
   second.beta = 1.f;
+  second.pdl = args.split_pdl;
   set_tail_split(&second, args, 1);
   if (gemm_rs_split::run_own_gemm(second, stream, &message) != 0) {
     return fail(message);

@@ -39,26 +39,22 @@ def test_off_below_two_parts():
     assert tail_split.OFF[3] == 1
 
 
-def test_gemm_rs_knob(monkeypatch):
+@pytest.mark.parametrize("variable,read,default,other,bad,message", [
+    ("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "gemm_rs_parts", 4, 1, "0", "at least 1"),
+    ("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "waves", 1, 2, "0", r"\[1, 4\]"),
+])
+def test_knobs(variable, read, default, other, bad, message, monkeypatch):
+    """The GEMM+RS tail split's parts and the waves any tail split may take: default, another value, a refused one."""
     from fluxinductor.kernels import gemm_rs
 
-    monkeypatch.delenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", raising=False)
-    assert gemm_rs.tail_split_parts() == 4
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1")
-    assert gemm_rs.tail_split_parts() == 1
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "0")
-    with pytest.raises(ValueError, match="at least 1"):
-        gemm_rs.tail_split_parts()
-
-
-def test_waves_knob(monkeypatch):
-    monkeypatch.delenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", raising=False)
-    assert tail_split.waves() == 1
-    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "2")
-    assert tail_split.waves() == 2
-    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "0")
-    with pytest.raises(ValueError, match=r"\[1, 4\]"):
-        tail_split.waves()
+    knob = {"gemm_rs_parts": gemm_rs.tail_split_parts, "waves": tail_split.waves}[read]
+    monkeypatch.delenv(variable, raising=False)
+    assert knob() == default
+    monkeypatch.setenv(variable, str(other))
+    assert knob() == other
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(ValueError, match=message):
+        knob()
 
 
 def _simulated_parts(tail: int, clusters: int, max_parts: int, max_waves: int) -> int:

@@ -312,9 +312,10 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   }
 
   CUTLASS_HOST_DEVICE static bool can_implement(Arguments const& args) {
-    return args.schedule.split_max_parts >= 1 && args.schedule.group_cluster_rows >= 1 && args.schedule.world >= 1 &&
-           args.schedule.shard_rows >= 1 && args.schedule.chunk_rows >= 1 && args.schedule.chunks_per_rank >= 1 && args.schedule.col_chunks >= 1 &&
-           args.schedule.chunk_col_tiles >= 1 && args.schedule.k_chunks >= 1 && args.schedule.k_chunk_tiles >= 1;
+    AllGatherSchedule const& s = args.schedule;
+    return s.split_max_parts >= 1 && s.group_cluster_rows >= 1 && s.world >= 1 && s.shard_rows >= 1 &&
+           s.chunk_rows >= 1 && s.chunks_per_rank >= 1 && s.col_chunks >= 1 && s.chunk_col_tiles >= 1 &&
+           s.k_chunks >= 1 && s.k_chunk_tiles >= 1;
   }
 
   template <class ProblemShapeMNK, class BlockShape, class ClusterShape>
