@@ -34,7 +34,6 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--out", required=True)
-    p.add_argument("--reduce", action="store_true", help="EXPERIMENT: also the own GEMM as a reduce-add store")
     args = p.parse_args(argv)
     problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
     dev = torch.device("cuda")
@@ -55,24 +54,6 @@ def main(argv=None) -> int:
             "first_gemm": lambda: ag_gemm.launch_gemm(a[:h], w, None, out_half),
             "split_nocomm": lambda: gemm_rs.gemm_only(a, w, None, out=out, split=True),
         }
-        if args.reduce:
-            def split_reduce():
-                os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_REDUCE"] = "1"
-                try:
-                    return gemm_rs.gemm_only(a, w, None, out=out, split=True)
-                finally:
-                    del os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_REDUCE"]
-            bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
-            out.fill_(float("nan"))
-            out[h:].zero_()
-            os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_REDUCE"] = "1"
-            gemm_rs.gemm_only(a, w, bias, out=out, split=True)
-            del os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_REDUCE"]
-            ref = a.float() @ w.float() + bias.float()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            print(f"{m}x{k}x{n}: reduce-add own GEMM relative error {err:.2e}", flush=True)
-            fns["split_nocomm_reduce"] = split_reduce
-            fns["cublas_half_own"] = lambda: torch.mm(a[h:], w)
         times = time_round_robin(fns, 3, args.iters, args.rounds)
         ms = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
         second = ms["split_nocomm"] - ms["first_gemm"]

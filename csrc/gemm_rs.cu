@@ -644,13 +644,7 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   second.beta = 1.f;
   second.pdl = args.split_pdl;
   set_tail_split(&second, args, 1);
-  bool const reduce = env_int("FLUXINDUCTOR_GEMM_RS_SPLIT_REDUCE", 0) != 0;  // EXPERIMENT: out rows hold the source
-  if (reduce) {
-    second.c = nullptr;
-    second.beta = 0.f;
-  }
-  if ((reduce ? gemm_rs_split::run_own_reduce_gemm(second, stream, &message)
-              : gemm_rs_split::run_own_gemm(second, stream, &message)) != 0) {
+  if (gemm_rs_split::run_own_gemm(second, stream, &message) != 0) {
     return fail(message);
   }
   return 0;

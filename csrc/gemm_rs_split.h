@@ -74,6 +74,5 @@ struct SplitGemmParams {
 int run_peer_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
 int run_relay_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
 int run_own_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
-int run_own_reduce_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
 
 }  // namespace fluxinductor::gemm_rs_split

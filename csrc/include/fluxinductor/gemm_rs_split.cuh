@@ -27,27 +27,6 @@
 #include "gemm_rs_split.h"
 
 namespace fluxinductor::gemm_rs_split {
-struct TmaReduceAddOneLane {};
-}  // namespace fluxinductor::gemm_rs_split
-
-namespace cute {
-template <class NumBitsPerTMA, class AuxParams>
-struct Copy_Traits<fluxinductor::gemm_rs_split::TmaReduceAddOneLane, NumBitsPerTMA, AuxParams>
-    : Copy_Traits<SM90_TMA_REDUCE_ADD, NumBitsPerTMA, AuxParams> {
-  using Base = Copy_Traits<SM90_TMA_REDUCE_ADD, NumBitsPerTMA, AuxParams>;
-  template <class TS, class SLayout, class TD, class DLayout>
-  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
-                                                     Tensor<TD, DLayout>& dst) {
-#if defined(__CUDA_ARCH__)
-    if ((threadIdx.x & 31) == 0) {
-      copy_unpack(static_cast<Base const&>(traits), src, dst);
-    }
-#endif
-  }
-};
-}  // namespace cute
-
-namespace fluxinductor::gemm_rs_split {
 
 // Where a stored tile is counted: counters[segment * bands + band], band = (m_block / band_tile_rows) * col_chunks +
 // n_block / chunk_col_tiles (SplitGemmParams).
@@ -170,22 +149,6 @@ using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     typename Tiles::EpilogueSchedule,
     cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::CollectiveOp;
 
-// The same collective epilogue with its D store a TMA reduce-add (cp.reduce.async.bulk.tensor .add): D += the tile,
-// added where the data lives (L2) instead of read back as a source C in the epilogue.  CUTLASS issues its TMA stores
-// from every lane of one warp, which is harmless for a store and adds 32 times for a reduction, so this copy op
-// issues from lane 0 only (that lane's bulk group is the one the epilogue's store pipeline then waits for).
-template <class Epilogue>
-struct ReduceAddStoreOf;
-template <class Policy, class Tile, class EpiTile, class EC, class SC, class ED, class SD, class Fusion, class G2S,
-          class AtomC, class S2R, class S2G, class AtomD, class R2S, class CopyC, class R2R>
-struct ReduceAddStoreOf<cutlass::epilogue::collective::CollectiveEpilogue<
-    Policy, Tile, EpiTile, EC, SC, ED, SD, Fusion, G2S, AtomC, S2R, S2G, AtomD, R2S, CopyC, R2R>> {
-  using type = cutlass::epilogue::collective::CollectiveEpilogue<
-      Policy, Tile, EpiTile, EC, SC, ED, SD, Fusion, G2S, AtomC, S2R, TmaReduceAddOneLane, AtomD, R2S, CopyC, R2R>;
-};
-template <class Element, class Tiles>
-using ReduceAddEpilogue = typename ReduceAddStoreOf<StockEpilogue<Element, Tiles, false>>::type;
-
 // A: row-major [rows, K]; B: K-major (the transposed nn.Linear weight); the AG+GEMM tile scheduler.
 template <class Element, int Config, class CollectiveEpilogue>
 struct SplitGemm {
@@ -210,10 +173,6 @@ template <class Element, int Config>
 using RelayGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>>;
 template <class Element, int Config>
 using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>>;
-
-// The own GEMM when out already holds rank + 1's partial sum: out += A @ B + bias, no source read.
-template <class Element, int Config>
-using OwnReduceGemm = SplitGemm<Element, Config, ReduceAddEpilogue<Element, SplitTiles<Config>>>;
 
 template <class Epilogue>
 struct IsCounting : cute::false_type {};
