@@ -86,11 +86,12 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
-            tail_waves: Optional[List[int]] = None) -> List[Dict[str, int]]:
+            tail_waves: Optional[List[int]] = None, split_configs: Optional[List[int]] = None,
+            ag_variants: Optional[List[int]] = None, ag_groups: Optional[List[int]] = None) -> List[Dict[str, int]]:
     waves = tail_waves or [1]
     if op == "ag":
-        variants = [0, 1, 3, 4] if not quick else [0]
-        groups = [4, 8, 16] if not quick else [8]
+        variants = (ag_variants or [0, 1, 3, 4]) if not quick else [0]
+        groups = (ag_groups or [4, 8, 16]) if not quick else [8]
         if tail_splits is None:
             from fluxinductor.kernels import ag_gemm
             tail_splits = [ag_gemm.TAIL_SPLIT]
@@ -98,8 +99,11 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
                 for v, g, t, w in itertools.product(variants, groups, tail_splits, waves)
                 if t > 1 or w == waves[0]]
     if op == "rs-split":
-        return [{"split": 1, "tail_split": t, "tail_waves": w}
+        rows = [{"split": 1, "split_config": 0, "tail_split": t, "tail_waves": w}
                 for t, w in itertools.product(tail_splits or [1, 4], waves) if t > 1 or w == waves[0]]
+        # The tuning configurations are ping-pong GEMMs, which take no tail split.
+        return rows + [{"split": 1, "split_config": c, "tail_split": 1, "tail_waves": waves[0]}
+                       for c in split_configs or [] if c != 0]
     cfgs = [0, 1, 4, 5, 6] if not quick else [0]
     orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
     return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
@@ -119,6 +123,7 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
     if op == "rs-split":
         def call_split():
             os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
+            os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG"] = str(cfg["split_config"])
             return gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"])
         return call_split
 
@@ -144,6 +149,10 @@ def main(argv=None) -> int:
                         "FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default: ag the default, rs-split 1,4)")
     p.add_argument("--tail-waves", default=None,
                    help="--op ag / rs-split: comma-separated FLUXINDUCTOR_TAIL_SPLIT_WAVES values (default 1)")
+    p.add_argument("--split-configs", default=None,
+                   help="--op rs-split: comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values besides 0 (tuning builds)")
+    p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4)")
+    p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -171,7 +180,10 @@ def main(argv=None) -> int:
         fns: Dict[str, Callable[[], object]] = {"cublas": cublas_fn}
         splits = [int(t) for t in args.tail_splits.split(",")] if args.tail_splits else None
         waves = [int(t) for t in args.tail_waves.split(",")] if args.tail_waves else None
-        for i, cfg in enumerate(configs(args.op, args.quick, splits, waves)):
+        split_configs = [int(c) for c in args.split_configs.split(",")] if args.split_configs else None
+        groups = [int(g) for g in args.groups.split(",")] if args.groups else None
+        ag_variants = [int(v) for v in args.variants.split(",")] if args.variants else None
+        for i, cfg in enumerate(configs(args.op, args.quick, splits, waves, split_configs, ag_variants, groups)):
             row = dict(cfg)
             try:
                 fn = run_config(args.op, cfg, a, w_t, out)
@@ -203,7 +215,7 @@ def main(argv=None) -> int:
         for row in entry["configs"]:
             cfg = {key: row[key] for key in row
                    if key in ("variant", "group_rows", "tail_split", "tail_waves", "config", "swizzle", "raster",
-                              "split")}
+                              "split", "split_config")}
             if "ms" in row:
                 print(f"   {cfg} {row['ms']:.3f} ms  x{row['ratio']:.3f}  err {row['rel_err']:.1e}", flush=True)
             else:

@@ -23,6 +23,7 @@ enum class Variant : int {
   // Tuning builds only (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING); elsewhere they report an error.
   kCooperative256x128Cluster2x1 = 3,
   kCooperative128x256Cluster1x2 = 4,
+  kPingpong128x192Cluster2x1 = 5,
 };
 
 // out[M, N] = A[M, K] @ B[K, N] (+ bias[N]), A read from the gathered buffer while it is being filled.

@@ -1,4 +1,4 @@
-// AG+GEMM tuning variants 3 and 4 (bf16, K-contiguous weight).  Built only with
+// AG+GEMM tuning variants 3, 4 and 5 (bf16, K-contiguous weight).  Built only with
 // CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING, so CI and releases do not pay for them; elsewhere they report an error.
 // benchmarks/sweep_kernels.py measures them against cuBLAS (results in csrc/NOTES_ag_gemm.md).
 #include "ag_gemm_instances.h"
@@ -16,6 +16,10 @@ Error run_bf16_k_contiguous_coop128x256_c1x2(AllGatherGemmParams const& p, cudaS
   return run_config<
       AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor, Cooperative128x256Cluster1x2>>(p, s);
 }
+Error run_bf16_k_contiguous_pingpong128x192_c2x1(AllGatherGemmParams const& p, cudaStream_t s) {
+  return run_config<
+      AllGatherGemmConfig<cutlass::bfloat16_t, cutlass::layout::ColumnMajor, Pingpong128x192Cluster2x1>>(p, s);
+}
 
 #else
 
@@ -24,6 +28,9 @@ Error run_bf16_k_contiguous_coop256x128_c2x1(AllGatherGemmParams const&, cudaStr
 }
 Error run_bf16_k_contiguous_coop128x256_c1x2(AllGatherGemmParams const&, cudaStream_t) {
   return make_error("AG+GEMM variant 4 exists only in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)");
+}
+Error run_bf16_k_contiguous_pingpong128x192_c2x1(AllGatherGemmParams const&, cudaStream_t) {
+  return make_error("AG+GEMM variant 5 exists only in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)");
 }
 
 #endif

@@ -18,5 +18,6 @@ Error run_bf16_k_contiguous_pingpong(AllGatherGemmParams const& params, cudaStre
 // Tuning builds only (csrc/ag_gemm_bf16_tuning.cu); otherwise they return an error.
 Error run_bf16_k_contiguous_coop256x128_c2x1(AllGatherGemmParams const& params, cudaStream_t stream);  // 3
 Error run_bf16_k_contiguous_coop128x256_c1x2(AllGatherGemmParams const& params, cudaStream_t stream);  // 4
+Error run_bf16_k_contiguous_pingpong128x192_c2x1(AllGatherGemmParams const& params, cudaStream_t stream);  // 5
 
 }  // namespace fluxinductor::ag_gemm

@@ -19,8 +19,9 @@ struct SplitTiling {
 };
 // 0 (shipped): cooperative 128x256, cluster 2x1, groups of 8 cluster rows (AG+GEMM's configuration).  Tuning builds
 // (-DFLUXINDUCTOR_KERNEL_TUNING) add 1: ping-pong 64x256, cluster 2x1, groups of 16 cluster rows, whose two math warp
-// groups take turns, one's epilogue under the other's MMAs (bf16 only; FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG).
-constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}};
+// groups take turns, one's epilogue under the other's MMAs, and 2: ping-pong 128x192, cluster 2x1, groups of 8
+// (bf16 only; FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG).
+constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}, {128, 192, 2, 8}};
 constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0]));
 
 // D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias, B K-major ([n, k] rows of ldb).

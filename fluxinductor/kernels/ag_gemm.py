@@ -35,7 +35,7 @@ CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
 GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
 # cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2; tuning builds add
-# 3 cooperative 256x128 cluster 2x1 and 4 cooperative 128x256 cluster 1x2.
+# 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2 and 5 ping-pong 128x192 cluster 2x1.
 VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
 # Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
 # shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
@@ -51,7 +51,7 @@ _MIN_K_BLOCK_BYTES = 1 << 20
 # (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
 TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
 # Rows of A one cluster row covers, per variant (tile M x cluster M).
-_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128}
+_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128, 5: 256}
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:

@@ -307,15 +307,17 @@ def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, mo
 
 
 @_gpu
+@pytest.mark.parametrize("config", [1, 2])
 @pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4)])
-def test_split_tuning_config_n_ranks_one_gpu(world, rows, n, bands, monkeypatch):
-    """The split transport's tuning configuration (ping-pong 64x256, groups of 16 cluster rows: other band
-    arithmetic than the default's), ring and communication-off GEMMs against the fp32 reference."""
+def test_split_tuning_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch):
+    """The split transport's tuning configurations (ping-pong 64x256 in groups of 16 cluster rows, ping-pong 128x192
+    with 192-column tiles: other band arithmetic than the default's), ring and communication-off GEMMs against the
+    fp32 reference."""
     from fluxinductor.kernels import gemm_rs
 
     if not gemm_rs._extension().gemm_rs_tuning_build():
         pytest.skip("tuning configurations need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "1")
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", str(config))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     a = torch.randn(2 * rows, 264, dtype=torch.bfloat16, device="cuda")
     w = make_weight(264, n, True, torch.bfloat16, "cuda")

@@ -50,6 +50,11 @@ using Pingpong64x256Cluster2x1 = TileConfig<              // the split GEMM+RS t
     cute::Shape<cute::_2, cute::_1, cute::_1>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong,
     cutlass::epilogue::TmaWarpSpecialized>;
+using Pingpong128x192Cluster2x1 = TileConfig<             // a split GEMM+RS tuning configuration
+    cute::Shape<cute::_128, cute::_192, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized>;
 using Pingpong128x128Cluster1x2 = TileConfig<
     cute::Shape<cute::_128, cute::_128, cute::_64>,
     cute::Shape<cute::_1, cute::_2, cute::_1>,

@@ -127,6 +127,8 @@ template <>
 struct SplitTiles<0> : ag_gemm::Cooperative128x256Cluster2x1 {};
 template <>
 struct SplitTiles<1> : ag_gemm::Pingpong64x256Cluster2x1 {};
+template <>
+struct SplitTiles<2> : ag_gemm::Pingpong128x192Cluster2x1 {};
 
 template <int Config>
 constexpr bool tiling_matches() {
@@ -136,7 +138,7 @@ constexpr bool tiling_matches() {
          cute::size<1>(typename Tiles::TileShape{}) == t.tile_n &&
          cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m;
 }
-static_assert(tiling_matches<0>() && tiling_matches<1>() && kSplitConfigs == 2,
+static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() && kSplitConfigs == 3,
               "gemm_rs_split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
 
 // The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
@@ -283,6 +285,9 @@ int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_me
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
   if (p.config == 1 && p.dtype == 0) {
     return run_split_gemm<Kind<bfloat16_t, 1>, bfloat16_t>(p, stream, error_message);
+  }
+  if (p.config == 2 && p.dtype == 0) {
+    return run_split_gemm<Kind<bfloat16_t, 2>, bfloat16_t>(p, stream, error_message);
   }
 #endif
   *error_message = "no split GEMM for configuration " + std::to_string(p.config) + " and dtype " +
