@@ -8,8 +8,9 @@ ahead of the cooperative ones on the one-GPU H200 and behind them on the 2xH200 
 cap lowers its clock.  If a kernel that draws less power keeps a higher clock under sustained load, its lead there is
 the power cap's, not the kernel's.
 
-Per per-rank GEMM+RS problem [M, K] @ [K, N]: cuBLAS and the split transport's GEMMs (``gemm_only(split=True)``) in
-each configuration the build has (``--split-configs``; 1 and 2 need a tuning build).  Each contender runs for
+Per per-rank problem [M, K] @ [K, N]: cuBLAS and, with ``--op rs-split``, the split GEMM+RS transport's GEMMs
+(``gemm_only(split=True)``) in each configuration of ``--split-configs`` (1 and 2 need a tuning build), or with
+``--op ag`` AG+GEMM's kernel with communication off in each variant of ``--variants`` (3-5: tuning builds).  Each contender runs for
 ``--seconds`` back to back (no gaps), ``--rounds`` times in turn, while ``nvidia-smi`` samples the SM clock and the
 power draw every 50 ms; a phase's first 0.5 s is dropped (the clock settles).  Per contender: ms per call, median SM
 clock (MHz), median power (W), from the phases' pooled samples.
@@ -67,21 +68,23 @@ def read_samples(path: str):
 
 
 def main(argv=None) -> int:
-    from fluxinductor.kernels import gemm_rs
+    from fluxinductor.kernels import ag_gemm, gemm_rs
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--problems", default=None, help="M,K,N;M,K,N (per-rank problems); default: " + str(PROBLEMS))
+    p.add_argument("--op", choices=["rs-split", "ag"], default="rs-split")
     p.add_argument("--split-configs", default="0", help="comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values")
+    p.add_argument("--variants", default="0", help="--op ag: comma-separated AG+GEMM variants")
     p.add_argument("--seconds", type=float, default=2.5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
-    configs = [int(c) for c in args.split_configs.split(",")]
+    configs = [int(c) for c in (args.split_configs if args.op == "rs-split" else args.variants).split(",")]
     dev = torch.device("cuda")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     sha, dirty = git_sha()
-    data = {"schema": 1, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "git_sha": sha,
+    data = {"schema": 1, "op": args.op, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "git_sha": sha,
             "dirty": dirty, "seconds": args.seconds, "rounds": args.rounds, "settle_s": SETTLE_S, "results": []}
     log = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False)
     # Line-buffered, so the samples are in the file while the probe runs.
@@ -100,8 +103,13 @@ def main(argv=None) -> int:
                     os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG"] = str(config)
                     return gemm_rs.gemm_only(a, w, None, out=out, split=True)
                 return call
+            def ag_fn(variant):
+                return lambda: ag_gemm.launch_gemm(a, w, None, out, variant=variant)
             fns = {"cublas": lambda: torch.mm(a, w)}
-            fns.update({f"split_config{c}": split_fn(c) for c in configs})
+            if args.op == "rs-split":
+                fns.update({f"split_config{c}": split_fn(c) for c in configs})
+            else:
+                fns.update({f"ag_variant{v}": ag_fn(v) for v in configs})
             phases = {name: [] for name in fns}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
