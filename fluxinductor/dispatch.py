@@ -62,14 +62,14 @@ def _world_size(group_name: str) -> int:
 
 
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
-                     fused_eligible: bool = True) -> Tuple[str, str]:
+                     fused_eligible: bool = True, split_eligible: bool = True) -> Tuple[str, str]:
     """(path, reason): the cost model's choice among the paths that can run here."""
     try:
         from fluxinductor import cost_model
     except ImportError as e:
         return "sequential", f"no cost model ({e})"
     choice, reason = cost_model.choose(op, _device_name(device.index), world, m, k, n, dtype,
-                                       overlapped_paths(op, fused_eligible))
+                                       overlapped_paths(op, fused_eligible, split_eligible))
     return choice, f"cost model chose {choice}: {reason}"
 
 
@@ -78,12 +78,14 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def overlapped_paths(op: str, fused_eligible: bool = True) -> Tuple[str, ...]:
+def overlapped_paths(op: str, fused_eligible: bool = True, split_eligible: bool = True) -> Tuple[str, ...]:
     """The cost model's paths this process can run for ``op``: the fused kernel where it is eligible (GEMM+RS
-    with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one), async-TP
-    (opt-in)."""
+    with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one, offered only where
+    ``split_eligible``: the split transport takes a K-major weight, so a backward's ``grad @ W`` does not get it),
+    async-TP (opt-in)."""
     rs = op == "matmul_reduce_scatter"
-    fused = (("fused", "fused_copy", "fused_split") if rs else ("fused",)) if fused_eligible else ()
+    split = ("fused_split",) if split_eligible else ()
+    fused = (("fused", "fused_copy") + split if rs else ("fused",)) if fused_eligible else ()
     return fused + (("asynctp",) if _asynctp_ops() is not None else ())
 
 
@@ -223,8 +225,12 @@ def matmul_reduce_scatter(
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     transport = "store"
     if mode() == "auto":
+        # Where the split transport cannot take the call (an N-major weight: the backward's grad @ W), the cost
+        # model chooses among the others: its measured split time says nothing about them, and the copy transport
+        # the kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
+        split_eligible = why is None and kernels.split_reason(world, weight, bias) is None
         path, reason = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
-                                        a.dtype, fused_eligible=why is None)
+                                        a.dtype, fused_eligible=why is None, split_eligible=split_eligible)
         if path == "asynctp":
             record_fallback(op, reason, "PyTorch async-TP")
             return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)

@@ -33,8 +33,11 @@ class FluxPassManager(CustomGraphPass):
     def group_allowed(self, group_name: str) -> bool:
         return self.tp_group_names is None or group_name in self.tp_group_names
 
-    def not_worth_fusing(self, op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype) -> Optional[str]:
+    def not_worth_fusing(self, op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
+                         weight: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why a match on ``device`` of the global GEMM (m, k, n) should stay unfused, or None to fuse it.
+        ``weight`` (GEMM+RS): the fake [K/world, N] weight the fused op will get, or None (a sum of matmuls, whose
+        weights are concatenated); the split transport is a candidate only where it can take that weight.
 
         On a GPU under ``FLUXINDUCTOR_DISPATCH=auto`` a fused op that would run decomposed anyway (no
         kernel, or the measured cost model says the fused kernel loses there) is slower than the graph
@@ -50,9 +53,11 @@ class FluxPassManager(CustomGraphPass):
         kernels, why = dispatch._kernels(op)
         if kernels is None:
             return why
+        split_eligible = op != "matmul_reduce_scatter" or (
+            weight is not None and kernels.split_reason(world, weight, None) is None)
         try:
             choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
-                                               dispatch.overlapped_paths(op))
+                                               dispatch.overlapped_paths(op, split_eligible=split_eligible))
         except Exception as e:  # noqa: BLE001 - an unreadable table must not stop compilation
             return f"cost model failed ({type(e).__name__}: {e})"
         return None if choice != "sequential" else f"cost model chose {choice}: {reason}"

@@ -20,7 +20,10 @@ def fake_kernels(monkeypatch):
         calls.append({"checked": checked, "transport": transport})
         return (a2d @ weight)[: a2d.shape[0] // 2]
 
-    module = types.SimpleNamespace(unsupported_reason=lambda *args: None, matmul_reduce_scatter=matmul_reduce_scatter)
+    from fluxinductor.kernels import gemm_rs
+
+    module = types.SimpleNamespace(unsupported_reason=lambda *args: None, matmul_reduce_scatter=matmul_reduce_scatter,
+                                   split_reason=gemm_rs.split_reason)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
     monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
@@ -31,16 +34,49 @@ def fake_kernels(monkeypatch):
 def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice, transport):
     seen = {}
 
-    def says(op, device, world, m, k, n, dtype, fused_eligible=True):
-        seen["paths"] = dispatch.overlapped_paths(op, fused_eligible)
+    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True):
+        seen["paths"] = dispatch.overlapped_paths(op, fused_eligible, split_eligible)
         return choice, f"cost model chose {choice}: test"
 
     monkeypatch.setattr(dispatch, "_cost_model_says", says)
-    a, w = torch.randn(8, 4), torch.randn(4, 6)
+    a, w = torch.randn(8, 4), torch.randn(8, 4).t()  # K-major, as a transposed nn.Linear weight
     out = dispatch.matmul_reduce_scatter(a, w, None, "sum", 0, "g")
     torch.testing.assert_close(out, (a @ w)[:4])
     assert fake_kernels == [{"checked": True, "transport": transport}]
-    assert seen["paths"][:2] == ("fused", "fused_copy")
+    assert seen["paths"][:3] == ("fused", "fused_copy", "fused_split")
+
+
+@pytest.fixture
+def rs_table(tmp_path, monkeypatch):
+    """A measured table in which the split transport wins one GEMM+RS shape and the other transports lose to
+    NCCL-then-cuBLAS there (as 4096x57344x8192 in the packaged TP=2 table), on a device named as the table's."""
+    from fluxinductor import cost_model
+
+    row = dict(op="matmul_reduce_scatter", m=64, k=64, n=8, fused_ms=2.89, fused_copy_ms=2.85, fused_split_ms=2.50,
+               sequential_ms=2.64)
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    table = cost_model.make_table("NVIDIA H200", 2, torch.float32, [row], source={"test": True})
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)
+    monkeypatch.setattr(dispatch, "_device_name", lambda index: "NVIDIA H200")
+    yield
+    cost_model.clear_cache()
+
+
+def test_split_is_offered_only_for_weights_it_takes(fake_kernels, rs_table):
+    """The backward's grad @ W hands the op an N-major weight, which the split transport cannot take: the cost
+    model then chooses among the other paths (here NCCL-then-cuBLAS, which both beat), instead of the kernel
+    falling back to the copy transport where that loses."""
+    a = torch.randn(64, 32)
+    k_major = torch.randn(8, 32).t()
+    out = dispatch.matmul_reduce_scatter(a, k_major, None, "sum", 0, "g")
+    torch.testing.assert_close(out, (a @ k_major)[:32])
+    assert fake_kernels == [{"checked": True, "transport": "split"}]
+    n_major = torch.randn(32, 8)
+    assert dispatch.matmul_reduce_scatter(a, n_major, None, "sum", 0, "g") is None  # sequential: decomposed
+    assert len(fake_kernels) == 1
+    assert dispatch.overlapped_paths("matmul_reduce_scatter", split_eligible=False) == ("fused", "fused_copy")
+    assert dispatch.overlapped_paths("all_gather_matmul", split_eligible=False) == ("fused",)
 
 
 def test_sequential_choice_runs_no_kernel(fake_kernels, monkeypatch):

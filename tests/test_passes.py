@@ -880,8 +880,10 @@ def test_not_worth_fusing_veto_leaves_graph_and_sees_global_shapes():
     gm = trace(fn, *args)
     seen = []
 
-    def veto(op, device, world, m, k, n, dtype):
+    def veto(op, device, world, m, k, n, dtype, weight=None):
         seen.append((op, device.type, world, m, k, n, dtype))
+        if op == "matmul_reduce_scatter":  # the fused op's weight: the transposed nn.Linear weight, K-major
+            assert weight is not None and tuple(weight.shape) == (32, 16) and weight.stride(0) == 1
         return "measured to lose"
 
     fuse_all_gather_matmul(gm.graph, lambda name: True, veto)
@@ -907,6 +909,36 @@ def test_manager_does_not_veto_cpu_graphs_and_keys_settings():
                                     torch.bfloat16) is None
     assert FluxPassManager(fuse_matmul_sums=False).uuid() != FluxPassManager(fuse_matmul_sums=True).uuid()
     assert FluxPassManager(frozenset({"1"})).uuid() != FluxPassManager().uuid()
+
+
+def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypatch):
+    """On a GPU the veto asks the cost model with the paths that can run the match: the split GEMM+RS transport
+    only for a K-major weight (the forward's x @ W.t()), not for the backward's grad @ W (N-major) or a sum of
+    matmuls (weights concatenated), where a shape whose only winner is split then stays unfused."""
+    from fluxinductor import cost_model, dispatch
+    from fluxinductor.kernels import gemm_rs
+    from fluxinductor.passes import FluxPassManager
+
+    row = dict(op="matmul_reduce_scatter", m=4096, k=16384, n=8192, fused_ms=2.89, fused_copy_ms=2.85,
+               fused_split_ms=2.50, sequential_ms=2.64)
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
+    cost_model.clear_cache()
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"),
+                           cost_model.make_table("NVIDIA H200", 2, torch.bfloat16, [row], source={"test": True}),
+                           merge=False)
+    monkeypatch.setattr(dispatch, "_kernels", lambda op: (gemm_rs, None))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    manager = FluxPassManager()
+    cuda = torch.device("cuda", 0)
+    veto = lambda weight: manager.not_worth_fusing("matmul_reduce_scatter", cuda, 2, 4096, 16384, 8192,  # noqa: E731
+                                                   torch.bfloat16, weight=weight)
+    try:
+        assert veto(torch.empty(8192, 8192).t()) is None  # K-major: split runs it, 5% ahead of sequential
+        assert "sequential" in veto(torch.empty(8192, 8192))  # N-major: fused and copy both lose
+        assert "sequential" in veto(None)
+    finally:
+        cost_model.clear_cache()
 
 
 def test_manager_keys_the_async_tp_setting(monkeypatch):
