@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--problems", default=None, help="M,K,N;M,K,N (per-rank problems); default: " + str(PROBLEMS))
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--n-major", action="store_true",
+                   help="also the split GEMMs and cuBLAS with the weight N-major (as a backward's grad @ W gives it)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
@@ -54,6 +56,10 @@ def main(argv=None) -> int:
             "first_gemm": lambda: ag_gemm.launch_gemm(a[:h], w, None, out_half),
             "split_nocomm": lambda: gemm_rs.gemm_only(a, w, None, out=out, split=True),
         }
+        if args.n_major:
+            w_n = w.contiguous()  # the same [K, N] values, N-major
+            fns["cublas_full_n_major"] = lambda: torch.mm(a, w_n)
+            fns["split_nocomm_n_major"] = lambda: gemm_rs.gemm_only(a, w_n, None, out=out, split=True)
         times = time_round_robin(fns, 3, args.iters, args.rounds)
         ms = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
         second = ms["split_nocomm"] - ms["first_gemm"]

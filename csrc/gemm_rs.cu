@@ -467,6 +467,7 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
   gemm.lda = args.lda;
   gemm.b = args.b;
   gemm.ldb = args.ldb;
+  gemm.b_k_major = args.b_k_major;
   gemm.sm_count = args.sm_count;
   gemm.error = args.error;
   gemm.timeout_ns = args.timeout_ns;
@@ -530,8 +531,8 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_r
 // peer GEMM, one copy, the own GEMM.  Every rank sends (world-1) segments, as a direct reduce-scatter would.
 int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   namespace split = gemm_rs_split;
-  if (args.world < 2 || !args.b_k_major || args.outbox == nullptr) {
-    return fail("the split transport takes two or more ranks, a K-major weight and the copy-engine resources");
+  if (args.world < 2 || args.outbox == nullptr) {
+    return fail("the split transport takes two or more ranks and the copy-engine resources");
   }
   int const segment_rows = args.m / args.world;
   int const to = (args.rank + args.world - 1) % args.world;  // the rank this one's partial sums go to
@@ -615,8 +616,8 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
 // [0, m/2) with bias, then rows [m/2, m) with bias and the zeros at args.outbox ([m/2 or more rows, n]) as source C,
 // so out = A @ B + bias at the split transport's GEMM cost (two launches, the second reading C).
 int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
-  if (args.m < 2 || !args.b_k_major || args.outbox == nullptr) {
-    return fail("the split transport's GEMMs need M >= 2, a K-major weight and a zero source buffer");
+  if (args.m < 2 || args.outbox == nullptr) {
+    return fail("the split transport's GEMMs need M >= 2 and a zero source buffer");
   }
   int const first_rows = args.m / 2;
   size_t const element_bytes = 2;

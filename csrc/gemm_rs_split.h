@@ -24,15 +24,17 @@ struct SplitTiling {
 constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}, {128, 192, 2, 8}};
 constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0]));
 
-// D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias, B K-major ([n, k] rows of ldb).
+// D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias; B K-major (the transposed nn.Linear
+// weight of a forward x @ W.t()) or N-major (the weight itself, as a backward's grad @ W gives it).
 struct SplitGemmParams {
   int dtype = 0;                    // 0 = bf16, 1 = fp16
   int config = 0;                   // index into kSplitTilings
   int rows = 0, n = 0, k = 0;
   const void* a = nullptr;
   int64_t lda = 0;
-  const void* b = nullptr;
+  const void* b = nullptr;          // B [k, n]: element (kk, nn) at b[nn*ldb + kk] when b_k_major, else b[kk*ldb + nn]
   int64_t ldb = 0;
+  bool b_k_major = true;
   const void* bias = nullptr;       // [n] or null
   const void* c = nullptr;          // relay and own GEMM: [rows, n], row stride n (rank + 1's partial sum); peer: null
   void* d = nullptr;

@@ -81,8 +81,7 @@ def _device_name(index: int) -> str:
 def overlapped_paths(op: str, fused_eligible: bool = True, split_eligible: bool = True) -> Tuple[str, ...]:
     """The cost model's paths this process can run for ``op``: the fused kernel where it is eligible (GEMM+RS
     with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one, offered only where
-    ``split_eligible``: the split transport takes a K-major weight, so a backward's ``grad @ W`` does not get it),
-    async-TP (opt-in)."""
+    ``split_eligible``: ``gemm_rs.split_reason`` found nothing against the call), async-TP (opt-in)."""
     rs = op == "matmul_reduce_scatter"
     split = ("fused_split",) if split_eligible else ()
     fused = (("fused", "fused_copy") + split if rs else ("fused",)) if fused_eligible else ()
@@ -225,9 +224,9 @@ def matmul_reduce_scatter(
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     transport = "store"
     if mode() == "auto":
-        # Where the split transport cannot take the call (an N-major weight: the backward's grad @ W), the cost
-        # model chooses among the others: its measured split time says nothing about them, and the copy transport
-        # the kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
+        # Where the split transport cannot take the call (N not a multiple of 8, a misaligned bias), the cost model
+        # chooses among the others: its measured split time says nothing about them, and the copy transport the
+        # kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
         split_eligible = why is None and kernels.split_reason(world, weight, bias) is None
         path, reason = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
                                         a.dtype, fused_eligible=why is None, split_eligible=split_eligible)

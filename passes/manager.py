@@ -36,8 +36,8 @@ class FluxPassManager(CustomGraphPass):
     def not_worth_fusing(self, op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
                          weight: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why a match on ``device`` of the global GEMM (m, k, n) should stay unfused, or None to fuse it.
-        ``weight`` (GEMM+RS): the fake [K/world, N] weight the fused op will get, or None (a sum of matmuls, whose
-        weights are concatenated); the split transport is a candidate only where it can take that weight.
+        ``weight`` (GEMM+RS): a fake of the [K/world, N] weight the fused op will get (None: unknown); the split
+        transport is a candidate only where it can take that weight.
 
         On a GPU under ``FLUXINDUCTOR_DISPATCH=auto`` a fused op that would run decomposed anyway (no
         kernel, or the measured cost model says the fused kernel loses there) is slower than the graph

@@ -261,8 +261,8 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
     """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
     ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone.
     ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies).
-    ``not_worth_fusing(op, device, world, m, k, n, dtype, weight=...)`` (global GEMM shape; the fake weight the
-    fused op gets, None for a sum of matmuls) may veto a match."""
+    ``not_worth_fusing(op, device, world, m, k, n, dtype, weight=...)`` (global GEMM shape; a fake of the weight
+    the fused op gets) may veto a match."""
     scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
     if not scatters:
         return
@@ -277,7 +277,10 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 world = rs.args[2]
                 rows = m.numel(match.partial_shape) // match.partial_shape[-1]
                 k = world * sum(m.val(t.a).shape[1] for t in match.terms)
-                weight = m.val(match.terms[0].weight) if len(match.terms) == 1 else None
+                n = match.partial_shape[-1]
+                # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
+                weight = (m.val(match.terms[0].weight) if len(match.terms) == 1 else
+                          torch.empty((k // world, n), dtype=a.dtype, device="meta"))
                 why = not_worth_fusing(PATTERN, a.device, world, rows, k, match.partial_shape[-1], a.dtype,
                                        weight=weight)
                 if why is not None:

@@ -52,29 +52,29 @@ def rs_table(tmp_path, monkeypatch):
     NCCL-then-cuBLAS there (as 4096x57344x8192 in the packaged TP=2 table), on a device named as the table's."""
     from fluxinductor import cost_model
 
-    row = dict(op="matmul_reduce_scatter", m=64, k=64, n=8, fused_ms=2.89, fused_copy_ms=2.85, fused_split_ms=2.50,
-               sequential_ms=2.64)
+    rows = [dict(op="matmul_reduce_scatter", m=64, k=64, n=n, fused_ms=2.89, fused_copy_ms=2.85, fused_split_ms=2.50,
+                 sequential_ms=2.64) for n in (8, 12)]
     monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
     cost_model.clear_cache()
-    table = cost_model.make_table("NVIDIA H200", 2, torch.float32, [row], source={"test": True})
+    table = cost_model.make_table("NVIDIA H200", 2, torch.float32, rows, source={"test": True})
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)
     monkeypatch.setattr(dispatch, "_device_name", lambda index: "NVIDIA H200")
     yield
     cost_model.clear_cache()
 
 
-def test_split_is_offered_only_for_weights_it_takes(fake_kernels, rs_table):
-    """The backward's grad @ W hands the op an N-major weight, which the split transport cannot take: the cost
-    model then chooses among the other paths (here NCCL-then-cuBLAS, which both beat), instead of the kernel
-    falling back to the copy transport where that loses."""
+def test_split_is_offered_only_for_calls_it_takes(fake_kernels, rs_table):
+    """The forward's x @ W.t() (K-major weight) and the backward's grad @ W (N-major) both take the split transport
+    where it measured fastest.  A call it cannot take (N not a multiple of 8) has the cost model choose among the
+    other paths (here NCCL-then-cuBLAS, which both beat), instead of the kernel falling back to the copy transport
+    where that loses."""
     a = torch.randn(64, 32)
-    k_major = torch.randn(8, 32).t()
-    out = dispatch.matmul_reduce_scatter(a, k_major, None, "sum", 0, "g")
-    torch.testing.assert_close(out, (a @ k_major)[:32])
-    assert fake_kernels == [{"checked": True, "transport": "split"}]
-    n_major = torch.randn(32, 8)
-    assert dispatch.matmul_reduce_scatter(a, n_major, None, "sum", 0, "g") is None  # sequential: decomposed
-    assert len(fake_kernels) == 1
+    for weight in (torch.randn(8, 32).t(), torch.randn(32, 8)):
+        out = dispatch.matmul_reduce_scatter(a, weight, None, "sum", 0, "g")
+        torch.testing.assert_close(out, (a @ weight)[:32])
+    assert fake_kernels == [{"checked": True, "transport": "split"}] * 2
+    assert dispatch.matmul_reduce_scatter(a, torch.randn(32, 12), None, "sum", 0, "g") is None  # sequential
+    assert len(fake_kernels) == 2
     assert dispatch.overlapped_paths("matmul_reduce_scatter", split_eligible=False) == ("fused", "fused_copy")
     assert dispatch.overlapped_paths("all_gather_matmul", split_eligible=False) == ("fused",)
 
@@ -100,8 +100,9 @@ def test_environment_overrides_the_transport(monkeypatch):
 
 
 def test_split_reason():
-    """The split transport takes two or more ranks, a K-major weight and N a multiple of 8; anything else gets a reason
-    (and the kernel module runs the copy transport instead)."""
+    """The split transport takes two or more ranks, a weight with a contiguous dim (K-major as in the forward, N-major
+    as in the backward's grad @ W) and N a multiple of 8; anything else gets a reason (and the kernel module runs the
+    copy transport instead)."""
     from fluxinductor.kernels import gemm_rs
 
     k_major = torch.randn(64, 32).t()  # [K=32, N=64] view of a Linear weight
@@ -109,7 +110,8 @@ def test_split_reason():
     assert gemm_rs.split_reason(2, k_major, torch.zeros(64)) is None
     assert gemm_rs.split_reason(4, k_major, None) is None
     assert "2 or more ranks" in gemm_rs.split_reason(1, k_major, None)
-    assert "K-major" in gemm_rs.split_reason(2, torch.randn(32, 64), None)
+    assert gemm_rs.split_reason(2, torch.randn(32, 64), None) is None  # N-major
+    assert "contiguous" in gemm_rs.split_reason(2, torch.randn(32, 128)[:, ::2], None)
     assert "multiple of 8" in gemm_rs.split_reason(2, torch.randn(60, 32).t(), None)
     assert "aligned" in gemm_rs.split_reason(2, k_major, torch.zeros(65)[1:])
     assert "out" in gemm_rs.split_reason(2, k_major, None, torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:68])

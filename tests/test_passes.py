@@ -913,8 +913,8 @@ def test_manager_does_not_veto_cpu_graphs_and_keys_settings():
 
 def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypatch):
     """On a GPU the veto asks the cost model with the paths that can run the match: the split GEMM+RS transport
-    only for a K-major weight (the forward's x @ W.t()), not for the backward's grad @ W (N-major) or a sum of
-    matmuls (weights concatenated), where a shape whose only winner is split then stays unfused."""
+    for the forward's x @ W.t() (K-major) and the backward's grad @ W (N-major), not for a weight it cannot take
+    (N not a multiple of 8) or an unknown one, where a shape whose only winner is split then stays unfused."""
     from fluxinductor import cost_model, dispatch
     from fluxinductor.kernels import gemm_rs
     from fluxinductor.passes import FluxPassManager
@@ -934,8 +934,9 @@ def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypat
     veto = lambda weight: manager.not_worth_fusing("matmul_reduce_scatter", cuda, 2, 4096, 16384, 8192,  # noqa: E731
                                                    torch.bfloat16, weight=weight)
     try:
-        assert veto(torch.empty(8192, 8192).t()) is None  # K-major: split runs it, 5% ahead of sequential
-        assert "sequential" in veto(torch.empty(8192, 8192))  # N-major: fused and copy both lose
+        assert veto(torch.empty(8192, 8192, device="meta").t()) is None  # K-major: split, 5% ahead of sequential
+        assert veto(torch.empty(8192, 8192, device="meta")) is None  # N-major: the same
+        assert "sequential" in veto(torch.empty(8192, 8190, device="meta"))  # fused and copy both lose
         assert "sequential" in veto(None)
     finally:
         cost_model.clear_cache()

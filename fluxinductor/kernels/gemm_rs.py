@@ -16,7 +16,7 @@ How the peer tiles travel (``transport``: the dispatcher passes the cost model's
     (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
     count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
     of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4);
-  - ``split`` (K-major weight, N a multiple of 8): one stock CUTLASS GEMM per row segment instead of one kernel
+  - ``split`` (N a multiple of 8): one stock CUTLASS GEMM per row segment instead of one kernel
     with our own epilogue, in a ring.  Step s computes segment (r + 1 + s) % world: the first (the peer GEMM)
     from scratch (+ bias) into the outbox, counting each tile per band once its TMA stores landed; the middle
     ones (relays, more than two ranks) add, waiting per band for its flag, the partial sum rank r + 1 sent for
@@ -138,9 +138,8 @@ def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Option
     """None when the split transport can run this call, else why not (then ``copy`` runs)."""
     if world < 2:
         return f"the split transport needs 2 or more ranks, not {world}"
-    layout = _weight_layout(weight)
-    if layout is None or not layout[0]:
-        return "the split transport takes a K-major weight (the transposed nn.Linear weight)"
+    if _weight_layout(weight) is None:
+        return "the weight has neither dim contiguous"
     n = weight.shape[1]
     if n % 8:
         return f"N={n} is not a multiple of 8 (the split transport's TMA stores need 16-byte rows)"

@@ -114,22 +114,24 @@ def test_gemm_only(dtype, k_major, with_bias, m, k, n):
 
 @_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k_major", [True, False])
 @pytest.mark.parametrize("m,k,n,with_bias", [(1000, 264, 520, True), (4097, 512, 2048, False), (2, 64, 8, True)])
-def test_gemm_only_split(dtype, m, k, n, with_bias):
+def test_gemm_only_split(dtype, k_major, m, k, n, with_bias):
     """The split transport's two GEMMs with communication off (gemm_only(split=True)): rows [0, M/2), then rows
-    [M/2, M) reading a zero source, against the fp32 reference, output poisoned first."""
+    [M/2, M) reading a zero source, against the fp32 reference, output poisoned first; the weight K-major (the
+    forward's x @ W.t()) or N-major (the backward's grad @ W)."""
     from fluxinductor.kernels import gemm_rs
 
     a = torch.randn(m, k, dtype=dtype, device="cuda")
-    w = make_weight(k, n, True, dtype, "cuda")
+    w = make_weight(k, n, k_major, dtype, "cuda")
     bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     gemm_rs.gemm_only(a, w, bias, out=out, split=True)
     ref = a.float() @ w.float() + (bias.float() if with_bias else 0)
     assert not out.isnan().any()
     assert relative_error(out, ref) < 1e-2
-    with pytest.raises(ValueError, match="K-major"):
-        gemm_rs.gemm_only(a, make_weight(k, n, False, dtype, "cuda"), None, split=True)
+    with pytest.raises(ValueError):  # neither dim contiguous
+        gemm_rs.gemm_only(a, make_weight(k, 2 * n, False, dtype, "cuda")[:, ::2], None, split=True)
 
 
 @_gpu
@@ -171,8 +173,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
     copy_engine = copy_engine or split
-    if split:
-        _load_split_kernels(dtype)
+    _load_kernels("split" if split else "copy" if copy_engine else "store", dtype, k_major)
     copies = [gemm_rs.CopyEngineWorkspace(device, world) for _ in range(world)] if copy_engine else [None] * world
     worst = 0.0
     for call in range(1, calls + 1):
@@ -202,10 +203,10 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     return worst
 
 
-_split_loaded = set()
+_loaded = set()
 
 
-def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2):
+def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2, k_major=True):
     """Rank 0 of a `world`-rank call runs alone (its peers never enter): returns the error code it leaves behind."""
     from fluxinductor.kernels import gemm_rs
 
@@ -214,7 +215,7 @@ def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
     error = gemm_rs.ErrorWord()
     a = torch.randn(m, k, dtype=dtype, device="cuda")
-    w = make_weight(k, n, True, dtype, "cuda")
+    w = make_weight(k, n, k_major, dtype, "cuda")
     out = torch.empty((m // world, n), dtype=dtype, device="cuda")
     gemm_rs.launch(
         a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
@@ -226,16 +227,19 @@ def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=
     return error.read()
 
 
-def _load_split_kernels(dtype):
-    """Run rank 0 of a 3-rank split call alone once per dtype, so CUDA's lazy loading has loaded the peer, relay and
-    own GEMMs before simulated ranks wait on each other (a first launch while another rank's kernel spins on this
-    GPU stalled until the handshake timed out: seen on H200, the first split case of each dtype failed with code 1).
-    The lone rank's handshake times out and its relay and own GEMMs stop waiting since the call is aborted."""
-    if dtype in _split_loaded:
+def _load_kernels(transport, dtype, k_major=True):
+    """Run rank 0 of a call alone once per transport, dtype and weight layout (3 ranks for the split transport, so
+    its relay GEMM runs too), so CUDA's lazy loading has loaded the kernels before simulated ranks wait on each
+    other: a first launch while another rank's kernel spins on this GPU stalled until the handshake timed out (seen
+    on H200: the first split case of each dtype failed with code 1, and test_n_ranks_one_gpu_layouts with code 3
+    when it ran without the tests before it).  The lone rank's handshake times out and its kernels stop waiting
+    since the call is aborted."""
+    if (transport, dtype, k_major) in _loaded:
         return
-    code = _lone_rank_call("split", dtype, timeout=50_000_000, world=3)
+    code = _lone_rank_call(transport, dtype, timeout=50_000_000, world=3 if transport == "split" else 2,
+                           k_major=k_major)
     assert code == 1, code
-    _split_loaded.add(dtype)
+    _loaded.add((transport, dtype, k_major))
 
 
 @_gpu
@@ -284,8 +288,20 @@ def test_split_two_ranks_one_gpu(rows, k, n, bands, reduce_op, pdl, monkeypatch)
 
 @_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_split_dtypes_no_bias(dtype):
-    assert _simulate(2, 2 * 384, 512, 1024, dtype=dtype, with_bias=False, split=True) < 1e-2
+@pytest.mark.parametrize("k_major", [True, False])
+def test_split_dtypes_no_bias(dtype, k_major):
+    assert _simulate(2, 2 * 384, 512, 1024, dtype=dtype, k_major=k_major, with_bias=False, split=True) < 1e-2
+
+
+@_gpu
+@pytest.mark.parametrize("tail_parts", ["1", "4"])
+@pytest.mark.parametrize("world,rows,k,n,bands", [(2, 1000, 776, 1032, 4), (2, 200, 264, 520, 3), (4, 300, 264, 1280, 3)])
+def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, tail_parts, monkeypatch):
+    """The split transport with the weight as a backward's grad @ W gives it (N-major): peer, relay and own GEMMs,
+    with bias and avg, the tail split off and on."""
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", tail_parts)
+    assert _simulate(world, world * rows, k, n, k_major=False, reduce_op="avg", split=True, calls=3) < 1e-2
 
 
 @_gpu

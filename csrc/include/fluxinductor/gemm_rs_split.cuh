@@ -151,16 +151,18 @@ using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     typename Tiles::EpilogueSchedule,
     cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::CollectiveOp;
 
-// A: row-major [rows, K]; B: K-major (the transposed nn.Linear weight); the AG+GEMM tile scheduler.
-template <class Element, int Config, class CollectiveEpilogue>
+// A: row-major [rows, K]; B: K-major (LayoutB ColumnMajor: the transposed nn.Linear weight) or N-major (RowMajor);
+// the AG+GEMM tile scheduler.
+template <class Element, int Config, class CollectiveEpilogue, class LayoutB>
 struct SplitGemm {
+  using LayoutTagB = LayoutB;
   using Tiles = SplitTiles<Config>;
   static constexpr SplitTiling kTiling = kSplitTilings[Config];
   using Epilogue = CollectiveEpilogue;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::RowMajor, 8,
-      Element, cutlass::layout::ColumnMajor, 8,
+      Element, LayoutB, 8,
       float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::KernelSchedule>::CollectiveOp;
@@ -169,12 +171,14 @@ struct SplitGemm {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Element, int Config>
-using PeerGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, false>>>;
-template <class Element, int Config>
-using RelayGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>>;
-template <class Element, int Config>
-using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>>;
+template <class Element, int Config, class LayoutB>
+using PeerGemm =
+    SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, false>>, LayoutB>;
+template <class Element, int Config, class LayoutB>
+using RelayGemm =
+    SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>, LayoutB>;
+template <class Element, int Config, class LayoutB>
+using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>, LayoutB>;
 
 template <class Epilogue>
 struct IsCounting : cute::false_type {};
@@ -190,7 +194,11 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   typename Kernel::StrideA stride_a{};
   cute::get<0>(stride_a) = p.lda;
   typename Kernel::StrideB stride_b{};
-  cute::get<0>(stride_b) = p.ldb;  // K-major: B (n, k) at n * ldb + k
+  if constexpr (cute::is_same_v<typename Config::LayoutTagB, cutlass::layout::ColumnMajor>) {
+    cute::get<0>(stride_b) = p.ldb;  // K-major: B (n, k) at n * ldb + k
+  } else {
+    cute::get<1>(stride_b) = p.ldb;  // N-major: B (n, k) at k * ldb + n
+  }
   typename Kernel::StrideC stride_c{};
   cute::get<0>(stride_c) = p.n;
   typename Kernel::StrideD stride_d{};
@@ -270,28 +278,32 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   return 0;
 }
 
-// One GEMM kind (PeerGemm, RelayGemm or OwnGemm) for the params' configuration and dtype.
-template <template <class, int> class Kind>
+// One GEMM kind (PeerGemm, RelayGemm or OwnGemm) for the params' configuration, dtype and weight layout.
+template <template <class, int, class> class Kind>
 int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_message) {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
   using cutlass::bfloat16_t;
   using cutlass::half_t;
+  using KMajor = cutlass::layout::ColumnMajor;
+  using NMajor = cutlass::layout::RowMajor;
   if (p.config == 0 && p.dtype == 0) {
-    return run_split_gemm<Kind<bfloat16_t, 0>, bfloat16_t>(p, stream, error_message);
+    return p.b_k_major ? run_split_gemm<Kind<bfloat16_t, 0, KMajor>, bfloat16_t>(p, stream, error_message)
+                       : run_split_gemm<Kind<bfloat16_t, 0, NMajor>, bfloat16_t>(p, stream, error_message);
   }
   if (p.config == 0 && p.dtype == 1) {
-    return run_split_gemm<Kind<half_t, 0>, half_t>(p, stream, error_message);
+    return p.b_k_major ? run_split_gemm<Kind<half_t, 0, KMajor>, half_t>(p, stream, error_message)
+                       : run_split_gemm<Kind<half_t, 0, NMajor>, half_t>(p, stream, error_message);
   }
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
-  if (p.config == 1 && p.dtype == 0) {
-    return run_split_gemm<Kind<bfloat16_t, 1>, bfloat16_t>(p, stream, error_message);
+  if (p.config == 1 && p.dtype == 0 && p.b_k_major) {
+    return run_split_gemm<Kind<bfloat16_t, 1, KMajor>, bfloat16_t>(p, stream, error_message);
   }
-  if (p.config == 2 && p.dtype == 0) {
-    return run_split_gemm<Kind<bfloat16_t, 2>, bfloat16_t>(p, stream, error_message);
+  if (p.config == 2 && p.dtype == 0 && p.b_k_major) {
+    return run_split_gemm<Kind<bfloat16_t, 2, KMajor>, bfloat16_t>(p, stream, error_message);
   }
 #endif
-  *error_message = "no split GEMM for configuration " + std::to_string(p.config) + " and dtype " +
-                   std::to_string(p.dtype) + " in this build";
+  *error_message = "no split GEMM for configuration " + std::to_string(p.config) + ", dtype " +
+                   std::to_string(p.dtype) + " and a " + (p.b_k_major ? "K" : "N") + "-major weight in this build";
 #else
   *error_message = "fluxinductor was built without sm90a support (CUTLASS_ARCH_MMA_SM90_SUPPORTED)";
 #endif
