@@ -58,6 +58,19 @@ def record_fallback(op: str, reason: str, path: str = "decomposed") -> None:
         logger.info("%s runs %s: %s", op, path, reason)
 
 
+_notes: set = set()
+
+
+def note_once(message: str) -> None:
+    """Log ``message`` the first time it is seen: a run time choice that is not a fallback (the fused kernel still
+    runs), such as a GEMM+RS call taking another transport than the one asked for."""
+    with _lock:
+        if message in _notes:
+            return
+        _notes.add(message)
+    logger.info("%s", message)
+
+
 def rewrite_stats() -> dict:
     """Counts since the last :func:`reset_rewrite_stats`.
 

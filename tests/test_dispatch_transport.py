@@ -132,3 +132,19 @@ def test_ag_k_chunk_bounds_and_choice(monkeypatch):
     assert ag_gemm.use_k_chunks(2048, 4096, 132, 8 * mb) == 1                          # two waves: row chunks
     assert ag_gemm.use_k_chunks(1024, 4096, 132, 2 * mb) == 2                          # blocks of >= 1 MB
     assert ag_gemm.use_k_chunks(258, 512, 132, 129 * 2048) == 1                        # too small to split
+
+
+def test_transport_notes_are_logged_once_and_are_not_fallbacks(caplog):
+    """A GEMM+RS call that takes another transport than the one asked for still runs the fused kernel: it is logged
+    once, not counted as a fallback (rewrite_stats' fallbacks are calls that did not run the kernel)."""
+    import logging
+
+    from fluxinductor import log
+
+    before = log.rewrite_stats()["fallbacks"]
+    message = "matmul_reduce_scatter runs the copy transport instead of split: test reason"
+    with caplog.at_level(logging.INFO, logger="fluxinductor"):
+        log.note_once(message)
+        log.note_once(message)
+    assert [r.getMessage() for r in caplog.records].count(message) == 1
+    assert log.rewrite_stats()["fallbacks"] == before

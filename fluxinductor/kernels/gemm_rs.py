@@ -528,7 +528,7 @@ def matmul_reduce_scatter(
     if mode == "split":
         reason = split_reason(world, weight, bias, out)
         if reason is not None:
-            log.record_fallback("matmul_reduce_scatter", reason, path="fused_copy")
+            log.note_once(f"matmul_reduce_scatter runs the copy transport instead of split: {reason}")
             mode = "copy"
     copy = state.copy_workspace() if mode != "store" else None
     sig = signature(m, n, k, world, a2d.dtype, f"{mode}/{bands()}" if copy is not None else "store")
