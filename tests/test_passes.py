@@ -473,6 +473,21 @@ def test_reduce_scatter_of_sum_of_matmuls(scatter_dim):
     assert_all_vals(gm)
 
 
+def test_veto_sees_the_concatenated_weight_of_a_sum():
+    """The veto gets the weight the fused op will be given: for a sum of matmuls, the concatenation of the weights
+    along K (contiguous, N-major), as a meta tensor; the global shape counts every term's K."""
+    gm = trace(sum_of_matmuls(WORLD, group(), 0), *_sum_args())
+    seen = []
+
+    def veto(op, device, world, m, k, n, dtype, weight=None):
+        seen.append((op, m, k, n, tuple(weight.shape), weight.stride(), weight.device.type))
+        return None
+
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, veto)
+    assert seen == [("matmul_reduce_scatter", 16, WORLD * 20, 16, (20, 16), (16, 1), "meta")]
+    assert fused("matmul_reduce_scatter") == 1
+
+
 def test_reduce_scatter_of_matmul_plus_other_skipped():
     """mm + something that is not a matmul (a residual): not fused."""
 
