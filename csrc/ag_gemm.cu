@@ -42,13 +42,15 @@ int device_sm_count() {
 
 // Fewer tail slots than the grid has CTAs per wave (ag_gemm_scheduler.cuh: tail tiles x (parts - 1) < tail tiles x
 // parts <= waves x clusters), each one CTA tile; two flags (one per consumer warp group) per slot.
-int64_t tail_split_scratch_floats(int sm_count, int waves) {
-  return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * (waves > 1 ? waves : 1) * kMaxTailTileElements;
+int64_t tail_split_slots(int sm_count, int waves) {
+  return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * (waves > 1 ? waves : 1);
 }
 
-int64_t tail_split_flag_count(int sm_count, int waves) {
-  return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * (waves > 1 ? waves : 1) * 2;
+int64_t tail_split_scratch_floats(int sm_count, int waves) {
+  return tail_split_slots(sm_count, waves) * kMaxTailTileElements;
 }
+
+int64_t tail_split_flag_count(int sm_count, int waves) { return tail_split_slots(sm_count, waves) * 2; }
 
 int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves) {
   return tail > 0 && clusters > 0 ? tail_split_parts(uint32_t(tail), uint32_t(clusters), max_parts, max_waves) : 1;

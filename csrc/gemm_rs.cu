@@ -452,10 +452,6 @@ int split_config() {
   return config;
 }
 
-bool tail_split_on(GemmRsArgs const& args) {
-  return args.tail_split_parts > 1 && args.tail_split_partials != nullptr && args.tail_split_flags != nullptr;
-}
-
 // What every split GEMM takes from the call: dtype, configuration, N, K, B, the grid size and the error word (A, rows,
 // C, D and the rest per GEMM).
 gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int config) {
@@ -477,7 +473,7 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
 // The tail split's arguments of the call's `index`-th GEMM (each has its own epoch).  The GEMMs then share the
 // scratch, so each launches after the one before, not as its programmatic dependent.
 void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args, int index) {
-  if (!tail_split_on(args)) {
+  if (args.tail_split_parts < 2 || args.tail_split_partials == nullptr || args.tail_split_flags == nullptr) {
     return;
   }
   gemm->pdl = false;

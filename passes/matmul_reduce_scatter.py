@@ -281,8 +281,7 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
                 weight = (m.val(match.terms[0].weight) if len(match.terms) == 1 else
                           torch.empty((k // world, n), dtype=a.dtype, device="meta"))
-                why = not_worth_fusing(PATTERN, a.device, world, rows, k, match.partial_shape[-1], a.dtype,
-                                       weight=weight)
+                why = not_worth_fusing(PATTERN, a.device, world, rows, k, n, a.dtype, weight=weight)
                 if why is not None:
                     raise Skip("not worth fusing here", why)
             _rewrite(graph, match, fake_mode)

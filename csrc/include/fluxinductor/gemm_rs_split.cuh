@@ -278,23 +278,28 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   return 0;
 }
 
+// One GEMM kind for the params' weight layout (K-major: ColumnMajor B, N-major: RowMajor B).
+template <template <class, int, class> class Kind, class Element, int Config>
+int run_split_layout(SplitGemmParams const& p, void* stream, std::string* error_message) {
+  return p.b_k_major
+             ? run_split_gemm<Kind<Element, Config, cutlass::layout::ColumnMajor>, Element>(p, stream, error_message)
+             : run_split_gemm<Kind<Element, Config, cutlass::layout::RowMajor>, Element>(p, stream, error_message);
+}
+
 // One GEMM kind (PeerGemm, RelayGemm or OwnGemm) for the params' configuration, dtype and weight layout.
 template <template <class, int, class> class Kind>
 int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_message) {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
   using cutlass::bfloat16_t;
   using cutlass::half_t;
-  using KMajor = cutlass::layout::ColumnMajor;
-  using NMajor = cutlass::layout::RowMajor;
   if (p.config == 0 && p.dtype == 0) {
-    return p.b_k_major ? run_split_gemm<Kind<bfloat16_t, 0, KMajor>, bfloat16_t>(p, stream, error_message)
-                       : run_split_gemm<Kind<bfloat16_t, 0, NMajor>, bfloat16_t>(p, stream, error_message);
+    return run_split_layout<Kind, bfloat16_t, 0>(p, stream, error_message);
   }
   if (p.config == 0 && p.dtype == 1) {
-    return p.b_k_major ? run_split_gemm<Kind<half_t, 0, KMajor>, half_t>(p, stream, error_message)
-                       : run_split_gemm<Kind<half_t, 0, NMajor>, half_t>(p, stream, error_message);
+    return run_split_layout<Kind, half_t, 0>(p, stream, error_message);
   }
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
+  using KMajor = cutlass::layout::ColumnMajor;  // the tuning configurations are built for K-major weights only
   if (p.config == 1 && p.dtype == 0 && p.b_k_major) {
     return run_split_gemm<Kind<bfloat16_t, 1, KMajor>, bfloat16_t>(p, stream, error_message);
   }
