@@ -16,9 +16,11 @@ there; each GPU serves its peer's pull), so one GPU can ask which resource the c
 - ``gemm+copy_l2win=<A|B>``: ``gemm+copy`` with an L2 persisting access-policy window over the GEMM's A or B on the
   GEMM's stream (``cudaLimitPersistingL2CacheSize`` set to the device's maximum for the run, reset after).
 
-If the copy costs the GEMM through L2 (its lines evict the GEMM's reused tiles), ``copy_hot`` costs little and a
-window may help; if through power or HBM bandwidth, ``copy_hot`` costs as much as the plain copy (power) or little
-(bandwidth) and the window does nothing.  Timing: per iteration the contenders run in turn (round-robin) after a
+Found on one H200 (csrc/NOTES_ag_gemm.md, session 10): the windows slow the GEMM alone by 1-4% and shield nothing,
+and a same-device ``cudaMemcpyAsync`` runs as an SM kernel there (1.9 TB/s alone; beside a persistent GEMM that holds
+every SM it waits for the GEMM's end), so the copy modes measure SM sharing, not copy-engine contention; the
+pull's contention needs two GPUs, or a copy engine forced on one (``cudaMemcpyBatchAsync``, not built here).
+Timing: per iteration the contenders run in turn (round-robin) after a
 synchronize, behind a ~1 ms sleep kernel that gates both streams until the host has enqueued everything; CUDA
 events from the gate's end to the GEMM's end (and the copy's); median of ``--iters``.
 ``--kernels`` adds fluxinductor's AG+GEMM kernel with communication off (``ag``) beside cuBLAS.
