@@ -25,6 +25,16 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+def _known_ne(a, b) -> bool:
+    """``a != b`` for sizes; under dynamic shapes (the fake implementations' SymInts) true only where it holds
+    for every value of the symbols, so a check never adds a guard.  The real implementations see ints."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a != b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(a != b)
+
+
 def _check_dim(dim: int, ndim: int, what: str) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{what}={dim} is out of range for a {ndim}-D tensor")
@@ -108,20 +118,20 @@ def _check_all_gather_matmul(shard: Tensor, weights, biases, gather_dim: int) ->
     if gather_dim == shard.dim() - 1:
         raise ValueError("gather_dim must not be the contraction (last) dim")
     for w, b in zip(weights, biases):
-        if w.dim() != 2 or w.shape[0] != shard.shape[-1]:
+        if w.dim() != 2 or _known_ne(w.shape[0], shard.shape[-1]):
             raise ValueError(f"weight of shape {tuple(w.shape)} does not match shard {tuple(shard.shape)}")
-        if b is not None and b.shape[-1] != w.shape[1]:
+        if b is not None and _known_ne(b.shape[-1], w.shape[1]):
             raise ValueError(f"bias of shape {tuple(b.shape)} does not match weight {tuple(w.shape)}")
 
 
 def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int, world: int) -> None:
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
-    if a.dim() < 2 or weight.dim() != 2 or a.shape[-1] != weight.shape[0]:
+    if a.dim() < 2 or weight.dim() != 2 or _known_ne(a.shape[-1], weight.shape[0]):
         raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(weight.shape)}")
     scatter_dim = _check_dim(scatter_dim, a.dim(), "scatter_dim")
     size = weight.shape[1] if scatter_dim == a.dim() - 1 else a.shape[scatter_dim]
-    if size % world:
+    if _known_ne(size % world, 0):
         raise ValueError(f"dim {scatter_dim} of size {size} does not split over {world} ranks")
 
 

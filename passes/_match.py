@@ -8,10 +8,14 @@ once a match has been accepted.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+# A size as a FakeTensor holds it: an int, or a SymInt under dynamic shapes.
+Size = Union[int, torch.SymInt]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -56,15 +60,79 @@ def val(node: Node) -> Optional[torch.Tensor]:
 
 def static_shape(node: Node, what: str) -> Tuple[int, ...]:
     """``node``'s shape as plain ints; raises :class:`Skip` for a missing val or a symbolic size."""
+    shape = shape_of(node, what)
+    if not all(isinstance(s, int) for s in shape):
+        raise Skip("symbolic shape", f"{what} {node.name} has shape {shape}")
+    return shape
+
+
+def shape_of(node: Node, what: str) -> Tuple[Size, ...]:
+    """``node``'s shape, symbolic sizes included; raises :class:`Skip` for a missing val.
+
+    Symbolic sizes are only ever compared with :func:`known_equal` and friends: a plain ``==`` on them would
+    add a guard, and a pass running on an already-guarded graph must not add any.
+    """
     v = val(node)
     if v is None:
         raise Skip("no tensor metadata", f"{what} {node.name} has no meta['val']")
-    shape = []
-    for s in v.shape:
-        if not isinstance(s, int):
-            raise Skip("symbolic shape", f"{what} {node.name} has shape {tuple(v.shape)}")
-        shape.append(s)
-    return tuple(shape)
+    return tuple(v.shape)
+
+
+def known_equal(a: Size, b: Size) -> bool:
+    """``a == b``, true only where it holds for every value the graph's symbols may take."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def same_shape(x: Sequence[Size], y: Sequence[Size]) -> bool:
+    return len(x) == len(y) and all(known_equal(a, b) for a, b in zip(x, y))
+
+
+def known_divisible(size: Size, world: int) -> bool:
+    return known_equal(size % world, 0)
+
+
+def known_not_divisible(size: Size, world: int) -> bool:
+    """``size`` provably leaves a remainder over ``world``; an unknown symbolic size does not."""
+    if isinstance(size, int):
+        return size % world != 0
+    return statically_known_true(size % world != 0)
+
+
+def reshape_arg(shape: Sequence[Size]) -> Optional[List[int]]:
+    """``shape`` as a reshape argument of plain ints: a symbolic size becomes -1 (reshape infers it from the
+    element count); None if more than one size is symbolic."""
+    symbolic = [i for i, s in enumerate(shape) if not isinstance(s, int)]
+    if len(symbolic) > 1:
+        return None
+    return [-1 if i in symbolic else s for i, s in enumerate(shape)]
+
+
+def view_size_args(node: Node, erased: Iterable[Node]) -> Optional[List[object]]:
+    """The size list of the reshape ``node`` (ints and nodes computing symbolic sizes), for a new reshape to the
+    same shape where :func:`reshape_arg` cannot express it (two symbolic sizes); None if ``node`` is not a reshape
+    or a size is computed from one of ``erased`` (the new reshape would keep it alive)."""
+    if not is_call(node, VIEW_OPS) or not isinstance(node.args[1], (list, tuple)):
+        return None
+    erased, stack, seen = set(erased), [a for a in node.args[1] if isinstance(a, Node)], set()
+    while stack:
+        n = stack.pop()
+        if n in erased:
+            return None
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return list(node.args[1])
+
+
+def _arg_is(arg: object, size: Size) -> bool:
+    """Whether a graph argument (an int, or a node computing a symbolic size) is known to equal ``size``."""
+    if isinstance(arg, Node):
+        arg = arg.meta.get("val")
+    if isinstance(arg, bool) or not isinstance(arg, (int, torch.SymInt)):
+        return False
+    return known_equal(arg, size)
 
 
 def check_float(node: Node, what: str) -> torch.dtype:
@@ -76,7 +144,7 @@ def check_float(node: Node, what: str) -> torch.dtype:
     return v.dtype
 
 
-def numel(shape: Sequence[int]) -> int:
+def numel(shape: Sequence[Size]) -> Size:
     n = 1
     for s in shape:
         n *= s
@@ -104,14 +172,14 @@ def ordered_chunks(parts: Sequence[object], world: int) -> Optional[Tuple[Node, 
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         dim %= src_val.dim()
         size = src_val.shape[dim]
-        if not isinstance(size, int) or size % world:
+        if not known_divisible(size, world):
             return None
         chunk = size // world
         sizes = split.args[1]
         if split.target == aten.split.Tensor:
-            if sizes != chunk:
+            if not _arg_is(sizes, chunk):
                 return None
-        elif list(sizes) != [chunk] * world:
+        elif len(sizes) != world or not all(_arg_is(s, chunk) for s in sizes):
             return None
         for i, p in enumerate(parts):
             if p.target is not operator.getitem or p.args[0] is not split or p.args[1] != i:
@@ -124,7 +192,7 @@ def ordered_chunks(parts: Sequence[object], world: int) -> Optional[Tuple[Node, 
             return None
         dim = first.args[1] % src_val.dim()
         size = src_val.shape[dim]
-        if not isinstance(size, int) or size % world:
+        if not known_divisible(size, world):
             return None
         chunk = size // world
         for i, p in enumerate(parts):
@@ -133,7 +201,7 @@ def ordered_chunks(parts: Sequence[object], world: int) -> Optional[Tuple[Node, 
             step = p.args[4] if len(p.args) > 4 else 1
             if p.args[1] % src_val.dim() != dim or step != 1:
                 return None
-            if p.args[2] != i * chunk or p.args[3] != (i + 1) * chunk:
+            if not (_arg_is(p.args[2], i * chunk) and _arg_is(p.args[3], (i + 1) * chunk)):
                 return None
         return source, dim, list(parts)
     return None
@@ -186,6 +254,19 @@ def is_pure(node: Node) -> bool:
     return node.target.namespace in ("aten", "prims") and not node.is_impure()
 
 
+# Python callables that dynamic-shape graphs use to compute sizes (``mul = s0 * 2``); they read no tensor.
+_SIZE_FUNCTIONS = frozenset(getattr(torch, f) for f in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not",
+                                                          "sym_ite", "sym_sum") if hasattr(torch, f))
+
+
+def _is_size_arithmetic(node: Node) -> bool:
+    """``node`` computes a size from sizes (``operator.mul(s0, 2)``, ``torch.sym_max``): it cannot mutate a tensor."""
+    target = node.target
+    if getattr(target, "__module__", None) not in ("_operator", "operator", "math") and target not in _SIZE_FUNCTIONS:
+        return False
+    return not any(isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes)
+
+
 def mutation_between(start: Node, end: Node) -> Optional[Node]:
     """The first node strictly between ``start`` and ``end`` (graph order) that may mutate a tensor.
 
@@ -196,8 +277,8 @@ def mutation_between(start: Node, end: Node) -> Optional[Node]:
         if node.op == "call_function":
             schema = getattr(node.target, "_schema", None)
             if schema is None:
-                # Higher-order ops and Python callables: only getitem is known to be harmless.
-                if node.target is not operator.getitem:
+                # Higher-order ops and Python callables: only getitem and size arithmetic are known to be harmless.
+                if node.target is not operator.getitem and not _is_size_arithmetic(node):
                     return node
             elif schema.is_mutable:
                 return node

@@ -36,6 +36,8 @@ A matmul is fused when its first operand is the gathered tensor or a reshape cha
 ``[M, K]`` with ``K`` the gathered tensor's last dim (so ``M`` rows in gathered order), and it is an
 ``mm`` or an ``addmm`` with alpha = beta = 1 and a ``[N]`` bias.  The new nodes go before the first
 reader of the gathered tensor; weight/bias computations that sat later are moved up with it.
+Sizes other than K and N may be symbolic (dynamic shapes); they are compared without adding guards, and the
+reshapes the rewrite writes take -1 (or the graph's own size nodes) where a size is symbolic.
 Everything else is left alone and recorded with :func:`fluxinductor.log.record_skip`.
 """
 
@@ -74,8 +76,7 @@ class _AllGatherMatch:
     @property
     def rows_by_k(self) -> tuple:
         # The gathered tensor flattened to the 2-D operand an mm reads: [M, K].
-        k = self.shape[-1]
-        return (m.numel(self.shape) // k, k)
+        return (m.numel(self.shape[:-1]), self.shape[-1])
 
 
 @dataclass
@@ -101,7 +102,7 @@ def _match_all_gather(ag: Node, group_allowed: Callable[[str], bool]) -> _AllGat
     wait = m.only_user(ag)
     if not m.is_call(wait, m.WAIT):
         raise Skip("all_gather not followed by a single wait_tensor", ag.name)
-    shard_shape = m.static_shape(shard, "shard")
+    shard_shape = m.shape_of(shard, "shard")
     m.check_float(shard, "shard")
     if len(shard_shape) < 2:
         raise Skip("1-D shard", str(shard_shape))
@@ -126,13 +127,15 @@ def _match_all_gather(ag: Node, group_allowed: Callable[[str], bool]) -> _AllGat
             raise Skip("all_gather chunks not in rank order", cat.name)
         gathered, gather_dim, extra = cat, m.cat_dim(cat), chunks[2] + [cat]
 
-    shape = m.static_shape(gathered, "gathered")
+    shape = m.shape_of(gathered, "gathered")
     expected = list(shard_shape)
     expected[gather_dim] *= group_size
-    if tuple(expected) != shape:
+    if not m.same_shape(expected, shape):
         raise Skip("gathered shape does not match shard", f"{shard_shape} x{group_size} on {gather_dim} -> {shape}")
     if gather_dim == len(shape) - 1:
         raise Skip("gather_dim is the contraction dim", f"gather_dim {gather_dim} of {shape}")
+    if not isinstance(shape[-1], int):
+        raise Skip("symbolic shape", f"contraction dim of gathered {gathered.name}: {shape}")
     gather_nodes = [ag, wait] + extra
     cast_dtype = None
     # Autocast casts after the gather (possibly after funcol's reshape).  A cast is elementwise, so it
@@ -192,8 +195,8 @@ def _consumers(match: _AllGatherMatch, closure: List[Node]) -> List[_Matmul]:
                     raise Skip("gathered tensor is the second matmul operand", u.name)
                 if bias is c:
                     raise Skip("gathered tensor is the addmm bias", u.name)
-                a_shape = m.static_shape(a, "matmul operand")
-                if a_shape != match.rows_by_k:
+                a_shape = m.shape_of(a, "matmul operand")
+                if not m.same_shape(a_shape, match.rows_by_k):
                     raise Skip("matmul operand is not the gathered tensor flattened to [M, K]",
                                f"{u.name}: {a_shape} vs gathered {match.shape}")
                 n = m.check_weight_and_bias(weight, bias, match.shape[-1], dtype, u.name)
@@ -246,8 +249,16 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     for mm, out in zip(matmuls, result[0]):
-        if tuple(out.shape) != match.shape[:-1] + (mm.n,):
+        if not m.same_shape(out.shape, match.shape[:-1] + (mm.n,)):
             raise Skip("fused op output shape mismatch", f"{tuple(out.shape)} for {mm.node.name}")
+    old_shape = tuple(m.val(match.gathered).shape)
+    # Reshapes of the op's results take plain ints (a symbolic size becomes -1): at most one may be symbolic.
+    gathered_arg = m.reshape_arg(old_shape)
+    if gathered_arg is None and match.cast_dtype is not None:
+        # Two symbolic sizes: reuse the sizes of the graph's own reshape before the cast.
+        gathered_arg = m.view_size_args(match.gathered.args[0], match.gather_nodes)
+    if return_gathered and gathered_arg is None and not m.same_shape(result[1].shape, old_shape):
+        raise Skip("symbolic shape", f"gathered {match.gathered.name} {old_shape} has more than one symbolic size")
 
     pos = m.positions(graph)
     anchor = min(match.gathered.users, key=pos.__getitem__)
@@ -273,20 +284,18 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
         for i, mm in enumerate(matmuls):
             out = graph.call_function(operator.getitem, (outs, i))
             out.meta["val"] = result[0][i]
-            mm_shape = tuple(m.val(mm.node).shape)
-            if tuple(result[0][i].shape) != mm_shape:
+            if not m.same_shape(result[0][i].shape, m.val(mm.node).shape):
                 # [..., N] -> the [M, N] the mm produced (row-major, same elements).
-                reshaped = graph.call_function(m.aten.reshape.default, (out, list(mm_shape)))
-                m.set_val(reshaped, fake_mode, lambda o=result[0][i]: o.reshape(mm_shape))
+                reshaped = graph.call_function(m.aten.reshape.default, (out, [-1, mm.n]))
+                m.set_val(reshaped, fake_mode, lambda o=result[0][i], n=mm.n: o.reshape(-1, n))
                 out = reshaped
             mm.node.replace_all_uses_with(out)
         if return_gathered:
             gathered = graph.call_function(operator.getitem, (fused, 1))
             gathered.meta["val"] = result[1]
-            old_shape = tuple(m.val(match.gathered).shape)
-            if tuple(result[1].shape) != old_shape:
+            if not m.same_shape(result[1].shape, old_shape):
                 # A cast found after a reshape of the gathered tensor: reshape the op's result the same way.
-                reshaped = graph.call_function(m.aten.reshape.default, (gathered, list(old_shape)))
+                reshaped = graph.call_function(m.aten.reshape.default, (gathered, gathered_arg))
                 m.set_val(reshaped, fake_mode, lambda: result[1].reshape(old_shape))
                 gathered = reshaped
             match.gathered.replace_all_uses_with(gathered)
@@ -314,9 +323,10 @@ def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool],
             if not matmuls:
                 readers = sorted({str(u.target) for c in closure for u in c.users if u not in closure})
                 raise Skip("no matmul reads the gathered tensor", ", ".join(readers))
-            if not_worth_fusing is not None:
+            rows, k = match.rows_by_k
+            # With a symbolic M the graph serves every M: the run-time dispatcher alone chooses per call.
+            if not_worth_fusing is not None and isinstance(rows, int):
                 shard = m.val(match.shard)
-                rows, k = match.rows_by_k
                 n = match.group_size * sum(mm.n for mm in matmuls)
                 why = not_worth_fusing(PATTERN, shard.device, match.group_size, rows, k, n, shard.dtype)
                 if why is not None:

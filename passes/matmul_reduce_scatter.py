@@ -33,7 +33,7 @@ chain to [..., N] (e.g. [S, B, N] for sequence-first activations); the op then g
 [..., K] and scatter_dim 0.  The bias is added on every rank before the reduction, exactly as
 ``addmm -> reduce_scatter`` does.  The matmul output (and the reshape/split/cat between) must have no
 other reader, else the matmul would have to run twice; such matches, ``reduce_op`` other than
-sum/avg, non-floating dtypes, sizes that do not split over the group, symbolic shapes and disallowed
+sum/avg, non-floating dtypes, sizes that do not split over the group, a symbolic N or K and disallowed
 groups are left alone and recorded with :func:`fluxinductor.log.record_skip`.
 """
 
@@ -74,17 +74,18 @@ class _ReduceScatterMatch:
     partial_shape: tuple  # the N-D tensor being reduced, [..., N]; scatter_dim indexes it
     between: List[Node]  # matmuls, adds, reshapes, chunk nodes, cat, reduce_scatter, wait: erased once dead
     first: Node  # the earliest node of the sum: the operands are read there in the original graph
+    lead_args: Optional[list]  # size args of [...] (partial_shape[:-1]) from a reshape in the chain, or None
 
 
-def _collect_terms(node: Node, rows: int, n: int, terms: List[_Term], biases: List[Node], chain: List[Node]) -> None:
+def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases: List[Node], chain: List[Node]) -> None:
     """Split ``node`` (a tensor of ``rows * n`` elements, last dim ``n``) into matmul terms and [N] biases.
 
     Accepts reshapes (row-major, so any chain keeping the last dim ``n`` maps element (m, j) of every
     term to the same place), ``add`` of two same-shape tensors, ``mm`` and ``addmm`` (its addend either a
     [N] bias or another such tensor).  Every node must be read only by the one before it.
     """
-    shape = m.static_shape(node, "reduce_scatter operand")
-    if shape[-1] != n or m.numel(shape) != rows * n:
+    shape = m.shape_of(node, "reduce_scatter operand")
+    if not (m.known_equal(shape[-1], n) and m.known_equal(m.numel(shape[:-1]), rows)):
         raise Skip("reshape between matmul and reduce_scatter mixes the N dim", f"{node.name}: {shape}")
     chain.append(node)
     children: List[Node] = []
@@ -94,7 +95,7 @@ def _collect_terms(node: Node, rows: int, n: int, terms: List[_Term], biases: Li
         x, y = node.args
         if not (isinstance(x, Node) and isinstance(y, Node)):
             raise Skip("reduce_scatter input is not a matmul", f"{node.name} adds a scalar")
-        if m.static_shape(x, "addend") != shape or m.static_shape(y, "addend") != shape:
+        if not (m.same_shape(m.shape_of(x, "addend"), shape) and m.same_shape(m.shape_of(y, "addend"), shape)):
             raise Skip("reduce_scatter input is not a matmul", f"{node.name} broadcasts")
         children = [x, y]
     elif m.is_call(node, m.CONVERT):
@@ -106,14 +107,14 @@ def _collect_terms(node: Node, rows: int, n: int, terms: List[_Term], biases: Li
         if operands is None:
             raise Skip("reduce_scatter input is not a matmul", f"{node.name} = {node.target}")
         a, weight, addend = operands
-        a_shape = m.static_shape(a, "matmul operand")
-        if len(a_shape) != 2 or a_shape[0] != rows:
+        a_shape = m.shape_of(a, "matmul operand")
+        if len(a_shape) != 2 or not m.known_equal(a_shape[0], rows):
             raise Skip("unexpected matmul operand shape", f"{node.name}: {a_shape}")
         terms.append(_Term(a, weight))
         if addend is not None:
-            if isinstance(addend, Node) and m.static_shape(addend, "addmm addend") == (n,):
+            if isinstance(addend, Node) and m.same_shape(m.shape_of(addend, "addmm addend"), (n,)):
                 biases.append(addend)
-            elif isinstance(addend, Node) and m.static_shape(addend, "addmm addend") == (rows, n):
+            elif isinstance(addend, Node) and m.same_shape(m.shape_of(addend, "addmm addend"), (rows, n)):
                 # inductor folds ``mm + mm`` into ``addmm(mm, a, w)``: the addend is another term.
                 children = [addend]
             else:
@@ -138,7 +139,7 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
     if not m.is_call(wait, m.WAIT):
         raise Skip("reduce_scatter not followed by a single wait_tensor", rs.name)
     dtype = m.check_float(inp, "reduce_scatter input")
-    inp_shape = m.static_shape(inp, "reduce_scatter input")
+    inp_shape = m.shape_of(inp, "reduce_scatter input")
 
     between: List[Node] = [rs, wait]
     partial, scatter_dim = inp, 0
@@ -152,7 +153,7 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
             if m.is_call(chunk_nodes[0], m.SPLIT_OPS) and len(chunk_nodes[0].users) != group_size:
                 raise Skip("matmul output has other users", f"chunks of {partial.name} are read elsewhere")
             between += chunk_nodes + [inp]
-    partial_shape = m.static_shape(partial, "reduce_scatter operand")
+    partial_shape = m.shape_of(partial, "reduce_scatter operand")
     if partial is inp:
         readers = {rs}
     elif m.is_call(between[2], m.SPLIT_OPS):
@@ -163,14 +164,17 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
         raise Skip("matmul output has other users", partial.name)
     if len(partial_shape) < 2:
         raise Skip("1-D reduce_scatter operand", str(partial_shape))
-    if partial_shape[scatter_dim] % group_size:
+    # A symbolic size that may not split is left to run time, where the op raises as the reduce_scatter would.
+    if m.known_not_divisible(partial_shape[scatter_dim], group_size):
         raise Skip("scatter dim does not split over the group",
                    f"size {partial_shape[scatter_dim]} on dim {scatter_dim}, {group_size} ranks")
-    if inp_shape[0] % group_size:
+    if m.known_not_divisible(inp_shape[0], group_size):
         raise Skip("scatter dim does not split over the group", f"input {inp_shape}, {group_size} ranks")
 
     n = partial_shape[-1]
-    rows = m.numel(partial_shape) // n
+    if not isinstance(n, int):
+        raise Skip("symbolic shape", f"N of reduce_scatter operand {partial.name}: {partial_shape}")
+    rows = m.numel(partial_shape[:-1])
     terms: List[_Term] = []
     biases: List[Node] = []
     chain: List[Node] = []
@@ -181,6 +185,8 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
         raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
     bias = biases[0] if biases else None
     for term in terms:
+        if not isinstance(m.val(term.a).shape[1], int):
+            raise Skip("symbolic shape", f"K of matmul operand {term.a.name}: {tuple(m.val(term.a).shape)}")
         m.check_float(term.a, "matmul operand")
         if m.val(term.a).dtype != dtype:
             raise Skip("mixed dtypes", f"{term.a.name}: {m.val(term.a).dtype}, reduced {dtype}")
@@ -189,15 +195,25 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
         m.check_weight_and_bias(terms[0].weight, bias, m.val(terms[0].a).shape[1], dtype, bias.name)
     pos = m.positions(rs.graph)
     first = min(chain, key=pos.__getitem__)
+    # Under dynamic shapes with two symbolic sizes the operand's reshape to [..., K] reuses the sizes of the
+    # graph's own reshape to [..., N].
+    lead_args = None
+    for c in chain:
+        if m.is_call(c, m.VIEW_OPS) and m.same_shape(m.val(c).shape, partial_shape):
+            size_args = m.view_size_args(c, between + chain)
+            if size_args is not None and len(size_args) == len(partial_shape):
+                lead_args = size_args[:-1]
+                break
     return _ReduceScatterMatch(wait, terms, bias, reduce_op, scatter_dim, group_name, partial_shape,
-                               between + chain, first)
+                               between + chain, first, lead_args)
 
 
-def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple) -> Node:
-    """``node`` reshaped to ``shape`` (a new reshape node unless it already has that shape)."""
-    if tuple(m.val(node).shape) == shape:
+def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple, arg: Optional[list]) -> Node:
+    """``node`` reshaped to ``shape`` (a new reshape node with size argument ``arg``, unless it already has
+    that shape)."""
+    if m.same_shape(m.val(node).shape, shape):
         return node
-    reshaped = graph.call_function(m.aten.reshape.default, (node, list(shape)))
+    reshaped = graph.call_function(m.aten.reshape.default, (node, arg))
     m.set_val(reshaped, fake_mode, lambda: m.val(node).reshape(shape))
     return reshaped
 
@@ -217,9 +233,16 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
 
     a_source = match.terms[0].a
     if len(match.terms) == 1 and m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
-            and tuple(m.val(a_source.args[0]).shape) == a_nd_shape:
+            and m.same_shape(m.val(a_source.args[0]).shape, a_nd_shape):
         # a is usually reshape(x, [M, K]) of an N-D x of the shape needed: use x itself.
         a_source = a_source.args[0]
+    a_shape = m.val(a_source).shape if len(match.terms) == 1 else (m.val(a_source).shape[0], sum(ks))
+    needs_reshape = not m.same_shape(a_shape, a_nd_shape)
+    a_nd_arg = m.reshape_arg(a_nd_shape)
+    if a_nd_arg is None and match.lead_args is not None:
+        a_nd_arg = match.lead_args + [sum(ks)]
+    if needs_reshape and a_nd_arg is None:
+        raise Skip("symbolic shape", f"operand {a_nd_shape} would need a reshape with more than one symbolic size")
     try:
         with fake_mode:
             if len(match.terms) == 1:
@@ -228,21 +251,22 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
                 # sum_i a_i @ w_i == cat(a_i, dim 1) @ cat(w_i, dim 0)
                 a_val = torch.cat([m.val(t.a) for t in match.terms], 1)
                 w_val = torch.cat([m.val(t.weight) for t in match.terms], 0)
-            a_val = a_val.reshape(a_nd_shape)
+            if needs_reshape:
+                a_val = a_val.reshape(a_nd_shape)
             result = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
                         match.reduce_op, match.scatter_dim, match.group_name)
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
-    if tuple(result.shape) != tuple(m.val(match.wait).shape):
+    if not m.same_shape(result.shape, m.val(match.wait).shape):
         raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(m.val(match.wait).shape)}")
 
     with graph.inserting_before(rs):
         if len(match.terms) == 1:
-            a_arg, w_arg = _n_d(graph, fake_mode, a_source, a_nd_shape), match.terms[0].weight
+            a_arg, w_arg = _n_d(graph, fake_mode, a_source, a_nd_shape, a_nd_arg), match.terms[0].weight
         else:
             a_cat = graph.call_function(m.aten.cat.default, ([t.a for t in match.terms], 1))
             m.set_val(a_cat, fake_mode, lambda: torch.cat([m.val(t.a) for t in match.terms], 1))
-            a_arg = _n_d(graph, fake_mode, a_cat, a_nd_shape)
+            a_arg = _n_d(graph, fake_mode, a_cat, a_nd_shape, a_nd_arg)
             w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in match.terms], 0))
             m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in match.terms], 0))
         fused = graph.call_function(op, (a_arg, w_arg, match.bias, match.reduce_op, match.scatter_dim,
@@ -272,10 +296,11 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", rs.name)
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
-            if not_worth_fusing is not None:
+            rows = m.numel(match.partial_shape[:-1])
+            # With a symbolic M the graph serves every M: the run-time dispatcher alone chooses per call.
+            if not_worth_fusing is not None and isinstance(rows, int):
                 a = m.val(match.terms[0].a)
                 world = rs.args[2]
-                rows = m.numel(match.partial_shape) // match.partial_shape[-1]
                 k = world * sum(m.val(t.a).shape[1] for t in match.terms)
                 n = match.partial_shape[-1]
                 # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.

@@ -845,8 +845,9 @@ def test_mutation_before_matmul_skipped():
     assert skipped("all_gather_matmul") == {"possible mutation between the all_gather and its matmuls": 1}
 
 
-def test_symbolic_shapes_skipped():
-    """Dynamic shapes (SymInt sizes in meta['val']) are left alone, with the reason."""
+def test_symbolic_contraction_dims_skipped():
+    """A symbolic K or N (here every size is symbolic, weights included) is left alone, with the reason: the
+    kernels and the cost model key on them, and a model's weights have static shapes."""
 
     def fn(x, w, a, w2):
         return aten.mm.default(all_gather(x, 0, WORLD, group()), w), reduce_scatter(aten.mm.default(a, w2), 0, WORLD, group())
@@ -856,6 +857,93 @@ def test_symbolic_shapes_skipped():
     assert fused("all_gather_matmul") == 0 and fused("matmul_reduce_scatter") == 0
     assert skipped("all_gather_matmul") == {"symbolic shape": 1}
     assert skipped("matmul_reduce_scatter") == {"symbolic shape": 1}
+
+
+def _symbolic(fake_mode, t: torch.Tensor, dynamic_dims=()) -> torch.Tensor:
+    """A FakeTensor of ``t`` whose ``dynamic_dims`` are symbolic (the others static), as dynamo marks them."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    dims = [DimDynamic.DYNAMIC if i in dynamic_dims else DimDynamic.STATIC for i in range(t.dim())]
+    return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+
+def sp_mlp_dynamic(world, name, gather_dim):
+    """sp_mlp_forward as inductor writes it for a symbolic sequence (or row) dim: sizes come from the input's
+    symbol (``sym_size(x)``), the gathered tensor is flattened with -1, and the reduce_scatter's chunk size is
+    the shard's size."""
+
+    def fn(x, w_up, b_up, w_down, b_down):
+        s = x.shape[gather_dim]  # the shard's size: symbolic
+        gathered = all_gather(x, gather_dim, world, name)
+        flat = aten.reshape.default(gathered, [-1, w_up.shape[1]])
+        h = aten.relu.default(aten.addmm.default(b_up, flat, aten.permute.default(w_up, [1, 0])))
+        y = aten.addmm.default(aten.div.Tensor(b_down, world), h, aten.permute.default(w_down, [1, 0]))
+        lead = [x.shape[0], s * world] if gather_dim == 1 else [s * world]
+        y = aten.reshape.default(y, lead + [w_down.shape[0]])
+        if gather_dim != 0:
+            y = aten.cat.default(list(aten.split.Tensor(y, s, gather_dim)))
+        return c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(y, "sum", world, name)), h
+
+    return fn
+
+
+def _sp_mlp_dynamic_args(gather_dim, rows):
+    x = torch.randn(3, rows, 16) if gather_dim == 1 else torch.randn(rows, 16)
+    return (x, torch.randn(24, 16), torch.randn(24), torch.randn(16, 24), torch.randn(16))
+
+
+def _trace_dynamic(fn, args, gather_dim):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [_symbolic(fake_mode, args[0], {gather_dim})] + [_symbolic(fake_mode, a) for a in args[1:]]
+    return make_fx(fn, tracing_mode="fake")(*fakes)
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_symbolic_rows_fused(gather_dim):
+    """Dynamic shapes: a symbolic token (or sequence) dim with static K and N is fused, the new nodes carry
+    symbolic meta['val']s equal to what they replace, and no guard is added."""
+    gm = _trace_dynamic(sp_mlp_dynamic(WORLD, group(), gather_dim), _sp_mlp_dynamic_args(gather_dim, 4), gather_dim)
+    outputs = [n for n in gm.graph.nodes if n.op == "output"][0]
+    before = [tuple(m_.meta["val"].shape) for m_ in outputs.args[0]]
+    shape_env = m_val(gm).shape_env
+    guards_before = len(shape_env.guards)
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1, rewrite_stats()
+    assert count(gm, AG_MM) == 1 and count(gm, MM_RS) == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0 and count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert_all_vals(gm)
+    after = [tuple(m_.meta["val"].shape) for m_ in outputs.args[0]]
+    assert len(after) == len(before)
+    for b, a in zip(before, after):
+        assert len(a) == len(b) and all(str(x) == str(y) for x, y in zip(a, b)), (before, after)
+    assert any(not isinstance(d, int) for d in after[0]), "the output should still be symbolic"
+    assert len(shape_env.guards) == guards_before
+
+
+def m_val(gm):
+    """The fake mode of a traced graph."""
+    from fluxinductor.passes._match import fake_mode_of
+
+    return fake_mode_of(gm.graph)
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_numerics_symbolic_rows_world1(gather_dim):
+    """One graph traced with a symbolic row dim, rewritten, then run at three sizes: the -1 reshapes the
+    rewrite writes for symbolic sizes are right for each (1-rank gloo group: the collectives are identities)."""
+    torch.manual_seed(4)
+    fn = sp_mlp_dynamic(1, WORLD1_GROUP, gather_dim)
+    original = _trace_dynamic(fn, _sp_mlp_dynamic_args(gather_dim, 4), gather_dim)
+    rewritten = run_passes(_trace_dynamic(fn, _sp_mlp_dynamic_args(gather_dim, 4), gather_dim))
+    assert count(rewritten, AG_MM) == 1 and count(rewritten, MM_RS) == 1
+    for rows in (2, 5, 7):
+        args = _sp_mlp_dynamic_args(gather_dim, rows)
+        for e, g in zip(original(*args), rewritten(*args)):
+            assert e.shape == g.shape
+            assert ((g - e).norm() / e.norm()).item() < 1e-5
 
 
 def test_reduce_scatter_after_dtype_cast_skipped():

@@ -1,0 +1,123 @@
+"""Dynamic shapes end to end: ``torch.compile(model, backend="flux")`` with a symbolic token/sequence dim, on
+2 gloo CPU ranks.
+
+A model fed inputs of changing length (variable sequence lengths, a last partial batch) gets a graph with a
+symbolic size: with ``dynamic=True`` from the first compile, and by default (automatic dynamic shapes) from
+the recompile that the second length triggers.  Both graphs must still get the fused ops, and the one
+compiled graph must be right at every length.  Per case: three input lengths, outputs and (for the training
+models) input and parameter gradients against the same model run eagerly; the patterns fused in the
+forward and backward compiles; and no compile after the one that made the dim symbolic.  Models are those of
+tests/test_compile_numerics.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from test_compile_numerics import AG_MM, MM_RS, MODELS, check_errors, error_of, stats_delta
+
+# (model, torch.compile's dynamic=): True from the start; None is the default (static, then automatic dynamic).
+CASES: List[Tuple[str, object]] = [
+    ("sp_mlp", True),
+    ("attention_qkv", True),
+    ("funcol_swiglu", True),
+    ("c10d_mlp", True),
+    ("sp_mlp", None),
+    ("funcol_swiglu", None),
+]
+LENGTHS = (1, 2, 3)  # the input shard is this many copies of the model's base shard, along the sharded dim
+
+
+def _input(make_input, length: int, backward: bool) -> torch.Tensor:
+    parts = [make_input(100 + i) for i in range(length)]
+    x = torch.cat(parts, dim=1 if parts[0].dim() == 3 else 0)
+    return x.requires_grad_(backward)
+
+
+def _run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    builder, backward, _, _ = MODELS[name]
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    eager_model, make_input = builder(mesh, torch.float32, rank, world)
+    flux_model, _ = builder(mesh, torch.float32, rank, world)
+    compiled = torch.compile(flux_model, backend="flux", dynamic=dynamic)
+    steps = []
+    # A compile served from inductor's caches runs no pass and counts nothing (the same graph was compiled by
+    # an earlier case of this process): compile every case afresh.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for length in LENGTHS:
+            steps.append(_step(eager_model, compiled, flux_model, make_input, length, backward, rank))
+    return {"steps": steps}
+
+
+def _step(eager_model, compiled, flux_model, make_input, length: int, backward: bool, rank: int) -> dict:
+    """One input length: the compiled model against eager, forward (and backward), and the stats it added."""
+    import fluxinductor
+
+    x_eager = _input(make_input, length, backward)
+    x_flux = x_eager.detach().clone().requires_grad_(backward)
+    s0 = fluxinductor.rewrite_stats()
+    with torch.set_grad_enabled(backward):
+        y_eager, y_flux = eager_model(x_eager), compiled(x_flux)
+    errors = {"out": error_of(y_flux, y_eager)}
+    if backward:
+        grad_out = torch.randn(y_eager.shape, generator=torch.Generator().manual_seed(7 + rank + length))
+        y_eager.backward(grad_out)
+        y_flux.backward(grad_out)
+        errors["grad_input"] = error_of(x_flux.grad, x_eager.grad)
+        flux_params = dict(flux_model.named_parameters())
+        for pname, p in eager_model.named_parameters():
+            errors[f"grad_{pname}"] = error_of(flux_params[pname].grad, p.grad)
+            p.grad = None
+            flux_params[pname].grad = None
+    return {"shape": tuple(x_eager.shape), "errors": errors, "stats": stats_delta(fluxinductor.rewrite_stats(), s0)}
+
+
+def _job(rank: int, world: int, cases) -> Dict[Tuple[str, object], object]:
+    out = {}
+    for name, dynamic in cases:
+        try:
+            out[(name, dynamic)] = _run(rank, world, name, dynamic)
+        except Exception:  # noqa: BLE001 - reported per case
+            out[(name, dynamic)] = {"error": traceback.format_exc()}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    return run_ranks(_job, 2, CASES, timeout=900)
+
+
+@pytest.mark.parametrize("name,dynamic", CASES, ids=[f"{n}-dynamic={d}" for n, d in CASES])
+def test_symbolic_length_fuses_and_matches_eager(name, dynamic):
+    _, backward, fwd_expected, bwd_expected = MODELS[name]
+    # The compile that makes the length symbolic: the first with dynamic=True, the second (the recompile on a
+    # new length) by default.
+    symbolic_step = 0 if dynamic else 1
+    for rank, per_rank in enumerate(_results()):
+        r = per_rank[(name, dynamic)]
+        assert "error" not in r, f"{name} rank {rank} raised:\n{r.get('error')}"
+        for i, step in enumerate(r["steps"]):
+            where = f"{name} dynamic={dynamic} rank={rank} input {step['shape']}"
+            check_errors(step["errors"], "fp32", where)
+            stats = step["stats"]
+            for pattern in (AG_MM, MM_RS):
+                # The fused op ran at every length (on CPU each call is a counted fallback to the decomposition).
+                assert stats["calls"].get(pattern, 0) >= 1, f"{where}: {pattern} not called; {stats}"
+            if i == symbolic_step:
+                expected = {p: fwd_expected.get(p, 0) + (bwd_expected.get(p, 0) if backward else 0)
+                            for p in (AG_MM, MM_RS)}
+                for pattern, minimum in expected.items():
+                    got = stats["fused"].get(pattern, 0)
+                    assert got >= minimum, f"{where}: fused {pattern} {got} times, expected >= {minimum}; {stats}"
+                assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
+            elif i > symbolic_step:
+                assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"
