@@ -24,10 +24,12 @@ Contenders (``--contenders``), each timed on the same inputs:
   fused_copy    GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=copy (peer tiles moved by the copy
                 engine; the cost model may pick this transport per shape)
   fused_split   GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=split (a ring of stock CUTLASS GEMMs,
-                one per segment, the copy engine between them)
+                one per segment, the copy engine between them), in configuration 0 (cooperative 128x256)
+  fused_split2  GEMM+RS only: ``fused_split`` in configuration 2 (ping-pong 128x192, bf16); the tuning table keeps
+                the faster of the two per shape (``split_config``) and the dispatcher runs that one
   fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
   split_nocomm  GEMM+RS only: gemm_rs.gemm_only(a, b, None, split=True): the split transport's two GEMMs,
-                communication off
+                communication off (configuration 0); split2_nocomm: the same in configuration 2
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
 Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synchronize before each
@@ -83,17 +85,21 @@ REPO = os.path.dirname(HERE)
 OPS = ("ag_gemm", "gemm_rs")
 OP_LABEL = {"ag_gemm": "AG+GEMM", "gemm_rs": "GEMM+RS"}
 OP_NAME = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
-CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "split_nocomm", "fused", "fused_copy",
-              "fused_split", "auto")
-PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "split_nocomm", "fused", "fused_copy", "fused_split"),
+CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "split_nocomm", "split2_nocomm", "fused",
+              "fused_copy", "fused_split", "fused_split2", "auto")
+PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "split_nocomm", "split2_nocomm", "fused", "fused_copy",
+                                         "fused_split", "fused_split2"),
           ("asynctp",), ("auto",))
 # Contenders whose overlap efficiency and speedups are reported.
-OVERLAPPED = ("fused", "fused_copy", "fused_split", "auto", "asynctp")
+OVERLAPPED = ("fused", "fused_copy", "fused_split", "fused_split2", "auto", "asynctp")
 # Contenders that may run fluxinductor's kernels (whose device-side errors are checked after they run).
-KERNEL_CONTENDERS = ("fused", "fused_copy", "fused_split", "auto", "fused_nocomm", "split_nocomm")
+KERNEL_CONTENDERS = ("fused", "fused_copy", "fused_split", "fused_split2", "auto", "fused_nocomm", "split_nocomm",
+                     "split2_nocomm")
 # Contenders that go through the dispatcher: the FLUXINDUCTOR_DISPATCH mode and extra variables of each.
 DISPATCHED = {"fused": ("fused", {}), "fused_copy": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "copy"}),
-              "fused_split": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split"}), "auto": ("auto", {})}
+              "fused_split": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split", "FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG": "0"}),
+              "fused_split2": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split", "FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG": "2"}),
+              "auto": ("auto", {})}
 
 # shared/anchors/README.md shapes, M in {512, 3072} at K=8192 N=28672, and Flux's GEMM+RS demo shape.
 ANCHOR_SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
@@ -319,10 +325,11 @@ class Problem:
                 op = torch.ops.fluxinductor.matmul_reduce_scatter
                 gn = ctx.group_name
                 return (lambda: op(a, b, None, "sum", 0, gn)), self.ref_out
-            if name in ("fused_nocomm", "split_nocomm"):
+            if name in ("fused_nocomm", "split_nocomm", "split2_nocomm"):
                 gemm_only = importlib.import_module("fluxinductor.kernels.gemm_rs").gemm_only
-                split = name == "split_nocomm"
-                return (lambda: gemm_only(a, b, None, split=split)), self.ref_partial
+                split = name != "fused_nocomm"
+                config = 2 if name == "split2_nocomm" else 0
+                return (lambda: gemm_only(a, b, None, split=split, split_config_choice=config)), self.ref_partial
         raise ValueError(f"unknown contender {name!r}")
 
 
@@ -380,13 +387,13 @@ def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
         err = _setup_errors["asynctp:*"]
     elif name == "fused_copy" and op != "gemm_rs":
         err = "unavailable: the copy-engine transport is GEMM+RS's"
-    elif name == "fused_split" and op != "gemm_rs":
+    elif name in ("fused_split", "fused_split2") and op != "gemm_rs":
         err = "unavailable: the split transport is GEMM+RS's"
     elif name in DISPATCHED:
         err = _import_fluxinductor()
-    elif name == "split_nocomm" and op != "gemm_rs":
+    elif name in ("split_nocomm", "split2_nocomm") and op != "gemm_rs":
         err = "unavailable: the split transport is GEMM+RS's"
-    elif name in ("fused_nocomm", "split_nocomm"):
+    elif name in ("fused_nocomm", "split_nocomm", "split2_nocomm"):
         if not ctx.is_cuda:
             err = "unavailable: the fused kernel needs CUDA"
         else:
@@ -657,6 +664,8 @@ def derive(entry: dict) -> None:
     entry["fused_nocomm_over_gemm"] = (t_nc / t_gemm) if (t_nc and t_gemm) else None
     t_snc = ms.get("split_nocomm")
     entry["split_nocomm_over_gemm"] = (t_snc / t_gemm) if (t_snc and t_gemm) else None
+    t_snc2 = ms.get("split2_nocomm")
+    entry["split2_nocomm_over_gemm"] = (t_snc2 / t_gemm) if (t_snc2 and t_gemm) else None
 
 
 def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
@@ -717,7 +726,7 @@ def format_table(data: dict) -> str:
         f"(median of {env['iters']} after {env['warmup']} warm-ups, max over ranks; ms)",
     ]
     head = (f"{'op':8}{'M':>6}{'K':>6}{'N':>6} |{'gemm':>8}{'comm':>8}{'seq':>8}{'asynctp':>8}{'nocomm':>8}"
-            f"{'sp_nc':>8}{'fused':>8}{'f_copy':>8}{'f_split':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
+            f"{'sp_nc':>8}{'sp2_nc':>8}{'fused':>8}{'f_copy':>8}{'f_split':>8}{'f_spl2':>8}{'auto':>8} |{'E_fus':>6}{'E_aut':>6}{'E_atp':>6} |{'fus/seq':>8}{'fus/atp':>8}"
             f"{'aut/seq':>8}{'nc/gemm':>8} |{'maxerr':>8} path(auto)")
     lines += [head, "-" * len(head)]
     for r in data["results"]:
@@ -730,7 +739,8 @@ def format_table(data: dict) -> str:
         lines.append(
             f"{r['op']:8}{r['M']:>6}{r['K']:>6}{r['N']:>6} |"
             + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm",
-                                               "split_nocomm", "fused", "fused_copy", "fused_split", "auto"))
+                                               "split_nocomm", "split2_nocomm", "fused", "fused_copy",
+                                               "fused_split", "fused_split2", "auto"))
             + " |" + "".join(_f(E.get(c), "{:.2f}", 6) for c in ("fused", "auto", "asynctp"))
             + " |" + _f(s_seq.get("fused"), "{:.2f}x") + _f(s_atp.get("fused"), "{:.2f}x")
             + _f(s_seq.get("auto"), "{:.2f}x") + _f(r.get("fused_nocomm_over_gemm"), "{:.3f}")
@@ -739,6 +749,23 @@ def format_table(data: dict) -> str:
     lines.append("E = 1 - (T - T_gemm)/(T_nccl_seq - T_gemm); x/y = speedup of x over y (T_y / T_x); "
                  "nc/gemm = fused_nocomm / cuBLAS; '!' = an output failed its check; '-' = not measured")
     return "\n".join(lines)
+
+
+def split_columns(c: dict, ok) -> dict:
+    """A tuning row's split transport columns: the faster configuration's time (configuration 2 only where it beat 0
+    by more than the cost model's noise margin), which one (``split_config``), and both times for the record."""
+    from fluxinductor import cost_model
+
+    times = {cfg: c.get(name, {}).get("ms") for cfg, name in ((0, "fused_split"), (2, "fused_split2"))}
+    oks = {cfg: ok(name) for cfg, name in ((0, "fused_split"), (2, "fused_split2"))}
+    usable = {cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False}
+    config = 0
+    if 2 in usable and (0 not in usable or usable[2] < usable[0] * (1.0 - cost_model.MIN_GAIN)):
+        config = 2
+    cols = {"fused_split_ms": times[config], "fused_split_ok": oks[config]}
+    if times[2] is not None or oks[2] is not None:
+        cols.update(split_config=config, fused_split_config_ms={str(cfg): t for cfg, t in times.items()})
+    return cols
 
 
 def tuning_table(data: dict, out_json: str):
@@ -765,8 +792,7 @@ def tuning_table(data: dict, out_json: str):
             "gemm_ms": c.get("gemm", {}).get("ms"),
             "fused_copy_ms": c.get("fused_copy", {}).get("ms"),
             "fused_copy_ok": ok("fused_copy"),
-            "fused_split_ms": c.get("fused_split", {}).get("ms"),
-            "fused_split_ok": ok("fused_split"),
+            **split_columns(c, ok),
             "asynctp_ms": c.get("asynctp", {}).get("ms"),
             "asynctp_ok": ok("asynctp"),
             "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),

@@ -9,7 +9,7 @@
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
 # BENCH_SUFFIX names the bench step's JSON apart (an A/B of two settings in one call); step tailsab is the bench with
 # both tail splits off (STEPS="bench tailsab" for that A/B).
-# pingab (TUNING=1): bench_ops with the ping-pong tuning kernels (split configurations 1, 2; AG variant 5) vs the defaults.
+# pingab (TUNING=1): bench_ops with AG+GEMM's ping-pong tuning variant 5 vs the default.
 # STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
@@ -128,15 +128,15 @@ for step in $STEPS; do
         benchmarks/bench_ops.py --out "$OUT/${TAG}_ops_tails_off" ${BENCH_ARGS:-} > "$OUT/bench_ops_tails_off.log" 2>&1
       echo "bench (tail splits off) rc=$?"; tail -c 6000 "$OUT/bench_ops_tails_off.log" ;;
     pingab)
-      # TUNING=1 builds: the op benchmark with the ping-pong tuning kernels against the defaults, communication on
-      # and off (split GEMM+RS configurations 0 / 1 / 2, AG+GEMM variants 0 / 5), one bench_ops run per setting.
-      for setting in "0 0" "1 5" "2 5"; do
-        set -- $setting
-        FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG=$1 FLUXINDUCTOR_AG_VARIANT=$2 FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} \
+      # TUNING=1 builds: AG+GEMM with the ping-pong 128x192 tuning variant (5) against the default (0), communication
+      # on and off, one bench_ops run per variant.  (The split GEMM+RS configurations are bench_ops contenders now:
+      # fused_split / fused_split2, split_nocomm / split2_nocomm.)
+      for variant in 0 5; do
+        FLUXINDUCTOR_AG_VARIANT=$variant FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} \
           timeout ${PINGAB_TIMEOUT:-170} torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py \
-          --out "$OUT/${TAG}_pingab_split$1_ag$2" --contenders gemm,fused_nocomm,split_nocomm,fused,fused_split \
-          ${PINGAB_ARGS:-} > "$OUT/pingab_split$1_ag$2.log" 2>&1
-        echo "pingab split config $1, AG variant $2: rc=$?"; grep -v Warning "$OUT/pingab_split$1_ag$2.log" | tail -22
+          --out "$OUT/${TAG}_pingab_ag$variant" --ops ag_gemm --contenders gemm,fused_nocomm,fused \
+          ${PINGAB_ARGS:-} > "$OUT/pingab_ag$variant.log" 2>&1
+        echo "pingab AG variant $variant: rc=$?"; grep -v Warning "$OUT/pingab_ag$variant.log" | tail -12
       done ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \

@@ -437,17 +437,14 @@ SplitBands split_bands(int segment_rows, int n, int wanted_col_chunks, gemm_rs_s
   return b;
 }
 
-// The split GEMMs' configuration: 0, or in tuning builds FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG (every rank must pick the
-// same); -1 with the reason in g_last_error when that is out of range.
-int split_config() {
-#if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  int const config = env_int("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", 0);
-#else
-  int const config = 0;
-#endif
+// The split GEMMs' configuration, args.split_config (every rank must pass the same: the band arithmetic follows its
+// tiling); -1 with the reason in g_last_error when it is out of range.  Whether this build has the configuration for
+// the dtype and weight layout is the GEMM launcher's to report.
+int split_config(GemmRsArgs const& args) {
+  int const config = args.split_config;
   if (config < 0 || config >= gemm_rs_split::kSplitConfigs) {
-    return fail("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG must be in [0, " + std::to_string(gemm_rs_split::kSplitConfigs) +
-                ")");
+    return fail("the split configuration must be in [0, " + std::to_string(gemm_rs_split::kSplitConfigs) + "), got " +
+                std::to_string(config));
   }
   return config;
 }
@@ -533,7 +530,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   int const segment_rows = args.m / args.world;
   int const to = (args.rank + args.world - 1) % args.world;  // the rank this one's partial sums go to
   size_t const element_bytes = 2;
-  int const config = split_config();
+  int const config = split_config(args);
   if (config < 0) {
     return config;
   }
@@ -618,7 +615,7 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   int const first_rows = args.m / 2;
   size_t const element_bytes = 2;
   std::string message;
-  int const config = split_config();
+  int const config = split_config(args);
   if (config < 0) {
     return config;
   }

@@ -17,10 +17,10 @@ struct SplitTiling {
   int group_cluster_rows;  // tile-order group height, in cluster rows
   constexpr int group_rows() const { return group_cluster_rows * cluster_m * tile_m; }
 };
-// 0 (shipped): cooperative 128x256, cluster 2x1, groups of 8 cluster rows (AG+GEMM's configuration).  Tuning builds
-// (-DFLUXINDUCTOR_KERNEL_TUNING) add 1: ping-pong 64x256, cluster 2x1, groups of 16 cluster rows, whose two math warp
-// groups take turns, one's epilogue under the other's MMAs, and 2: ping-pong 128x192, cluster 2x1, groups of 8
-// (bf16 only; FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG).
+// 0: cooperative 128x256, cluster 2x1, groups of 8 cluster rows (AG+GEMM's configuration; every dtype).  2: ping-pong
+// 128x192, cluster 2x1, groups of 8, whose two math warp groups take turns, one's epilogue under the other's MMAs
+// (bf16 only; the cost model's table picks 0 or 2 per shape, GemmRsArgs::split_config).  Tuning builds
+// (-DFLUXINDUCTOR_KERNEL_TUNING) add 1: ping-pong 64x256, cluster 2x1, groups of 16 cluster rows (K-major weights).
 constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}, {128, 192, 2, 8}};
 constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0]));
 

@@ -38,6 +38,11 @@ limits the candidates (the dispatcher offers ``asynctp`` only with ``FLUXINDUCTO
 ops present).  Forcing the fused kernel regardless of this table is the dispatcher's business
 (``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
 
+A GEMM+RS row may also name the split transport's faster GEMM configuration, ``split_config`` (0: cooperative
+128x256, 2: ping-pong 128x192; bench_ops times both and keeps 2 only where it won by more than :data:`MIN_GAIN`);
+:func:`split_config` gives the dispatcher the nearest row's (same K and N nearest in log M, else the nearest-flops
+rule above), None (the kernel's default, 0) where no row has one.
+
 ``FLUXINDUCTOR_TUNING_DIR`` replaces the packaged table folder (used by the tests, and to try a table
 before committing it).
 """
@@ -162,6 +167,7 @@ def clear_cache() -> None:
     with _lock:
         _tables.clear()
         _choices.clear()
+        _split_configs.clear()
 
 
 def _gain(row: dict, path: str = "fused") -> float:
@@ -259,6 +265,7 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
 # and a model repeats a few shapes; the lookup itself (filtering rows, interpolating, formatting the reason)
 # cost ~100 us of host time per call on the 4xH200 machine (benchmarks/host_overhead.py).
 _choices: Dict[tuple, Tuple[str, str]] = {}
+_split_configs: Dict[tuple, Optional[int]] = {}
 _MAX_CHOICES = 4096
 
 
@@ -287,6 +294,48 @@ def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
         if len(_choices) >= _MAX_CHOICES:
             _choices.clear()
         _choices[memo] = answer
+    return answer
+
+
+def split_config_from_table(table: dict, m: int, k: int, n: int) -> Optional[int]:
+    """The split GEMM+RS transport's configuration (``split_config``) of the row nearest to the GEMM+RS shape (M, K, N):
+    among rows that recorded one, the same (K, N) nearest in log M, else K and N each within :data:`SIMILAR_KN` and
+    nearest in log flops within :data:`MAX_FLOPS_RATIO`; None where no such row exists (the kernel's default)."""
+    rows = [r for r in table.get("entries", [])
+            if canonical_op(r["op"]) == "matmul_reduce_scatter" and r.get("split_config") is not None]
+    same_kn = [r for r in rows if r["k"] == k and r["n"] == n]
+    if same_kn:
+        return int(min(same_kn, key=lambda r: (abs(math.log(r["m"] / m)), r["m"]))["split_config"])
+    similar = [r for r in rows
+               if abs(math.log(r["k"] / k)) <= math.log(SIMILAR_KN) and abs(math.log(r["n"] / n)) <= math.log(SIMILAR_KN)]
+    if similar:
+        flops = 2.0 * m * float(k) * float(n)
+        best = min(similar, key=lambda r: abs(math.log(2.0 * r["m"] * r["k"] * r["n"] / flops)))
+        if abs(math.log(2.0 * best["m"] * best["k"] * best["n"] / flops)) <= math.log(MAX_FLOPS_RATIO):
+            return int(best["split_config"])
+    return None
+
+
+def split_config(device_name: str, world: int, m: int, k: int, n: int, dtype) -> Optional[int]:
+    """:func:`split_config_from_table` for this device's table at this world size (None without a table, or for a
+    dtype it does not cover), remembered like :func:`choose`'s answers."""
+    path = table_path(device_name, world)
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return None
+    memo = (path, mtime, int(m), int(k), int(n), str(dtype))
+    with _lock:
+        if memo in _split_configs:
+            return _split_configs[memo]
+    table = load_table(path)
+    answer = None
+    if table is not None and dtype_name(dtype) == dtype_name(table.get("dtype", "bfloat16")):
+        answer = split_config_from_table(table, int(m), int(k), int(n))
+    with _lock:
+        if len(_split_configs) >= _MAX_CHOICES:
+            _split_configs.clear()
+        _split_configs[memo] = answer
     return answer
 
 

@@ -73,6 +73,14 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
     return choice, f"cost model chose {choice}: {reason}"
 
 
+def _split_config_choice(device: torch.device, world: int, m: int, k: int, n: int, dtype) -> Optional[int]:
+    try:
+        from fluxinductor import cost_model
+    except ImportError:
+        return None
+    return cost_model.split_config(_device_name(device.index), world, m, k, n, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
@@ -240,6 +248,9 @@ def matmul_reduce_scatter(
     if why is not None:
         record_fallback(op, why)
         return None
+    # The split GEMMs' configuration measured fastest for the shape (the table's split_config; used only if the
+    # call runs the split transport, by the cost model's choice or FLUXINDUCTOR_GEMM_RS_PUSH=split).
+    config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
     out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
-                                          transport=transport)
+                                          transport=transport, split_config_choice=config)
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)

@@ -20,7 +20,8 @@ from fluxinductor import cost_model
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "bench_ops.py")
 MEASURED_ON_CPU = ("gemm", "comm", "nccl_seq", "auto")
-UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_copy", "fused_split", "fused_nocomm", "split_nocomm")
+UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_copy", "fused_split", "fused_split2", "fused_nocomm", "split_nocomm",
+                      "split2_nocomm")
 
 
 def _run(tmp_path, world: int, extra=()):
@@ -101,6 +102,31 @@ def _bench_ops():
     finally:
         sys.path.pop(0)
     return bench_ops
+
+
+def test_split_columns_keep_configuration_2_only_where_it_wins():
+    """The tuning row's split transport: configuration 2 (ping-pong) replaces 0 only where it was faster by more than
+    the cost model's noise margin and passed its check; both times stay in the row."""
+    bench_ops = _bench_ops()
+
+    def columns(t0, t2, ok0=True, ok2=True):
+        c = {"fused_split": {"ms": t0, "rel_ok": ok0}, "fused_split2": {"ms": t2, "rel_ok": ok2}}
+
+        def ok(name):
+            return c[name]["rel_ok"] if c[name]["ms"] is not None else None
+
+        return bench_ops.split_columns(c, ok)
+
+    assert columns(1.00, 0.97) == {"fused_split_ms": 0.97, "fused_split_ok": True, "split_config": 2,
+                                   "fused_split_config_ms": {"0": 1.00, "2": 0.97}}
+    assert columns(1.00, 0.995)["split_config"] == 0  # within the margin: the default stays
+    assert columns(1.00, 1.05)["split_config"] == 0
+    assert columns(1.00, 0.90, ok2=False)["split_config"] == 0  # configuration 2 failed its check
+    assert columns(None, 0.90, ok0=None)["split_config"] == 2  # 0 did not run
+    # Only configuration 0 measured (older runs): no split_config in the row.
+    assert bench_ops.split_columns({"fused_split": {"ms": 1.0, "rel_ok": True}},
+                                   lambda name: True if name == "fused_split" else None) == {
+        "fused_split_ms": 1.0, "fused_split_ok": True}
 
 
 def test_parse_shapes():

@@ -16,8 +16,11 @@ from fluxinductor import dispatch
 def fake_kernels(monkeypatch):
     calls = []
 
-    def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store"):
+    def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store",
+                              split_config_choice=None):
         calls.append({"checked": checked, "transport": transport})
+        if split_config_choice is not None:
+            calls[-1]["split_config"] = split_config_choice
         return (a2d @ weight)[: a2d.shape[0] // 2]
 
     from fluxinductor.kernels import gemm_rs
@@ -26,6 +29,7 @@ def fake_kernels(monkeypatch):
                                    split_reason=gemm_rs.split_reason)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
+    monkeypatch.setattr(dispatch, "_device_name", lambda index: "a device with no tuning table")
     monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
     return calls
 
@@ -148,3 +152,29 @@ def test_transport_notes_are_logged_once_and_are_not_fallbacks(caplog):
         log.note_once(message)
     assert [r.getMessage() for r in caplog.records].count(message) == 1
     assert log.rewrite_stats()["fallbacks"] == before
+
+
+def test_split_config_from_the_table_reaches_the_kernel(fake_kernels, tmp_path, monkeypatch):
+    """A table row that recorded the split GEMMs' faster configuration (split_config) hands it to the kernel for
+    its shape and the shapes nearest it; rows without one (older tables) leave the kernel's default."""
+    from fluxinductor import cost_model
+
+    rows = [dict(op="matmul_reduce_scatter", m=m, k=64, n=8, fused_ms=2.9, fused_split_ms=2.5, sequential_ms=2.6,
+                 split_config=config) for m, config in ((64, 0), (256, 2))]
+    rows.append(dict(op="matmul_reduce_scatter", m=64, k=64, n=16, fused_ms=2.9, fused_split_ms=2.5, sequential_ms=2.6))
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    table = cost_model.make_table("NVIDIA H200", 2, torch.float32, rows, source={"test": True})
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)
+    monkeypatch.setattr(dispatch, "_device_name", lambda index: "NVIDIA H200")
+    try:
+        for m_rows, expected in ((64, 0), (256, 2), (512, 2), (96, 0)):
+            a = torch.randn(m_rows, 32)
+            dispatch.matmul_reduce_scatter(a, torch.randn(32, 8), None, "sum", 0, "g")
+            assert fake_kernels[-1] == {"checked": True, "transport": "split", "split_config": expected}, m_rows
+        # The N=16 row has no configuration: the nearest-flops rule finds the N=8 rows (N within a factor 2).
+        assert cost_model.split_config_from_table(table, 64, 64, 16) == 0
+        assert cost_model.split_config_from_table(table, 64, 4096, 4096) is None  # nothing near
+        assert cost_model.split_config("NVIDIA H100", 2, 64, 64, 8, torch.float32) is None  # no table
+    finally:
+        cost_model.clear_cache()

@@ -134,6 +134,23 @@ def tail_split_parts() -> int:
     return value
 
 
+# The split GEMMs' configurations (csrc/gemm_rs_split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
+# (bf16); 1 (ping-pong 64x256) only in tuning builds.
+SPLIT_CONFIGS = (0, 2)
+
+
+def split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:
+    """The split GEMMs' configuration for a call: FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG when set (A/B runs, tuning
+    builds), else ``chosen`` (the cost model's per-shape pick), else 0; 0 for any dtype but bf16, which has only that
+    one.  Every rank must use the same (the call's handshake includes it)."""
+    env = os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "").strip()
+    config = int(env) if env else (0 if chosen is None else int(chosen))
+    return config if dtype == torch.bfloat16 else 0
+
+
+gemm_rs_split_config = split_config  # for launch(), whose parameter of that name shadows the function
+
+
 def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
     """None when the split transport can run this call, else why not (then ``copy`` runs)."""
     if world < 2:
@@ -241,6 +258,7 @@ def launch(
     split: bool = False,
     split_source: Optional[Tensor] = None,
     tail_split: Optional[int] = None,
+    split_config: Optional[int] = None,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
@@ -249,7 +267,8 @@ def launch(
     ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).  With world 1
     (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
     [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
-    :func:`tail_split_parts`; 1 = off).
+    :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
+    configuration (default: :func:`split_config`'s without a choice).
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -276,6 +295,7 @@ def launch(
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
+        (gemm_rs_split_config(a.dtype) if split_config is None else split_config) if split else 0,
     )
 
 
@@ -500,7 +520,7 @@ def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tens
 
 def matmul_reduce_scatter(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *,
-    out: Optional[Tensor] = None, checked: bool = False, transport: str = "store"
+    out: Optional[Tensor] = None, checked: bool = False, transport: str = "store", split_config_choice: Optional[int] = None
 ) -> Tensor:
     """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
 
@@ -511,7 +531,8 @@ def matmul_reduce_scatter(
     ``checked``: the caller has just had ``unsupported_reason`` return None for these arguments (the
     dispatcher does), so it is not asked again.  ``transport``: "store", "copy" or "split", used unless
     FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
-    split transport cannot take runs with "copy" (logged).
+    split transport cannot take runs with "copy" (logged).  ``split_config_choice``: the split GEMMs' configuration
+    the cost model picked for the shape (see :func:`split_config`).
     """
     reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     if reason is not None:
@@ -531,7 +552,8 @@ def matmul_reduce_scatter(
             log.note_once(f"matmul_reduce_scatter runs the copy transport instead of split: {reason}")
             mode = "copy"
     copy = state.copy_workspace() if mode != "store" else None
-    sig = signature(m, n, k, world, a2d.dtype, f"{mode}/{bands()}" if copy is not None else "store")
+    config = split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
+    sig = signature(m, n, k, world, a2d.dtype, f"{mode}{config or ''}/{bands()}" if copy is not None else "store")
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
     state.reserve(nbytes)
@@ -550,6 +572,7 @@ def matmul_reduce_scatter(
         out_scale=(1.0 / world) if reduce_op == "avg" else 1.0,
         copy=copy,
         split=mode == "split",
+        split_config=config,
     )
     return out
 
@@ -561,12 +584,14 @@ _split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
 
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
-              split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0) -> Tensor:
+              split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0,
+              split_config_choice: Optional[int] = None) -> Tensor:
     """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
 
     ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
     buffer as their source, as the transport's second GEMM reads the peer's partial); ``tail_split`` and
-    ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`.  A kernel error (a tail split's
+    ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`; ``split_config_choice`` as for
+    :func:`matmul_reduce_scatter`.  A kernel error (a tail split's
     timed-out wait) is reported by :func:`check_gemm_only`."""
     reason = unsupported_reason(a2d, weight, bias, "sum", None)
     if reason is None and split:
@@ -588,7 +613,7 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
             zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
     launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
            error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
-           tail_split=tail_split)
+           tail_split=tail_split, split_config=split_config(a2d.dtype, split_config_choice) if split else 0)
     return out
 
 

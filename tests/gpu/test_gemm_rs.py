@@ -113,20 +113,21 @@ def test_gemm_only(dtype, k_major, with_bias, m, k, n):
 
 
 @_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,config", [(torch.bfloat16, 0), (torch.bfloat16, 2), (torch.float16, 0)])
 @pytest.mark.parametrize("k_major", [True, False])
 @pytest.mark.parametrize("m,k,n,with_bias", [(1000, 264, 520, True), (4097, 512, 2048, False), (2, 64, 8, True)])
-def test_gemm_only_split(dtype, k_major, m, k, n, with_bias):
+def test_gemm_only_split(dtype, config, k_major, m, k, n, with_bias):
     """The split transport's two GEMMs with communication off (gemm_only(split=True)): rows [0, M/2), then rows
     [M/2, M) reading a zero source, against the fp32 reference, output poisoned first; the weight K-major (the
-    forward's x @ W.t()) or N-major (the backward's grad @ W)."""
+    forward's x @ W.t()) or N-major (the backward's grad @ W); configuration 0 (cooperative) and, for bf16, 2
+    (ping-pong 128x192)."""
     from fluxinductor.kernels import gemm_rs
 
     a = torch.randn(m, k, dtype=dtype, device="cuda")
     w = make_weight(k, n, k_major, dtype, "cuda")
     bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    gemm_rs.gemm_only(a, w, bias, out=out, split=True)
+    gemm_rs.gemm_only(a, w, bias, out=out, split=True, split_config_choice=config)
     ref = a.float() @ w.float() + (bias.float() if with_bias else 0)
     assert not out.isnan().any()
     assert relative_error(out, ref) < 1e-2
@@ -294,13 +295,21 @@ def test_split_dtypes_no_bias(dtype, k_major):
 
 
 @_gpu
-@pytest.mark.parametrize("tail_parts", ["1", "4"])
+@pytest.mark.parametrize("config,tail_parts", [("0", "1"), ("0", "4"), ("2", "4")])
 @pytest.mark.parametrize("world,rows,k,n,bands", [(2, 1000, 776, 1032, 4), (2, 200, 264, 520, 3), (4, 300, 264, 1280, 3)])
-def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, tail_parts, monkeypatch):
+def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, config, tail_parts, monkeypatch):
     """The split transport with the weight as a backward's grad @ W gives it (N-major): peer, relay and own GEMMs,
-    with bias and avg, the tail split off and on."""
+    with bias and avg, the tail split off and on; configurations 0 and 2 (ping-pong 128x192, which has no tail
+    split)."""
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", tail_parts)
+    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", config)
+    if config != "0":
+        from fluxinductor.kernels import gemm_rs
+
+        _lone_rank_call("split", torch.bfloat16, timeout=50_000_000, world=3, k_major=False)  # loads its kernels
+        gemm_rs.gemm_only(torch.randn(4, k, dtype=torch.bfloat16, device="cuda"),
+                          make_weight(k, n, False, torch.bfloat16, "cuda"), None, split=True)
     assert _simulate(world, world * rows, k, n, k_major=False, reduce_op="avg", split=True, calls=3) < 1e-2
 
 
@@ -325,14 +334,14 @@ def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, mo
 @_gpu
 @pytest.mark.parametrize("config", [1, 2])
 @pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4)])
-def test_split_tuning_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch):
-    """The split transport's tuning configurations (ping-pong 64x256 in groups of 16 cluster rows, ping-pong 128x192
-    with 192-column tiles: other band arithmetic than the default's), ring and communication-off GEMMs against the
-    fp32 reference."""
+def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch):
+    """The split transport's ping-pong configurations (2: 128x192 with 192-column tiles; 1, tuning builds only:
+    64x256 in groups of 16 cluster rows; other band arithmetic than the default's), ring and communication-off GEMMs
+    against the fp32 reference."""
     from fluxinductor.kernels import gemm_rs
 
-    if not gemm_rs._extension().gemm_rs_tuning_build():
-        pytest.skip("tuning configurations need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
+    if config == 1 and not gemm_rs._extension().gemm_rs_tuning_build():
+        pytest.skip("split configuration 1 needs a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", str(config))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     a = torch.randn(2 * rows, 264, dtype=torch.bfloat16, device="cuda")

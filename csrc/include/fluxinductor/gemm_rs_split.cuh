@@ -298,13 +298,13 @@ int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_me
   if (p.config == 0 && p.dtype == 1) {
     return run_split_layout<Kind, half_t, 0>(p, stream, error_message);
   }
+  if (p.config == 2 && p.dtype == 0) {
+    return run_split_layout<Kind, bfloat16_t, 2>(p, stream, error_message);
+  }
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
-  using KMajor = cutlass::layout::ColumnMajor;  // the tuning configurations are built for K-major weights only
+  using KMajor = cutlass::layout::ColumnMajor;  // configuration 1 is built for K-major weights only
   if (p.config == 1 && p.dtype == 0 && p.b_k_major) {
     return run_split_gemm<Kind<bfloat16_t, 1, KMajor>, bfloat16_t>(p, stream, error_message);
-  }
-  if (p.config == 2 && p.dtype == 0 && p.b_k_major) {
-    return run_split_gemm<Kind<bfloat16_t, 2, KMajor>, bfloat16_t>(p, stream, error_message);
   }
 #endif
   *error_message = "no split GEMM for configuration " + std::to_string(p.config) + ", dtype " +
