@@ -38,26 +38,35 @@ def model_table(bench: dict) -> None:
 
 def fused_table(bench: dict, table: dict) -> None:
     """The fused kernel (each GEMM+RS transport where measured) against each contender, and what the table's
-    default path for the shape costs: "default" is the time of the path the table picks, from this run."""
-    choice = {(r["op"], r["m"], r["k"], r["n"]): r.get("choice", "-") for r in table["entries"]}
+    default path for the shape costs: "default" is the time of the path the table picks, from this run (for the
+    split transport, in the configuration the table keeps for the shape), and "default nocomm / cuBLAS" the same
+    kernels with communication off against cuBLAS."""
+    rows_by_shape = {(r["op"], r["m"], r["k"], r["n"]): r for r in table["entries"]}
     ops = {"AG+GEMM": "all_gather_matmul", "GEMM+RS": "matmul_reduce_scatter"}
     print("| op | M | K | N | cuBLAS | NCCL seq | async-TP | fused nocomm | fused | fused copy | fused split "
-          "| E fused | E async-TP | default path | E default | default vs seq | default vs async-TP |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| fused split2 | E fused | E async-TP | default path | E default | default vs seq | default vs async-TP "
+          "| default nocomm / cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for row in bench["results"]:
         c = {name: rec.get("ms") for name, rec in row["contenders"].items()}
         gemm, seq, atp, fused = c["gemm"], c["nccl_seq"], c["asynctp"], c["fused"]
-        path = choice.get((ops.get(row["op"], row["op"]), row["M"], row["K"], row["N"]), "-")
-        t = {"fused": fused, "fused_copy": c.get("fused_copy"), "fused_split": c.get("fused_split"),
-             "sequential": seq}.get(path)
-        shown = path if t is not None else f"{path} (not timed here)"
+        entry = rows_by_shape.get((ops.get(row["op"], row["op"]), row["M"], row["K"], row["N"]), {})
+        path = entry.get("choice", "-")
+        split2 = entry.get("split_config") == 2
+        t = {"fused": fused, "fused_copy": c.get("fused_copy"),
+             "fused_split": c.get("fused_split2" if split2 else "fused_split"), "sequential": seq}.get(path)
+        nocomm = {"fused": c.get("fused_nocomm"), "fused_copy": c.get("fused_nocomm"),
+                  "fused_split": c.get("split2_nocomm" if split2 else "split_nocomm")}.get(path)
+        shown = path + (" (2)" if path == "fused_split" and split2 else "")
+        shown = shown if t is not None else f"{shown} (not timed here)"
         print(f"| {row['op']} | {row['M']} | {row['K']} | {row['N']} | {fmt(gemm)} | {fmt(seq)} | {fmt(atp)} "
               f"| {fmt(c.get('fused_nocomm'))} | {fmt(fused)} | {fmt(c.get('fused_copy'))} "
-              f"| {fmt(c.get('fused_split'))} "
+              f"| {fmt(c.get('fused_split'))} | {fmt(c.get('fused_split2'))} "
               f"| {efficiency(fused, gemm, seq):.2f} | {efficiency(atp, gemm, seq):.2f} | {shown} "
-              + ("| - | - | - |" if t is None else
-                 f"| {efficiency(t, gemm, seq):.2f} | {seq / t:.2f}x | {atp / t:.2f}x |"))
+              + ("| - | - | - " if t is None else
+                 f"| {efficiency(t, gemm, seq):.2f} | {seq / t:.2f}x | {atp / t:.2f}x ")
+              + ("| - |" if nocomm is None else f"| {nocomm / gemm:.3f} |"))
 
 
 def main(path: str, table_path: str = "") -> None:
