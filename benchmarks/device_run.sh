@@ -47,7 +47,8 @@ for step in $STEPS; do
       grep -E "passed|failed|error|FAIL|OK|ok" "$OUT/gpu_tests.log" | tail -15 ;;
     dtests)
       { timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_ag_gemm_2rank.py --calls 1000
-        timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py; } > "$OUT/dist_tests.log" 2>&1
+        timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_gemm_rs_2rank.py
+        timeout 150 torchrun --nproc-per-node "$NPROC" tests/gpu/run_dynamic_2rank.py; } > "$OUT/dist_tests.log" 2>&1
       grep -E "PASSED|FAIL|Error|error" "$OUT/dist_tests.log" | sort | uniq -c | tail -15 ;;
     example)
       timeout 240 torchrun --nproc-per-node "$NPROC" examples/sp_transformer_block.py > "$OUT/example.log" 2>&1
