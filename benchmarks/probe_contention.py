@@ -191,12 +191,17 @@ def main(argv=None) -> int:
             contenders[f"{name}"] = (g, None)
             contenders[f"{name}+copy"] = (g, big_copy)
             contenders[f"{name}+copy_hot"] = (g, hot_copy)
-        samples = {name: [] for name in contenders}
-        for it in range(args.warmup + args.iters):
-            for name, (g, c) in contenders.items():
-                r = timed(g, c)
-                if it >= args.warmup:
-                    samples[name].append(r)
+        def round_robin(pairs):
+            """{name: [(gemm ms, copy ms) per timed iteration]}, the contenders in turn each iteration."""
+            samples = {name: [] for name in pairs}
+            for it in range(args.warmup + args.iters):
+                for name, (g, c) in pairs.items():
+                    r = timed(g, c)
+                    if it >= args.warmup:
+                        samples[name].append(r)
+            return samples
+
+        samples = round_robin(contenders)
         row = {"problem": [m, k, n], "copy_bytes": nbytes, "contenders": {}}
         for name, rs in samples.items():
             row["contenders"][name] = {
@@ -210,13 +215,8 @@ def main(argv=None) -> int:
             for name, g in gemms.items():
                 info = l2.set(gemm_stream, target)
                 try:
-                    pair = {f"{name}+l2win={operand}": (g, None), f"{name}+copy+l2win={operand}": (g, big_copy)}
-                    wins = {key: [] for key in pair}
-                    for it in range(args.warmup + args.iters):
-                        for key, (gg, cc) in pair.items():
-                            r = timed(gg, cc)
-                            if it >= args.warmup:
-                                wins[key].append(r)
+                    wins = round_robin({f"{name}+l2win={operand}": (g, None),
+                                        f"{name}+copy+l2win={operand}": (g, big_copy)})
                 finally:
                     l2.clear(gemm_stream)
                 for key, rs in wins.items():
