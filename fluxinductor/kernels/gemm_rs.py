@@ -137,6 +137,7 @@ def tail_split_parts() -> int:
 # The split GEMMs' configurations (csrc/gemm_rs_split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
 # (bf16); 1 (ping-pong 64x256) only in tuning builds.
 SPLIT_CONFIGS = (0, 2)
+_TAIL_SPLIT_CONFIGS = (0,)  # the cooperative configuration (ag_gemm::supports_tail_split)
 
 
 def split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:
@@ -286,8 +287,11 @@ def launch(
     if split and bias is not None and out_scale != 1.0:
         bias_scaled = (bias.float() * out_scale).to(bias.dtype)  # the second GEMM adds the bias unscaled
         bias_scaled.record_stream(stream)
+    config = (gemm_rs_split_config(a.dtype) if split_config is None else split_config) if split else 0
+    # Only the cooperative configuration has a tail split; the ping-pong one keeps its programmatic launches, which a
+    # tail split's shared scratch would turn off.
     tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
-                            launches=max(world, 2)) if split else tail_split_off
+                            launches=max(world, 2)) if split and config in _TAIL_SPLIT_CONFIGS else tail_split_off
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
@@ -295,7 +299,7 @@ def launch(
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
-        (gemm_rs_split_config(a.dtype) if split_config is None else split_config) if split else 0,
+        config,
     )
 
 
