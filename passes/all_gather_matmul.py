@@ -308,7 +308,8 @@ def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool],
                            not_worth_fusing: Optional[Callable[..., Optional[str]]] = None) -> None:
     """Rewrite every ``all_gather -> matmul(s)`` in ``graph`` (in place) into one
     ``fluxinductor.all_gather_matmul`` per all-gather; record a skip for each one left alone.
-    ``not_worth_fusing(op, device, world, m, k, n, dtype)`` (global GEMM shape) may veto a match."""
+    ``not_worth_fusing(op, device, world, m, k, n, dtype)`` (global GEMM shape; m None where it is symbolic) may veto
+    a match."""
     all_gathers = [n for n in graph.nodes if m.is_call(n, m.ALL_GATHER)]
     if not all_gathers:
         return
@@ -324,11 +325,12 @@ def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool],
                 readers = sorted({str(u.target) for c in closure for u in c.users if u not in closure})
                 raise Skip("no matmul reads the gathered tensor", ", ".join(readers))
             rows, k = match.rows_by_k
-            # With a symbolic M the graph serves every M: the run-time dispatcher alone chooses per call.
-            if not_worth_fusing is not None and isinstance(rows, int):
+            if not_worth_fusing is not None:
                 shard = m.val(match.shard)
                 n = match.group_size * sum(mm.n for mm in matmuls)
-                why = not_worth_fusing(PATTERN, shard.device, match.group_size, rows, k, n, shard.dtype)
+                # A symbolic M (the graph serves every M) is asked as None: "at any M".
+                why = not_worth_fusing(PATTERN, shard.device, match.group_size, rows if isinstance(rows, int) else None,
+                                       k, n, shard.dtype)
                 if why is not None:
                     raise Skip("not worth fusing here", why)
             _rewrite(graph, match, closure, matmuls, fake_mode)

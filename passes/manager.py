@@ -10,6 +10,10 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
+# The global Ms at which the veto asks the cost model about a match whose M is symbolic.
+SYMBOLIC_M_PROBES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
 class FluxPassManager(CustomGraphPass):
     """Runs fluxinductor's rewrites on a post-grad FX graph, in this order:
 
@@ -33,11 +37,13 @@ class FluxPassManager(CustomGraphPass):
     def group_allowed(self, group_name: str) -> bool:
         return self.tp_group_names is None or group_name in self.tp_group_names
 
-    def not_worth_fusing(self, op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
+    def not_worth_fusing(self, op: str, device: torch.device, world: int, m: Optional[int], k: int, n: int, dtype,
                          weight: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why a match on ``device`` of the global GEMM (m, k, n) should stay unfused, or None to fuse it.
         ``weight`` (GEMM+RS): a fake of the [K/world, N] weight the fused op will get (None: unknown); the split
-        transport is a candidate only where it can take that weight.
+        transport is a candidate only where it can take that weight.  ``m`` None: M is symbolic (dynamic shapes),
+        and the graph serves every M, so the match stays unfused only if the cost model picks the sequential path
+        at every M of :data:`SYMBOLIC_M_PROBES` (elsewhere the dispatcher chooses per call).
 
         On a GPU under ``FLUXINDUCTOR_DISPATCH=auto`` a fused op that would run decomposed anyway (no
         kernel, or the measured cost model says the fused kernel loses there) is slower than the graph
@@ -55,12 +61,18 @@ class FluxPassManager(CustomGraphPass):
             return why
         split_eligible = op != "matmul_reduce_scatter" or (
             weight is not None and kernels.split_reason(world, weight, None) is None)
+        paths = dispatch.overlapped_paths(op, split_eligible=split_eligible)
         try:
-            choice, reason = cost_model.choose(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
-                                               dispatch.overlapped_paths(op, split_eligible=split_eligible))
+            choices = [cost_model.choose(op, torch.cuda.get_device_name(device), world, rows, k, n, dtype, paths)
+                       for rows in ((m,) if m is not None else SYMBOLIC_M_PROBES)]
         except Exception as e:  # noqa: BLE001 - an unreadable table must not stop compilation
             return f"cost model failed ({type(e).__name__}: {e})"
-        return None if choice != "sequential" else f"cost model chose {choice}: {reason}"
+        if any(choice != "sequential" for choice, _ in choices):
+            return None
+        if m is None:
+            return (f"cost model chose sequential at every M from {SYMBOLIC_M_PROBES[0]} to {SYMBOLIC_M_PROBES[-1]} "
+                    f"(symbolic M); at M={SYMBOLIC_M_PROBES[-1]}: {choices[-1][1]}")
+        return f"cost model chose sequential: {choices[0][1]}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul

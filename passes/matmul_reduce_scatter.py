@@ -285,8 +285,8 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
     """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
     ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone.
     ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies).
-    ``not_worth_fusing(op, device, world, m, k, n, dtype, weight=...)`` (global GEMM shape; a fake of the weight
-    the fused op gets) may veto a match."""
+    ``not_worth_fusing(op, device, world, m, k, n, dtype, weight=...)`` (global GEMM shape, m None where it is
+    symbolic; a fake of the weight the fused op gets) may veto a match."""
     scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
     if not scatters:
         return
@@ -297,8 +297,7 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 raise Skip("no fake mode in graph metadata", rs.name)
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
-            # With a symbolic M the graph serves every M: the run-time dispatcher alone chooses per call.
-            if not_worth_fusing is not None and isinstance(rows, int):
+            if not_worth_fusing is not None:
                 a = m.val(match.terms[0].a)
                 world = rs.args[2]
                 k = world * sum(m.val(t.a).shape[1] for t in match.terms)
@@ -306,7 +305,9 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
                 weight = (m.val(match.terms[0].weight) if len(match.terms) == 1 else
                           torch.empty((k // world, n), dtype=a.dtype, device="meta"))
-                why = not_worth_fusing(PATTERN, a.device, world, rows, k, n, a.dtype, weight=weight)
+                # A symbolic M (the graph serves every M) is asked as None: "at any M".
+                why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
+                                       weight=weight)
                 if why is not None:
                     raise Skip("not worth fusing here", why)
             _rewrite(graph, match, fake_mode)

@@ -923,6 +923,24 @@ def test_symbolic_rows_fused(gather_dim):
     assert len(shape_env.guards) == guards_before
 
 
+@pytest.mark.parametrize("gather_dim", [0, 1])
+def test_symbolic_rows_veto_is_asked_at_any_m(gather_dim):
+    """With a symbolic M the veto is asked with m None (the graph serves every M), and its answer is kept."""
+    gm = _trace_dynamic(sp_mlp_dynamic(WORLD, group(), gather_dim), _sp_mlp_dynamic_args(gather_dim, 4), gather_dim)
+    seen = []
+
+    def veto(op, device, world, m_, k, n, dtype, weight=None):
+        seen.append((op, m_, k, n))
+        return "measured to lose at every M" if op == "all_gather_matmul" else None
+
+    fuse_all_gather_matmul(gm.graph, lambda name: True, veto)
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, veto)
+    gm.graph.lint()
+    assert seen == [("all_gather_matmul", None, 16, WORLD * 24), ("matmul_reduce_scatter", None, WORLD * 24, 16)]
+    assert skipped("all_gather_matmul") == {"not worth fusing here": 1}
+    assert count(gm, AG_MM) == 0 and count(gm, MM_RS) == 1
+
+
 def m_val(gm):
     """The fake mode of a traced graph."""
     from fluxinductor.passes._match import fake_mode_of
@@ -1041,6 +1059,12 @@ def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypat
         assert veto(torch.empty(8192, 8192, device="meta")) is None  # N-major: the same
         assert "sequential" in veto(torch.empty(8192, 8190, device="meta"))  # fused and copy both lose
         assert "sequential" in veto(None)
+        # A symbolic M (None): kept where some M's choice is overlapped, vetoed only where every probed M's is
+        # sequential.
+        any_m = lambda weight: manager.not_worth_fusing("matmul_reduce_scatter", cuda, 2, None, 16384, 8192,  # noqa: E731
+                                                        torch.bfloat16, weight=weight)
+        assert any_m(torch.empty(8192, 8192, device="meta")) is None
+        assert "at every M" in any_m(torch.empty(8192, 8190, device="meta"))
     finally:
         cost_model.clear_cache()
 
