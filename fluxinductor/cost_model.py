@@ -248,16 +248,10 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
         basis = f"interpolated in log M between [{_describe(lo, paths)}] and [{_describe(hi, paths)}]"
         return _decide(gains, basis)
 
-    kn = float(k) * float(n)
-    similar = [r for r in rows
-               if abs(math.log(r["k"] / k)) <= math.log(SIMILAR_KN) and abs(math.log(r["n"] / n)) <= math.log(SIMILAR_KN)]
-    if similar:
-        flops = 2.0 * m * kn
-        best = min(similar, key=lambda r: abs(math.log(2.0 * r["m"] * r["k"] * r["n"] / flops)))
-        ratio = abs(math.log(2.0 * best["m"] * best["k"] * best["n"] / flops))
-        if ratio <= math.log(MAX_FLOPS_RATIO):
-            return _decide(_gains(best, paths),
-                           f"nearest measured shape by flops with similar K and N {_describe(best, paths)}")
+    best = _nearest_similar(rows, m, k, n)
+    if best is not None:
+        return _decide(_gains(best, paths),
+                       f"nearest measured shape by flops with similar K and N {_describe(best, paths)}")
     return "sequential", f"no measured {op} shape near M={m} K={k} N={n}"
 
 
@@ -285,16 +279,33 @@ def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
     except OSError:
         mtime = None
     memo = (path, mtime, op, int(m), int(k), int(n), str(dtype), tuple(paths))
+    return _remembered(_choices, memo, lambda: _choose(op, device_name, world, m, k, n, dtype, paths, path))
+
+
+def _remembered(store: dict, memo: tuple, compute):
+    """``store[memo]``, computed by ``compute()`` the first time (the store is emptied when it reaches
+    :data:`_MAX_CHOICES`)."""
     with _lock:
-        hit = _choices.get(memo)
-    if hit is not None:
-        return hit
-    answer = _choose(op, device_name, world, m, k, n, dtype, paths, path)
+        if memo in store:
+            return store[memo]
+    answer = compute()
     with _lock:
-        if len(_choices) >= _MAX_CHOICES:
-            _choices.clear()
-        _choices[memo] = answer
+        if len(store) >= _MAX_CHOICES:
+            store.clear()
+        store[memo] = answer
     return answer
+
+
+def _nearest_similar(rows: List[dict], m: int, k: int, n: int) -> Optional[dict]:
+    """Of ``rows`` whose K and N are each within :data:`SIMILAR_KN` of (k, n), the one nearest in log flops, if it is
+    within :data:`MAX_FLOPS_RATIO`; else None."""
+    similar = [r for r in rows
+               if abs(math.log(r["k"] / k)) <= math.log(SIMILAR_KN) and abs(math.log(r["n"] / n)) <= math.log(SIMILAR_KN)]
+    if not similar:
+        return None
+    flops = 2.0 * m * float(k) * float(n)
+    best = min(similar, key=lambda r: abs(math.log(2.0 * r["m"] * r["k"] * r["n"] / flops)))
+    return best if abs(math.log(2.0 * best["m"] * best["k"] * best["n"] / flops)) <= math.log(MAX_FLOPS_RATIO) else None
 
 
 def split_config_from_table(table: dict, m: int, k: int, n: int) -> Optional[int]:
@@ -306,14 +317,8 @@ def split_config_from_table(table: dict, m: int, k: int, n: int) -> Optional[int
     same_kn = [r for r in rows if r["k"] == k and r["n"] == n]
     if same_kn:
         return int(min(same_kn, key=lambda r: (abs(math.log(r["m"] / m)), r["m"]))["split_config"])
-    similar = [r for r in rows
-               if abs(math.log(r["k"] / k)) <= math.log(SIMILAR_KN) and abs(math.log(r["n"] / n)) <= math.log(SIMILAR_KN)]
-    if similar:
-        flops = 2.0 * m * float(k) * float(n)
-        best = min(similar, key=lambda r: abs(math.log(2.0 * r["m"] * r["k"] * r["n"] / flops)))
-        if abs(math.log(2.0 * best["m"] * best["k"] * best["n"] / flops)) <= math.log(MAX_FLOPS_RATIO):
-            return int(best["split_config"])
-    return None
+    best = _nearest_similar(rows, m, k, n)
+    return None if best is None else int(best["split_config"])
 
 
 def split_config(device_name: str, world: int, m: int, k: int, n: int, dtype) -> Optional[int]:
@@ -324,19 +329,13 @@ def split_config(device_name: str, world: int, m: int, k: int, n: int, dtype) ->
         mtime = os.stat(path).st_mtime
     except OSError:
         return None
-    memo = (path, mtime, int(m), int(k), int(n), str(dtype))
-    with _lock:
-        if memo in _split_configs:
-            return _split_configs[memo]
-    table = load_table(path)
-    answer = None
-    if table is not None and dtype_name(dtype) == dtype_name(table.get("dtype", "bfloat16")):
-        answer = split_config_from_table(table, int(m), int(k), int(n))
-    with _lock:
-        if len(_split_configs) >= _MAX_CHOICES:
-            _split_configs.clear()
-        _split_configs[memo] = answer
-    return answer
+    def compute() -> Optional[int]:
+        table = load_table(path)
+        if table is None or dtype_name(dtype) != dtype_name(table.get("dtype", "bfloat16")):
+            return None
+        return split_config_from_table(table, int(m), int(k), int(n))
+
+    return _remembered(_split_configs, (path, mtime, int(m), int(k), int(n), str(dtype)), compute)
 
 
 def _choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],

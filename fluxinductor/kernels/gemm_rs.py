@@ -140,16 +140,13 @@ SPLIT_CONFIGS = (0, 2)
 _TAIL_SPLIT_CONFIGS = (0,)  # the cooperative configuration (ag_gemm::supports_tail_split)
 
 
-def split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:
+def resolve_split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:
     """The split GEMMs' configuration for a call: FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG when set (A/B runs, tuning
     builds), else ``chosen`` (the cost model's per-shape pick), else 0; 0 for any dtype but bf16, which has only that
     one.  Every rank must use the same (the call's handshake includes it)."""
     env = os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "").strip()
     config = int(env) if env else (0 if chosen is None else int(chosen))
     return config if dtype == torch.bfloat16 else 0
-
-
-gemm_rs_split_config = split_config  # for launch(), whose parameter of that name shadows the function
 
 
 def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
@@ -269,7 +266,7 @@ def launch(
     (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
     [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
     :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
-    configuration (default: :func:`split_config`'s without a choice).
+    configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -287,7 +284,7 @@ def launch(
     if split and bias is not None and out_scale != 1.0:
         bias_scaled = (bias.float() * out_scale).to(bias.dtype)  # the second GEMM adds the bias unscaled
         bias_scaled.record_stream(stream)
-    config = (gemm_rs_split_config(a.dtype) if split_config is None else split_config) if split else 0
+    config = resolve_split_config(a.dtype, split_config) if split else 0
     # Only the cooperative configuration has a tail split; the ping-pong one keeps its programmatic launches, which a
     # tail split's shared scratch would turn off.
     tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
@@ -536,7 +533,7 @@ def matmul_reduce_scatter(
     dispatcher does), so it is not asked again.  ``transport``: "store", "copy" or "split", used unless
     FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
     split transport cannot take runs with "copy" (logged).  ``split_config_choice``: the split GEMMs' configuration
-    the cost model picked for the shape (see :func:`split_config`).
+    the cost model picked for the shape (see :func:`resolve_split_config`).
     """
     reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name)
     if reason is not None:
@@ -556,7 +553,7 @@ def matmul_reduce_scatter(
             log.note_once(f"matmul_reduce_scatter runs the copy transport instead of split: {reason}")
             mode = "copy"
     copy = state.copy_workspace() if mode != "store" else None
-    config = split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
+    config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
     sig = signature(m, n, k, world, a2d.dtype, f"{mode}{config or ''}/{bands()}" if copy is not None else "store")
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
@@ -617,7 +614,7 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
             zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
     launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
            error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
-           tail_split=tail_split, split_config=split_config(a2d.dtype, split_config_choice) if split else 0)
+           tail_split=tail_split, split_config=split_config_choice)
     return out
 
 
