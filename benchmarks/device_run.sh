@@ -9,6 +9,7 @@
 # Usage (device tool, carry [".whl"]):  GIT_SHA=<sha> STEPS="tests example bench" bash benchmarks/device_run.sh
 # BENCH_SUFFIX names the bench step's JSON apart (an A/B of two settings in one call); step tailsab is the bench with
 # both tail splits off (STEPS="bench tailsab" for that A/B).
+# mbench: bench_ops on the Llama-style models' shapes (MODEL_SHAPES), into the same table as bench.
 # pingab (TUNING=1): bench_ops with AG+GEMM's ping-pong tuning variant 5 vs the default.
 # STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
@@ -19,6 +20,7 @@ export PYTHONUNBUFFERED=1 FLUXINDUCTOR_BUILD_JOBS=16 FLUXINDUCTOR_REQUIRE_EXTENS
 if [ -n "${GIT_SHA:-}" ]; then export FLUXINDUCTOR_GIT_SHA=$GIT_SHA; fi
 OUT=${OUT:-/tmp/fluxinductor_out}
 STEPS=${STEPS:-"tests example bench model"}
+MODEL_SHAPES=${MODEL_SHAPES:-4096x8192x28672,4096x28672x8192,4096x8192x10240,4096x8192x57344,4096x8192x8192,4096x10240x8192,4096x57344x8192}
 NPROC=${NPROC:-2}
 TAG=h200x${NPROC}_tp${NPROC}
 mkdir -p "$OUT/tuning"
@@ -139,6 +141,13 @@ for step in $STEPS; do
           ${PINGAB_ARGS:-} > "$OUT/pingab_ag$variant.log" 2>&1
         echo "pingab AG variant $variant: rc=$?"; grep -v Warning "$OUT/pingab_ag$variant.log" | tail -12
       done ;;
+    mbench)
+      # the op benchmark on the models' shapes (MODEL_SHAPES), its rows merged into the same table as bench's
+      FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
+        torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops_model_shapes${BENCH_SUFFIX:-}" \
+        --emit-tuning "$OUT/tuning/{device_key}_tp{world}.json" --shapes "$MODEL_SHAPES" --no-plot ${BENCH_ARGS:-} \
+        > "$OUT/bench_ops_model_shapes.log" 2>&1
+      echo "bench (model shapes) rc=$?"; tail -c 4000 "$OUT/bench_ops_model_shapes.log" ;;
     bench)
       FLUXINDUCTOR_GIT_SHA=${GIT_SHA:-unknown} FLUXINDUCTOR_TUNING_DIR=$OUT/tuning timeout ${BENCH_TIMEOUT:-420} \
         torchrun --nproc-per-node "$NPROC" benchmarks/bench_ops.py --out "$OUT/${TAG}_ops${BENCH_SUFFIX:-}" \
