@@ -161,7 +161,7 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
          int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
          int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl, int64_t tail_split_partials,
          int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts, int tail_split_waves,
-         int split_config, bool split_direct) {
+         int split_config) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.m = m; args.n = n; args.k = k;
@@ -196,7 +196,6 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
   args.tail_split_parts = tail_split_parts;
   args.tail_split_waves = tail_split_waves;
   args.split_config = split_config;
-  args.split_direct = split_direct;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
@@ -212,8 +211,7 @@ void export_gemm_rs(py::module_& m) {
         py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("epoch_word"), py::arg("bands"),
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
-        py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,
-        py::arg("split_direct") = false);
+        py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),

@@ -148,14 +148,9 @@ int send_band(GemmRsArgs const& args, uint32_t* counter, uint32_t count, char* d
   if (result != CUDA_SUCCESS) {
     return fail("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
   }
-  cudaError_t status = cudaSuccess;
-  if (src == nullptr) {
-    // the tiles went straight to dst (split_direct): counted only once their stores completed, so the flag may follow
-  } else if (height == 1) {
-    status = cudaMemcpyAsync(dst, src, width, cudaMemcpyDeviceToDevice, copy_stream);
-  } else {
-    status = cudaMemcpy2DAsync(dst, pitch, src, pitch, width, height, cudaMemcpyDeviceToDevice, copy_stream);
-  }
+  cudaError_t status = height == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDeviceToDevice, copy_stream)
+                                   : cudaMemcpy2DAsync(dst, pitch, src, pitch, width, height,
+                                                       cudaMemcpyDeviceToDevice, copy_stream);
   if (status == cudaSuccess) {
     status = cudaMemcpyAsync(peer_flag, args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
   }
@@ -488,13 +483,12 @@ void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args
 }
 
 // The split transport's copy stream, one ring step: per band in order, wait for its tile count, copy the block
-// (2-D, copy engine) from outbox segment `step` into slot `step` of rank `to` (unless the GEMM stored it there
-// itself: args.split_direct), then raise that rank's flag of (step, band) by copying the epoch word.
+// (2-D, copy engine) from outbox segment `step` into slot `step` of rank `to`, then raise that rank's flag of
+// (step, band) by copying the epoch word.
 int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_rs_split::SplitTiling tiling,
                          int segment_rows, int step, int to, size_t element_bytes, int64_t flags_per_src) {
   size_t const pitch = size_t(args.n) * element_bytes;
-  char const* outbox =
-      args.split_direct ? nullptr : static_cast<char const*>(args.outbox) + size_t(step) * segment_rows * pitch;
+  char const* outbox = static_cast<char const*>(args.outbox) + size_t(step) * segment_rows * pitch;
   char* to_base = static_cast<char*>(args.buffers[to]);
   char* slot = to_base + args.data_offset + size_t(step) * segment_rows * pitch;
   for (int rb = 0; rb < bands.row_bands; ++rb) {
@@ -509,8 +503,7 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_r
       size_t const c1 = size_t(t1) * tiling.tile_n < size_t(args.n) ? size_t(t1) * tiling.tile_n : size_t(args.n);
       size_t const offset = size_t(r0) * pitch + c0 * element_bytes;
       if (int rc = send_band(args, args.counters + step * bands.count() + band, uint32_t(row_tiles * (t1 - t0)),
-                             slot + offset, outbox == nullptr ? nullptr : outbox + offset, pitch,
-                             (c1 - c0) * element_bytes, size_t(r1 - r0),
+                             slot + offset, outbox + offset, pitch, (c1 - c0) * element_bytes, size_t(r1 - r0),
                              to_base + args.flags_offset + 4 * (step * flags_per_src + band));
           rc != 0) {
         return rc;
@@ -589,10 +582,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.alpha = args.out_scale;
     } else {
       g.bias = args.bias;
-      // rank `to`'s slot `step` has the outbox segment's layout: the copy stream's band copies, or these stores
-      char* const target = args.split_direct ? static_cast<char*>(args.buffers[to]) + args.data_offset
-                                             : static_cast<char*>(args.outbox);
-      g.d = target + step * segment_bytes;
+      g.d = static_cast<char*>(args.outbox) + step * segment_bytes;
       g.ldd = args.n;
       g.counters = args.counters;
       g.segment = step;

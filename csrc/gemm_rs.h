@@ -72,9 +72,6 @@ struct GemmRsArgs {
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
   bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent
   int split_config = 0;               // the split GEMMs' configuration (gemm_rs_split.h kSplitTilings; same on every rank)
-  // The peer and relay GEMMs store their tiles straight into the next rank's slot (TMA stores over NVLink) instead
-  // of the outbox, and the copy stream only raises that rank's flags (no band copies: the bytes cross HBM once).
-  bool split_direct = false;
   // Split transport, optional: each GEMM's partial last wave split along K into up to tail_split_parts parts (> 1),
   // in up to tail_split_waves waves, with the AG+GEMM tail split's scratch (ag_gemm.h sizes it for sm_count and the
   // waves), which must belong to `stream`.  The call uses the epochs tail_split_epoch, +1, ... one per GEMM (world of

@@ -122,15 +122,6 @@ def split_pdl() -> bool:
     return os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
 
 
-def split_direct() -> bool:
-    """Whether the split transport's peer (and relay) GEMMs store their tiles straight into the next rank's slot, TMA
-    stores over NVLink, instead of into the outbox for the copy engine to send (FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT,
-    default 0).  Either way the copy stream raises the flags band by band; direct, each band's bytes cross this GPU's
-    memory once (written by the GEMM on the peer) instead of three times (outbox write, copy read, peer write).
-    Ranks may differ: each chooses how its own partial sums travel."""
-    return os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT", "0").strip() not in ("0", "false", "no", "")
-
-
 def tail_split_parts() -> int:
     """The most parts the split transport's GEMMs split a partial last wave's tiles into along K
     (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
@@ -305,7 +296,7 @@ def launch(
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
-        config, split and world > 1 and split_direct(),
+        config,
     )
 
 

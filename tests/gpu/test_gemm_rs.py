@@ -269,7 +269,6 @@ def test_copy_engine_layouts_and_odd_n(dtype):
 
 
 @_gpu
-@pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize("pdl", ["1", "0"])
 @pytest.mark.parametrize("rows,k,n,bands,reduce_op", [
     (200, 264, 520, 4, "sum"),      # rows not a multiple of the 128-row tile, a partial 256-column tile
@@ -278,12 +277,11 @@ def test_copy_engine_layouts_and_odd_n(dtype):
     (4200, 64, 1280, 4, "sum"),     # 3 row bands x 4 column chunks of 2/2/1 tiles (5 tiles)
     (1, 64, 8, 4, "avg"),           # one row per rank
 ])
-def test_split_two_ranks_one_gpu(rows, k, n, bands, reduce_op, pdl, direct, monkeypatch):
-    """Split transport: the peer GEMM's counted TMA stores, the band copies (or, direct, the stores into the peer's
-    slot and flags alone), the own GEMM's per-band waits and its source C (the peer's partial), with the programmatic
-    dependent launch (tail split off, which PDL needs) and without it (tail split on, the default)."""
+def test_split_two_ranks_one_gpu(rows, k, n, bands, reduce_op, pdl, monkeypatch):
+    """Split transport: the peer GEMM's counted TMA stores, the band copies, the own GEMM's per-band waits and its
+    source C (the peer's partial), with the programmatic dependent launch (tail split off, which PDL needs) and
+    without it (tail split on, the default)."""
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT", direct)
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1" if pdl == "1" else "4")
     assert _simulate(2, 2 * rows, k, n, reduce_op=reduce_op, split=True, calls=4) < 1e-2
@@ -316,7 +314,6 @@ def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, config, 
 
 
 @_gpu
-@pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize("pdl", ["1", "0"])
 @pytest.mark.parametrize("world,rows,k,n,bands,reduce_op", [
     (3, 200, 264, 520, 4, "sum"),     # rows not a multiple of the tile, a partial column tile; one relay step
@@ -325,22 +322,19 @@ def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, config, 
     (8, 300, 64, 1280, 4, "sum"),     # six relay steps
     (4, 1, 64, 8, 4, "avg"),          # one row per rank
 ])
-def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, direct, monkeypatch):
+def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, monkeypatch):
     """The split transport's ring with more than two ranks: relay GEMMs that wait per band for rank + 1's partial
-    sum, add it as source C and count their own tiles for the copy to rank - 1 (direct: store them into its slot).
-    PDL as in the two-rank test."""
+    sum, add it as source C and count their own tiles for the copy to rank - 1.  PDL as in the two-rank test."""
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT", direct)
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1" if pdl == "1" else "4")
     assert _simulate(world, world * rows, k, n, reduce_op=reduce_op, split=True, calls=3) < 1e-2
 
 
 @_gpu
-@pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize("config", [1, 2])
 @pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4)])
-def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, direct, monkeypatch):
+def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch):
     """The split transport's ping-pong configurations (2: 128x192 with 192-column tiles; 1, tuning builds only:
     64x256 in groups of 16 cluster rows; other band arithmetic than the default's), ring and communication-off GEMMs
     against the fp32 reference."""
@@ -350,7 +344,6 @@ def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, direct, mon
         pytest.skip("split configuration 1 needs a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", str(config))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_DIRECT", direct)
     a = torch.randn(2 * rows, 264, dtype=torch.bfloat16, device="cuda")
     w = make_weight(264, n, True, torch.bfloat16, "cuda")
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda")
