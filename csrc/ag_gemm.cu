@@ -81,6 +81,9 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
                          p.shard_rows * p.world != p.m || p.chunks_per_rank < 1 || p.k_chunks < 1)) {
     std::snprintf(out, size, "inconsistent all-gather layout (rank %d of %d, %lld rows per rank, M=%lld)", p.rank,
                   p.world, (long long)p.shard_rows, (long long)p.m);
+  } else if (p.a_local && (!p.flags || !aligned16(p.a_local) || p.lda_local % kAlign || p.lda_local < p.k)) {
+    std::snprintf(out, size, "the local rows' A needs flags, a 16-byte aligned base and a row stride >= K that is a "
+                  "multiple of 8 (got %lld)", (long long)p.lda_local);
   }
   return why;
 }

@@ -61,6 +61,11 @@ struct AllGatherGemmParams {
   uint32_t split_epoch = 0;
   int split_max_parts = 1;
   int split_waves = 1;
+  // Optional (with flags): this rank's own rows, [shard_rows, K] row-major with row stride lda_local, read from here
+  // instead of rows [rank * shard_rows, (rank + 1) * shard_rows) of A, which then need not hold them (the peers'
+  // shards are pushed into A; this rank's never is copied there).  shard_rows must be a multiple of the tile's M.
+  const void* a_local = nullptr;
+  int64_t lda_local = 0;
 };
 
 // The tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail runs in up to `waves` waves:

@@ -29,7 +29,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int group_cluster_rows, int sm_count, long long timeout_ns,
                                              int64_t error_word, int variant, int64_t split_partials,
                                              int64_t split_flags, uint32_t split_epoch, int split_max_parts,
-                                             int split_waves) {
+                                             int split_waves, int64_t a_local = 0, int64_t lda_local = 0) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -52,6 +52,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.split_partials = reinterpret_cast<float*>(split_partials);
   p.split_flags = reinterpret_cast<uint32_t*>(split_flags);
   p.split_epoch = split_epoch; p.split_max_parts = split_max_parts; p.split_waves = split_waves;
+  p.a_local = reinterpret_cast<const void*>(a_local);
+  p.lda_local = lda_local;
   return p;
 }
 
@@ -63,7 +65,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("group_cluster_rows") = 8,                                                                   \
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
       py::arg("variant") = 0, py::arg("split_partials") = 0, py::arg("split_flags") = 0,                    \
-      py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1, py::arg("split_waves") = 1
+      py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1, py::arg("split_waves") = 1,               \
+      py::arg("a_local") = 0, py::arg("lda_local") = 0
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -72,12 +75,13 @@ void export_ag_gemm(py::module_& m) {
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
-         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t stream) {
+         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
+         int64_t lda_local, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns,
                                 error_word, variant, split_partials, split_flags, split_epoch, split_max_parts,
-                                split_waves),
+                                split_waves, a_local, lda_local),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -88,11 +92,12 @@ void export_ag_gemm(py::module_& m) {
          bool b_k_contiguous, int64_t bias, int64_t out, int64_t ldo, int64_t flags, uint32_t epoch, int rank,
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
-         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves) {
+         int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
+         int64_t lda_local) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
             chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant, split_partials,
-            split_flags, split_epoch, split_max_parts, split_waves)).message);
+            split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(

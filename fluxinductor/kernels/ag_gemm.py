@@ -1,15 +1,24 @@
-"""All-gather + GEMM on Hopper: copy-engine pulls overlapped with one persistent CUTLASS GEMM.
+"""All-gather + GEMM on Hopper: copy-engine transfers overlapped with one persistent CUTLASS GEMM.
 
-Per call, on rank r of W (shard: [S, K], M = W * S), with buffer = this call's symmetric buffer [M, K]:
+Per call, on rank r of W (shard: [S, K], M = W * S), with buffer = this call's symmetric buffer [M, K], when S is
+a multiple of the kernel's tile M (the push, the default):
 
-1. main stream: ``buffer[r*S:(r+1)*S] = shard``, then a symmetric-memory barrier (every rank's slot is
-   written; every rank finished reading the buffer we are about to reuse, two calls ago).
-2. side stream (copy engine, no SMs): for q = r+1, r+2, ... (mod W), pull peer q's slot out of peer q's
-   buffer into ours, chunk by chunk; after each chunk, cuStreamWriteValue32 sets that chunk's flag to the
-   call's epoch.  Then, if asked, copy the whole gathered buffer out (the ``gathered`` result).
-3. main stream: the fused GEMM (csrc/ag_gemm.cu) over ``buffer`` for each weight; its tile scheduler
-   walks this rank's rows first, then q = r+1, ... and waits per tile for the chunk flags its rows need.
+1. main stream: a symmetric-memory barrier (every rank finished reading the buffer we are about to write into,
+   two calls ago, and its flags are ready).
+2. side stream (copy engine, no SMs): for q = r-1, r-2, ... (mod W, the order in which the peers' tile walks
+   reach rank r's rows), push the shard straight from the caller's tensor into rows [r*S, (r+1)*S) of peer q's
+   buffer, chunk by chunk; after each chunk, copy the call's epoch into that chunk's flag on peer q.
+3. main stream: the fused GEMM (csrc/ag_gemm.cu) for each weight, reading this rank's rows from the shard
+   itself (a second TMA descriptor, so the shard is never copied into the buffer) and the peers' rows from
+   ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the
+   chunk flags its rows need.  Then, if asked, the gathered A is assembled from the buffer and the shard.
 4. main stream waits for the side stream.
+
+Otherwise (the pull): main copies the shard into ``buffer[r*S:(r+1)*S]`` before the barrier, the side stream
+pulls each peer's rows out of that peer's buffer into ours and raises our own flags, the GEMM reads every row
+from ``buffer``, and the side stream copies the gathered buffer out.  The pull puts the shard copy (an SM
+kernel: a same-device copy) in front of the GEMM on the main stream, 5 us at 8 MB and 0.15 ms at 235 MB on an
+H200, which is most of what the fused op costs over its GEMM (csrc/NOTES_ag_gemm.md, session 11).
 
 A wait that times out writes an error code to a host-mapped word and the kernel goes on; the next call (or
 ``check_errors``) raises.  Barriers time out inside torch symmetric memory.
@@ -50,8 +59,12 @@ _MIN_K_BLOCK_BYTES = 1 << 20
 # up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
 # (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
 TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
-# Rows of A one cluster row covers, per variant (tile M x cluster M).
+# Rows of A one cluster row covers, per variant (tile M x cluster M), and the tile's M.
 _CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128, 5: 256}
+_TILE_M = {0: 128, 1: 256, 2: 128, 3: 256, 4: 128, 5: 128}
+# Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
+# shard's rows are a multiple of the tile's M); 0 = the pull for every call.
+PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
@@ -187,12 +200,14 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
                 timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
-                tail_split: Optional[int] = None) -> Tensor:
+                tail_split: Optional[int] = None, a_local: Optional[Tensor] = None) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
     the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).  With ``k_chunks`` > 1
     (flags [world * k_chunks], see :func:`pull_shards`) it waits instead before each column block of its K loop.
+    ``a_local`` ([shard_rows, K], with ``flags``; shard_rows a multiple of the tile's M): this rank's rows are read
+    from it instead of from ``a``.
     ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
@@ -214,7 +229,8 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
         shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
-        stream=stream.cuda_stream,
+        stream=stream.cuda_stream, a_local=0 if a_local is None else a_local.data_ptr(),
+        lda_local=0 if a_local is None else a_local.stride(0),
         **_tail_split_kwargs(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
     return out
 
@@ -303,6 +319,75 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
                                          stream.cuda_stream)
 
 
+def _push_flag(peer_flags: Tensor, index: int, epoch_word: Tensor, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: copy the epoch word into peer_flags[index] (copy engine; after the chunk's bytes)."""
+    symm.extension().ag_memcpy_async(peer_flags.data_ptr() + 4 * index, epoch_word.data_ptr(), 4, stream.cuda_stream)
+
+
+def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Sequence[Tensor], rank: int, epoch: int,
+                epoch_word: Tensor, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
+                k_chunks: int = 1) -> None:
+    """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
+    every peer's buffer, raising the peer's flag of each chunk to ``epoch`` after its bytes.
+
+    peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
+    used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
+    other shards).  Row chunk c sets flags[rank * chunks_per_rank + c]; with ``k_chunks`` > 1 the shard moves in
+    column blocks instead (2-D copies), block c setting flags[rank * k_chunks + c].  ``epoch_word``: one int32 on
+    this device, written here and copied into the flags.
+    """
+    ext = symm.extension()
+    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
+    shard_rows, k = shard.shape
+    world = len(peer_buffers)
+    row_bytes = k * shard.element_size()
+    ext.ag_stream_write_value32(epoch_word.data_ptr(), epoch, stream.cuda_stream)
+    for step in range(1, world):
+        peer = (rank - step) % world
+        dst = peer_buffers[peer]
+        if dst.stride(0) != k:
+            raise ValueError(f"peer buffer row stride {dst.stride(0)} != K = {k}")
+        base = dst.data_ptr() + rank * shard_rows * row_bytes
+        if k_chunks > 1:
+            for c, (c0, c1) in enumerate(k_chunk_bounds(k, k_chunks)):
+                if c1 > c0:
+                    ext.ag_memcpy2d_async(base + c0 * shard.element_size(), shard.data_ptr() + c0 * shard.element_size(),
+                                          row_bytes, (c1 - c0) * shard.element_size(), shard_rows, stream.cuda_stream)
+                _push_flag(peer_flags[peer], rank * k_chunks + c, epoch_word, stream)
+            continue
+        for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
+            if end > start:
+                ext.ag_memcpy_async(base + start * row_bytes, shard.data_ptr() + start * row_bytes,
+                                    (end - start) * row_bytes, stream.cuda_stream)
+            _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch_word, stream)
+
+
+def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:
+    """gathered[M, K] = the peers' rows of ``buffer`` with ``shard`` as this rank's rows (on the current stream,
+    once the GEMM has waited for every chunk)."""
+    rows = shard.shape[0]
+    lo, hi = rank * rows, (rank + 1) * rows
+    if lo:
+        gathered[:lo].copy_(buffer[:lo])
+    gathered[lo:hi].copy_(shard)
+    if hi < gathered.shape[0]:
+        gathered[hi:].copy_(buffer[hi:])
+
+
+def _variant_for(dtype: torch.dtype, weight: Tensor) -> int:
+    """The kernel variant a launch with this weight runs (csrc/ag_gemm.cu: the variants are bf16, K-contiguous)."""
+    layout = _weight_layout(weight)
+    return VARIANT if dtype == torch.bfloat16 and layout is not None and layout[0] else 0
+
+
+def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
+    """Whether a call pushes (see the module docstring): PUSH, and the shard's rows a multiple of every launch's
+    tile M (a tile never straddles this rank's rows and a peer's)."""
+    rows = shard2d.shape[0]
+    return PUSH and shard2d.is_contiguous() and all(rows % _TILE_M.get(_variant_for(shard2d.dtype, w), 256) == 0
+                                                    for w in weights)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The interface dispatch.py calls.
 # ---------------------------------------------------------------------------------------------------
@@ -353,24 +438,33 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
 
     main = torch.cuda.current_stream(device)
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
-    buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
-    ws.barrier(parity)  # every slot written; every peer done with this buffer's previous use
+    push = use_push(shard2d, weights)
+    if not push:
+        buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
+    ws.barrier(parity)  # every peer done with its buffer's previous use (and, pulling, every slot written)
 
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
     side.wait_stream(main)
-    sources = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
+    peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
     k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
-    pull_shards(buffer, sources, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
+    if push:
+        push_shards(shard2d, peers, [ws.peer_flags(parity, q) for q in range(world)], rank, epoch, ws.epoch_word,
+                    side, chunks, k_chunks)
+    else:
+        pull_shards(buffer, peers, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
 
     outputs = []
     for weight, bias in zip(weights, biases):
         out = shard2d.new_empty((m, weight.shape[1]))
         launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
-                    shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main)
+                    shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
+                    a_local=shard2d if push else None)
         outputs.append(out)
+    if push and gathered.numel():
+        assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
     main.wait_stream(side)
     return outputs, gathered
 

@@ -2,8 +2,9 @@
 
 A workspace belongs to one (process group, CUDA device).  It holds two symmetric buffers from
 ``torch.distributed._symmetric_memory`` (used by alternate calls, so a call never overwrites what a peer
-may still be reading from the call before), the per-chunk arrival flags the GEMM waits on (plain device
-memory: only this rank's copy stream writes them), a monotonically increasing call epoch (a flag is set when
+may still be reading from the call before), the per-chunk arrival flags the GEMM waits on (symmetric too:
+the copy stream that delivers a chunk raises its flag, this rank's after a pull, a peer's after a push), a
+monotonically increasing call epoch (a flag is set when
 it holds the current epoch, so flags are never reset), a side stream for the copy engine, and a
 host-mapped error word the kernel writes when a wait times out.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -108,8 +109,13 @@ class SymmetricWorkspace:
         self.capacity_bytes = 0
         self.buffers = [None, None]  # uint8 symmetric tensors
         self.handles = [None, None]  # _SymmetricMemory handles
-        # flags: [parity, world * MAX_CHUNKS_PER_RANK] int32, set to the epoch when a chunk has landed
-        self.flags = torch.zeros((2, self.world * MAX_CHUNKS_PER_RANK), dtype=torch.int32, device=device)
+        # flags: [parity, world * MAX_CHUNKS_PER_RANK] int32, set to the epoch when a chunk has landed; symmetric
+        # (allocated with the first buffers), so that a peer pushing its shard can raise them (peer_flags)
+        self.flags: Optional[torch.Tensor] = None
+        self._flag_handle = None
+        self._peer_flags: List[torch.Tensor] = []
+        # the call's epoch on this device, written by the side stream, the source of the flag copies into peers
+        self.epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = 0
         self.side_stream = torch.cuda.Stream(device=device)
         self.checked_layouts: set = set()
@@ -124,6 +130,9 @@ class SymmetricWorkspace:
         if nbytes <= self.capacity_bytes:
             return
         import torch.distributed._symmetric_memory as symm_mem
+
+        if self._flag_handle is None:
+            self._allocate_flags()
 
         capacity = max(_MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
         if self.handles[0] is not None:
@@ -141,6 +150,25 @@ class SymmetricWorkspace:
             self.handles[parity] = symm_mem.rendezvous(buffer, self.group_name)
             self.buffers[parity] = buffer
         self.capacity_bytes = capacity
+
+    def _allocate_flags(self) -> None:
+        """The arrival flags, in symmetric memory (collective: the first reserve, on every rank), zeroed before any
+        peer can write them (peers push only after a later barrier)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        _enable_group(self.group_name)
+        shape = (2, self.world * MAX_CHUNKS_PER_RANK)
+        flags = symm_mem.empty(shape[0] * shape[1], dtype=torch.int32, device=self.device)
+        flags.zero_()
+        self._flag_handle = symm_mem.rendezvous(flags, self.group_name)
+        torch.cuda.synchronize(self.device)
+        self.flags = flags.view(shape)
+        self._peer_flags = [self.flags if q == self.rank else self._flag_handle.get_buffer(q, shape, torch.int32, 0)
+                            for q in range(self.world)]
+
+    def peer_flags(self, parity: int, rank: int) -> torch.Tensor:
+        """``rank``'s flags of ``parity`` ([world * MAX_CHUNKS_PER_RANK] int32), mapped into this device."""
+        return self._peer_flags[rank][parity]
 
     def view(self, parity: int, rank: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, cols] ``dtype`` view of ``rank``'s buffer ``parity`` (mapped into this device)."""

@@ -78,9 +78,14 @@ def test_odd_sizes_are_reported_not_run():
 
 
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
-                         skip_pull_from=None, timeout_s=None, k_chunks=1):
+                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False):
     """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
-    k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop."""
+    k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop.  push: each rank pushes
+    its shard into the others' buffers and its GEMM reads its own rows from the shard, so its own rows of its buffer
+    stay NaN (a read of them would show)."""
+    if push:
+        return _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_pull_from, timeout_s,
+                                      k_chunks)
     from fluxinductor.kernels import ag_gemm
 
     device = torch.device("cuda", 0)
@@ -135,6 +140,99 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
     full = torch.cat(shards).float()
     refs = [full @ w.float() + (b.float() if b is not None else 0) for w, b in zip(weights, biases)]
     return outputs, refs, gathered, torch.cat(shards)
+
+
+def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks):
+    from fluxinductor.kernels import ag_gemm
+
+    device = torch.device("cuda", 0)
+    m = world * shard_rows
+    shards = [torch.randn(shard_rows, k, dtype=dtype, device=device) for _ in range(world)]
+    weights = [make_weight(k, n, i % 2 == 0, dtype, device) for i, n in enumerate(ns)]
+    biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns]
+    buffers = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
+    flags = [torch.zeros(world * max(chunks, k_chunks), dtype=torch.int32, device=device) for _ in range(world)]
+    epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
+    outputs = [[torch.full((m, n), float("nan"), dtype=dtype, device=device) for n in ns] for _ in range(world)]
+    gathered = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
+    main = [torch.cuda.Stream(device) for _ in range(world)]
+    side = [torch.cuda.Stream(device) for _ in range(world)]
+    sm_count = max(2, (96 // world) // 2 * 2)  # all ranks' kernels fit side by side, SMs left for copies
+    epoch = 9
+    torch.cuda.synchronize()
+    for r in range(world):
+        side[r].wait_stream(torch.cuda.current_stream())
+        main[r].wait_stream(torch.cuda.current_stream())
+        if r != skip_from:  # a rank that never delivers pushes nothing, so its chunks' flags are never set
+            ag_gemm.push_shards(shards[r], buffers, flags, r, epoch, epoch_words[r], side[r], chunks, k_chunks)
+        with torch.cuda.stream(main[r]):
+            for i, (w, b) in enumerate(zip(weights, biases)):
+                ag_gemm.launch_gemm(buffers[r], w, b, outputs[r][i], flags=flags[r], epoch=epoch, rank=r, world=world,
+                                    shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks,
+                                    sm_count=sm_count, timeout_s=timeout_s, stream=main[r], a_local=shards[r])
+            ag_gemm.assemble_gathered(gathered[r], buffers[r], shards[r], r)
+        main[r].wait_stream(side[r])
+    for r in range(world):
+        torch.cuda.current_stream().wait_stream(main[r])
+    torch.cuda.synchronize()
+    for r in range(world):
+        own = buffers[r][r * shard_rows:(r + 1) * shard_rows]
+        assert own.isnan().all(), f"rank {r}: its own rows were written into its buffer"
+    full = torch.cat(shards).float()
+    refs = [full @ w.float() + (b.float() if b is not None else 0) for w, b in zip(weights, biases)]
+    return outputs, refs, gathered, torch.cat(shards)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,shard_rows,k,k_chunks,chunks,ns", [
+    (2, 128, 264, 1, 3, [520, 136]),     # one tile row per rank, a partial K tile, 3 row chunks, two weights
+    (4, 256, 1024, 1, 2, [2048]),       # two tile rows per rank, several waves
+    (8, 128, 512, 1, 1, [264]),
+    (2, 1024, 1024, 1, 2, [2048]),      # the shard's tiles span cluster rows and groups
+    (4, 256, 1024, 4, 1, [520]),        # column blocks (the one-wave path), 16 K tiles in blocks of 4
+    (2, 512, 264, 16, 1, [136, 520]),   # more blocks than K tiles: the empty ones still raise their flags
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dtype):
+    """The push: each rank copies its shard into the peers' buffers and raises their flags; its GEMM reads its own
+    rows from the shard (the buffer's own rows stay NaN) and the peers' rows from the buffer; the gathered A is
+    assembled from both."""
+    torch.manual_seed(world + shard_rows + k_chunks)
+    outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias=True, chunks=chunks,
+                                                         dtype=dtype, k_chunks=k_chunks, push=True)
+    for r in range(world):
+        assert torch.equal(gathered[r], full), f"rank {r}: gathered A differs"
+        for out, ref in zip(outputs[r], refs):
+            assert not out.isnan().any(), f"rank {r}: unwritten output"
+            assert relative_error(out, ref) <= 1e-2, f"rank {r}"
+
+
+@pytest.mark.gpu
+def test_push_peer_never_delivers_times_out():
+    """A peer that never pushes: the waiting ranks' kernels give up after the timeout and report it."""
+    from fluxinductor.kernels import ag_gemm, symm
+
+    symm.clear_error(0)
+    run_ranks_on_one_gpu(2, 256, 264, [520], with_bias=False, skip_pull_from=1, timeout_s=0.5, push=True)
+    with pytest.raises(ag_gemm.AllGatherGemmError):
+        ag_gemm.check_errors(torch.device("cuda", 0), synchronize=True)
+    symm.clear_error(0)
+
+
+@pytest.mark.gpu
+def test_local_rows_need_whole_tiles():
+    """The kernel refuses an own-rows A whose shard is not a multiple of the tile's M (a tile would straddle)."""
+    from fluxinductor.kernels import ag_gemm
+
+    shard = torch.randn(129, 64, dtype=torch.bfloat16, device="cuda")
+    buffer = torch.randn(258, 64, dtype=torch.bfloat16, device="cuda")
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    w = make_weight(64, 256, True, torch.bfloat16, "cuda")
+    out = torch.empty(258, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="multiple of the tile"):
+        ag_gemm.launch_gemm(buffer, w, None, out, flags=flags, epoch=1, rank=0, world=2, shard_rows=129,
+                            chunks_per_rank=1, a_local=shard)
+    assert not ag_gemm.use_push(shard, [w])
 
 
 @pytest.mark.gpu

@@ -63,7 +63,9 @@ using Pingpong128x128Cluster1x2 = TileConfig<
 
 // CUTLASS's sm90 TMA mainloop whose producer, when the schedule splits shards along K
 // (AllGatherSchedule::k_chunks > 1), waits for each block of K tiles' flag before issuing that block's loads; with
-// row chunks (the scheduler waits per tile) or no flags it is the base, unchanged.
+// row chunks (the scheduler waits per tile) or no flags it is the base, unchanged.  With `a_local` the tiles of this
+// rank's rows load A from there (a second pair of TMA descriptors over [shard_rows, K]) instead of from the
+// gathered buffer, so this rank's shard never has to be copied into it.
 template <class Base>
 class KChunkWaitingMainloop : public Base {
   static constexpr int kTileM = cute::size<0>(typename Base::TileShape{});
@@ -71,9 +73,14 @@ class KChunkWaitingMainloop : public Base {
  public:
   struct Arguments : Base::Arguments {
     AllGatherSchedule schedule{};
+    void const* a_local = nullptr;  // [shard_rows, K], row stride lda_local; shard_rows a multiple of kTileM
+    int64_t lda_local = 0;
   };
   struct Params : Base::Params {
     AllGatherSchedule schedule{};
+    typename Base::Params local{};  // the base's params over a_local (only its A descriptor is used)
+    int local_first_tile = 0;       // this rank's first M block in the gathered problem
+    int local_tiles = 0;            // 0: every tile reads the gathered buffer
   };
 
   template <class ProblemShape>
@@ -81,7 +88,24 @@ class KChunkWaitingMainloop : public Base {
     Params params;
     static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
     params.schedule = args.schedule;
+    if (args.a_local != nullptr && args.schedule.flags != nullptr) {
+      typename Base::Arguments local = args;
+      local.ptr_A = static_cast<typename Base::ElementA const*>(args.a_local);
+      cute::get<0>(local.dA) = args.lda_local;
+      auto const local_shape = cute::make_tuple(args.schedule.shard_rows, cute::get<1>(problem_shape),
+                                                cute::get<2>(problem_shape), cute::get<3>(problem_shape));
+      params.local = Base::to_underlying_arguments(local_shape, local, workspace);
+      params.local_first_tile = args.schedule.rank * args.schedule.shard_rows / kTileM;
+      params.local_tiles = args.schedule.shard_rows / kTileM;
+    }
     return params;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+    if (params.local_tiles > 0) {
+      Base::prefetch_tma_descriptors(params.local);
+    }
   }
 
   // Called by the producer warp (CUTLASS's load elects one lane for the TMA issue; the waits poll from one lane).
@@ -91,6 +115,15 @@ class KChunkWaitingMainloop : public Base {
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
     AllGatherSchedule const& s = params.schedule;
+    int const local_block = int(cute::get<0>(blk_coord)) - params.local_first_tile;
+    if (params.local_tiles > 0 && local_block >= 0 && local_block < params.local_tiles) {
+      // This rank's rows, from its own input: never waited for.
+      auto const local_coord = cute::make_coord(local_block, cute::get<1>(blk_coord), cute::get<2>(blk_coord),
+                                                cute::get<3>(blk_coord));
+      Base::load(params.local, pipeline, state, load_inputs, local_coord, k_tile_iter, k_tile_count, thread_idx,
+                 block_rank_in_cluster, shared_tensors);
+      return;
+    }
     int const first_row = int(cute::get<0>(blk_coord)) * kTileM;
     if (s.flags == nullptr || s.k_chunks <= 1 || first_row >= s.total_rows) {
       Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, k_tile_count, thread_idx,

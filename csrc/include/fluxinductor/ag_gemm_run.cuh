@@ -65,6 +65,11 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
     schedule.k_chunk_tiles = (k_tiles + p.k_chunks - 1) / p.k_chunks;
   }
 
+  if (p.a_local != nullptr && p.shard_rows % Config::kTileM != 0) {
+    return make_error("the local rows' A needs rows per rank (" + std::to_string(p.shard_rows) +
+                      ") that are a multiple of the tile's M (" + std::to_string(Config::kTileM) + ")");
+  }
+
   if constexpr (supports_tail_split<Config>()) {
     set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts, p.split_waves);
   }
@@ -76,7 +81,8 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
-      {{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b}, schedule},
+      {{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b}, schedule,
+       p.a_local, p.lda_local},
       {{}, nullptr, stride_d, static_cast<Element*>(p.out), stride_d},
       hw_info};
   arguments.epilogue.thread.alpha = 1.0f;
