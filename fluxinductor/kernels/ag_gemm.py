@@ -393,20 +393,22 @@ def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor) -> None:
-    """Once per (rows, K, dtype): make sure every rank calls with the same layout (else raise, not hang)."""
-    key = (shard2d.shape[0], shard2d.shape[1], shard2d.dtype)
+def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool) -> None:
+    """Once per (rows, K, dtype, push): make sure every rank calls with the same layout and moves shards the same
+    way (a pulling rank would read a pushing peer's slot, which that peer never fills): else raise, not hang or
+    compute with stale rows."""
+    key = (shard2d.shape[0], shard2d.shape[1], shard2d.dtype, push)
     if key in ws.checked_layouts:
         return
     import torch.distributed as dist
 
-    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype]], dtype=torch.int64,
-                        device=shard2d.device)
-    everyone = torch.empty(ws.world * 3, dtype=torch.int64, device=shard2d.device)
+    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype], int(push)],
+                        dtype=torch.int64, device=shard2d.device)
+    everyone = torch.empty(ws.world * 4, dtype=torch.int64, device=shard2d.device)
     dist.all_gather_into_tensor(everyone, mine, group=ws.group)
-    rows = everyone.view(ws.world, 3).tolist()
+    rows = everyone.view(ws.world, 4).tolist()
     if any(r != rows[0] for r in rows):
-        raise ValueError(f"all_gather_matmul: ranks disagree on (shard rows, K, dtype code): {rows}")
+        raise ValueError(f"all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push): {rows}")
     ws.checked_layouts.add(key)
 
 
@@ -426,7 +428,8 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     device = shard2d.device
     check_errors(device)
     ws = symm.workspace(group_name, device)
-    _check_layout_agrees(ws, shard2d)
+    push = use_push(shard2d, weights)
+    _check_layout_agrees(ws, shard2d, push)
     rank, world = ws.rank, ws.world
     shard_rows, k = shard2d.shape
     m = world * shard_rows
@@ -438,7 +441,6 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
 
     main = torch.cuda.current_stream(device)
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
-    push = use_push(shard2d, weights)
     if not push:
         buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
     ws.barrier(parity)  # every peer done with its buffer's previous use (and, pulling, every slot written)

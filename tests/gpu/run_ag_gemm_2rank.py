@@ -5,7 +5,7 @@
 Checks (each rank prints "ALL CHECKS PASSED" at the end): numerics against an fp32 reference for awkward
 shapes (M = world * 129, several weights of both layouts, with and without bias, gathered output), outputs
 poisoned before every call; unsupported shapes give a reason; ``--calls`` back-to-back calls with no hang and
-no memory growth; ranks that disagree on the shard shape get an error, not a hang.
+no memory growth; ranks that disagree on the shard shape, or on pushing, get an error, not a hang.
 With ``--bench``: times cuBLAS, the fused kernel with communication off, NCCL all-gather then cuBLAS, and
 the fused op on the TP=2 shapes and writes every number as JSON.
 """
@@ -135,6 +135,24 @@ def check_disagreement(ag_gemm, group, rank):
         raise AssertionError("ranks with different shard shapes did not raise")
 
 
+def check_push_disagreement(ag_gemm, group, rank):
+    """One rank pushing while the other pulls (FLUXINDUCTOR_AG_PUSH set differently) raises on both."""
+    device = torch.device("cuda", rank)
+    shard = torch.randn(256, 512, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
+    saved = ag_gemm.PUSH
+    ag_gemm.PUSH = rank == 0
+    try:
+        ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
+    except ValueError as e:
+        check("disagree" in str(e) and "push" in str(e), f"unexpected error {e}")
+        print(f"rank {rank}: push on one rank, pull on the other raised: {e}", flush=True)
+    else:
+        raise AssertionError("a pushing and a pulling rank did not raise")
+    finally:
+        ag_gemm.PUSH = saved
+
+
 def time_ms(fn, group, warmup=5, iters=20):
     times = []
     for i in range(warmup + iters):
@@ -227,6 +245,7 @@ def main():
         check_unsupported(ag_gemm, group, rank)
         check_many_calls(ag_gemm, group, rank, args.calls)
         check_disagreement(ag_gemm, group, rank)
+        check_push_disagreement(ag_gemm, group, rank)
         # After a refused call the group still works.
         check_numerics(ag_gemm, group, rank, torch.bfloat16)
     if args.bench:
