@@ -4,7 +4,8 @@
   weight layouts, bias or not, bf16 and fp16, outputs poisoned with NaN before the run.
 * N ranks on one GPU (world 2, 4, 8): every rank's buffers live on the one device; each rank copies its
   shard in, pulls the others' on its own side stream (copy engine + flags) and runs the kernel on its own
-  stream with a persistent grid small enough that all ranks' kernels run side by side.
+  stream with a persistent grid small enough that all ranks' kernels run side by side; or (the push) copies its
+  shard into the others' buffers and raises their flags, its kernel reading its own rows from the shard.
 * A rank whose peer never delivers: the kernel's wait times out and the host raises, no hang.
 * 2 GPUs: tests/gpu/run_ag_gemm_2rank.py under torchrun (real symmetric memory, the public interface).
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,6 +80,27 @@ def test_odd_sizes_are_reported_not_run():
         ag_gemm.gemm_only(a, w, None)
 
 
+def _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, flags_per_rank):
+    """What every simulated rank holds: its shard, the weights and biases (shared), its NaN-poisoned gathered buffer,
+    outputs and gathered result, its zeroed flags, a main and a side stream; and a persistent grid size small enough
+    that all ranks' kernels are resident at once with SMs left for the copies (same-device copies are SM kernels)."""
+    device = torch.device("cuda", 0)
+    m = world * shard_rows
+    nan = float("nan")
+    return SimpleNamespace(
+        device=device, m=m,
+        shards=[torch.randn(shard_rows, k, dtype=dtype, device=device) for _ in range(world)],
+        weights=[make_weight(k, n, i % 2 == 0, dtype, device) for i, n in enumerate(ns)],
+        biases=[torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns],
+        buffers=[torch.full((m, k), nan, dtype=dtype, device=device) for _ in range(world)],
+        flags=[torch.zeros(world * flags_per_rank, dtype=torch.int32, device=device) for _ in range(world)],
+        outputs=[[torch.full((m, n), nan, dtype=dtype, device=device) for n in ns] for _ in range(world)],
+        gathered=[torch.full((m, k), nan, dtype=dtype, device=device) for _ in range(world)],
+        main=[torch.cuda.Stream(device) for _ in range(world)],
+        side=[torch.cuda.Stream(device) for _ in range(world)],
+        sm_count=max(2, (96 // world) // 2 * 2))
+
+
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
                          skip_pull_from=None, timeout_s=None, k_chunks=1, push=False):
     """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
@@ -88,18 +112,9 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
                                       k_chunks)
     from fluxinductor.kernels import ag_gemm
 
-    device = torch.device("cuda", 0)
-    m = world * shard_rows
-    shards = [torch.randn(shard_rows, k, dtype=dtype, device=device) for _ in range(world)]
-    weights = [make_weight(k, n, i % 2 == 0, dtype, device) for i, n in enumerate(ns)]
-    biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns]
-    buffers = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
-    flags = [torch.zeros(world * max(chunks, k_chunks), dtype=torch.int32, device=device) for _ in range(world)]
-    outputs = [[torch.full((m, n), float("nan"), dtype=dtype, device=device) for n in ns] for _ in range(world)]
-    gathered = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
-    main = [torch.cuda.Stream(device) for _ in range(world)]
-    side = [torch.cuda.Stream(device) for _ in range(world)]
-    sm_count = max(2, (96 // world) // 2 * 2)  # all ranks' kernels fit side by side, SMs left for copies
+    t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
+    shards, weights, biases, buffers, flags = t.shards, t.weights, t.biases, t.buffers, t.flags
+    outputs, gathered, main, side, sm_count = t.outputs, t.gathered, t.main, t.side, t.sm_count
     epoch = 7
     torch.cuda.synchronize()
     copied = []
@@ -142,22 +157,24 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
     return outputs, refs, gathered, torch.cat(shards)
 
 
+def _check_ranks(outputs, refs, gathered=None, full=None):
+    """Every simulated rank's outputs are written and match the fp32 references; its gathered A (when given) is
+    exactly the concatenated shards."""
+    for r, rank_outputs in enumerate(outputs):
+        if gathered is not None:
+            assert torch.equal(gathered[r], full), f"rank {r}: gathered A differs"
+        for out, ref in zip(rank_outputs, refs):
+            assert not out.isnan().any(), f"rank {r}: unwritten output"
+            assert relative_error(out, ref) <= 1e-2, f"rank {r}"
+
+
 def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks):
     from fluxinductor.kernels import ag_gemm
 
-    device = torch.device("cuda", 0)
-    m = world * shard_rows
-    shards = [torch.randn(shard_rows, k, dtype=dtype, device=device) for _ in range(world)]
-    weights = [make_weight(k, n, i % 2 == 0, dtype, device) for i, n in enumerate(ns)]
-    biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in ns]
-    buffers = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
-    flags = [torch.zeros(world * max(chunks, k_chunks), dtype=torch.int32, device=device) for _ in range(world)]
+    t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
+    device, shards, weights, biases, buffers, flags = t.device, t.shards, t.weights, t.biases, t.buffers, t.flags
+    outputs, gathered, main, side, sm_count = t.outputs, t.gathered, t.main, t.side, t.sm_count
     epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
-    outputs = [[torch.full((m, n), float("nan"), dtype=dtype, device=device) for n in ns] for _ in range(world)]
-    gathered = [torch.full((m, k), float("nan"), dtype=dtype, device=device) for _ in range(world)]
-    main = [torch.cuda.Stream(device) for _ in range(world)]
-    side = [torch.cuda.Stream(device) for _ in range(world)]
-    sm_count = max(2, (96 // world) // 2 * 2)  # all ranks' kernels fit side by side, SMs left for copies
     epoch = 9
     torch.cuda.synchronize()
     for r in range(world):
@@ -200,11 +217,7 @@ def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dty
     torch.manual_seed(world + shard_rows + k_chunks)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias=True, chunks=chunks,
                                                          dtype=dtype, k_chunks=k_chunks, push=True)
-    for r in range(world):
-        assert torch.equal(gathered[r], full), f"rank {r}: gathered A differs"
-        for out, ref in zip(outputs[r], refs):
-            assert not out.isnan().any(), f"rank {r}: unwritten output"
-            assert relative_error(out, ref) <= 1e-2, f"rank {r}"
+    _check_ranks(outputs, refs, gathered, full)
 
 
 @pytest.mark.gpu
@@ -242,11 +255,7 @@ def test_n_ranks_on_one_gpu(world, with_bias):
     torch.manual_seed(world)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows=129, k=264, ns=[520, 136],
                                                          with_bias=with_bias, chunks=3)
-    for r in range(world):
-        assert torch.equal(gathered[r], full), f"rank {r}: gathered A differs"
-        for out, ref in zip(outputs[r], refs):
-            assert not out.isnan().any(), f"rank {r}: unwritten output"
-            assert relative_error(out, ref) <= 1e-2, f"rank {r}"
+    _check_ranks(outputs, refs, gathered, full)
 
 
 @pytest.mark.gpu
@@ -271,11 +280,7 @@ def test_k_chunks_on_one_gpu(world, shard_rows, k, k_chunks):
     torch.manual_seed(world + k_chunks)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows=shard_rows, k=k, ns=[520, 136],
                                                          with_bias=True, k_chunks=k_chunks)
-    for r in range(world):
-        assert torch.equal(gathered[r], full), f"rank {r}: gathered A differs"
-        for out, ref in zip(outputs[r], refs):
-            assert not out.isnan().any(), f"rank {r}: unwritten output"
-            assert relative_error(out, ref) <= 1e-2, f"rank {r}"
+    _check_ranks(outputs, refs, gathered, full)
 
 
 @pytest.mark.gpu
