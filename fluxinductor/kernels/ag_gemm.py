@@ -340,7 +340,8 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     shard_rows, k = shard.shape
     world = len(peer_buffers)
-    row_bytes = k * shard.element_size()
+    element = shard.element_size()
+    row_bytes = k * element
     ext.ag_stream_write_value32(epoch_word.data_ptr(), epoch, stream.cuda_stream)
     for step in range(1, world):
         peer = (rank - step) % world
@@ -351,8 +352,8 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
         if k_chunks > 1:
             for c, (c0, c1) in enumerate(k_chunk_bounds(k, k_chunks)):
                 if c1 > c0:
-                    ext.ag_memcpy2d_async(base + c0 * shard.element_size(), shard.data_ptr() + c0 * shard.element_size(),
-                                          row_bytes, (c1 - c0) * shard.element_size(), shard_rows, stream.cuda_stream)
+                    ext.ag_memcpy2d_async(base + c0 * element, shard.data_ptr() + c0 * element, row_bytes,
+                                          (c1 - c0) * element, shard_rows, stream.cuda_stream)
                 _push_flag(peer_flags[peer], rank * k_chunks + c, epoch_word, stream)
             continue
         for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
