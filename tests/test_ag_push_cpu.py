@@ -1,0 +1,103 @@
+"""The AG+GEMM push's host side without a GPU: when a call pushes, what push_shards enqueues (peer order, byte
+offsets, flag indices; recorded by a fake extension instead of copy-engine calls), and the gathered A assembled from
+the buffer and the shard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxinductor.kernels import ag_gemm, symm
+
+
+def _weight(k: int, n: int, k_contiguous: bool = True) -> torch.Tensor:
+    return torch.randn(n, k, dtype=torch.bfloat16).t() if k_contiguous else torch.randn(k, n, dtype=torch.bfloat16)
+
+
+def test_push_needs_whole_tiles_of_every_launch(monkeypatch):
+    w = _weight(256, 64)
+    assert ag_gemm.use_push(torch.randn(256, 256, dtype=torch.bfloat16), [w])
+    assert not ag_gemm.use_push(torch.randn(129, 256, dtype=torch.bfloat16), [w])  # a tile would straddle ranks
+    assert not ag_gemm.use_push(torch.randn(256, 512, dtype=torch.bfloat16)[:, :256], [w])  # not contiguous
+    monkeypatch.setattr(ag_gemm, "VARIANT", 1)  # cooperative 256x128: 256-row tiles for bf16, K-contiguous weights
+    assert not ag_gemm.use_push(torch.randn(128, 256, dtype=torch.bfloat16), [w])
+    assert ag_gemm.use_push(torch.randn(128, 256, dtype=torch.bfloat16), [_weight(256, 64, k_contiguous=False)])
+    assert ag_gemm.use_push(torch.randn(128, 256, dtype=torch.float16), [w.half()])  # variants are bf16 only
+    monkeypatch.setattr(ag_gemm, "PUSH", False)
+    assert not ag_gemm.use_push(torch.randn(256, 256, dtype=torch.bfloat16), [w])
+
+
+class _Recorder:
+    """Stands in for the extension: records the stream operations push_shards enqueues."""
+
+    def __init__(self):
+        self.ops = []
+
+    def ag_stream_write_value32(self, address, value, stream):
+        self.ops.append(("write", address, value))
+
+    def ag_memcpy_async(self, dst, src, nbytes, stream):
+        self.ops.append(("copy", dst, src, nbytes))
+
+    def ag_memcpy2d_async(self, dst, src, pitch, width, height, stream):
+        self.ops.append(("copy2d", dst, src, pitch, width, height))
+
+
+class _Stream:
+    cuda_stream = 0
+
+
+@pytest.mark.parametrize("k_chunks", [1, 3])
+def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
+    """Rank 1 of 3: its shard goes to rank 0 first (whose walk reaches rank 1's rows next), then rank 2, each chunk
+    (row chunks, or column blocks) into rows [S, 2S) of that peer's buffer, each followed by a copy of the epoch word
+    into that peer's flag of (rank 1, chunk)."""
+    recorder = _Recorder()
+    monkeypatch.setattr(symm, "extension", lambda: recorder)
+    world, rank, rows, k, chunks = 3, 1, 6, 128, 2
+    shard = torch.randn(rows, k, dtype=torch.bfloat16)
+    buffers = [torch.empty(world * rows, k, dtype=torch.bfloat16) for _ in range(world)]
+    flags = [torch.zeros(world * 16, dtype=torch.int32) for _ in range(world)]
+    epoch_word = torch.zeros(1, dtype=torch.int32)
+    ag_gemm.push_shards(shard, buffers, flags, rank, 7, epoch_word, _Stream(), chunks, k_chunks)
+
+    assert recorder.ops[0] == ("write", epoch_word.data_ptr(), 7)
+    row_bytes = k * 2
+    expected = []
+    for peer in (0, 2):
+        base = buffers[peer].data_ptr() + rank * rows * row_bytes
+        if k_chunks > 1:
+            for c, (c0, c1) in enumerate(ag_gemm.k_chunk_bounds(k, k_chunks)):
+                if c1 > c0:
+                    expected.append(("copy2d", base + 2 * c0, shard.data_ptr() + 2 * c0, row_bytes, 2 * (c1 - c0),
+                                     rows))
+                expected.append(("copy", flags[peer].data_ptr() + 4 * (rank * k_chunks + c), epoch_word.data_ptr(),
+                                 4))
+        else:
+            for c, (start, end) in enumerate(ag_gemm.chunk_bounds(rows, chunks)):
+                expected.append(("copy", base + start * row_bytes, shard.data_ptr() + start * row_bytes,
+                                 (end - start) * row_bytes))
+                expected.append(("copy", flags[peer].data_ptr() + 4 * (rank * chunks + c), epoch_word.data_ptr(), 4))
+    assert recorder.ops[1:] == expected
+
+
+def test_push_refuses_a_padded_peer_buffer(monkeypatch):
+    monkeypatch.setattr(symm, "extension", lambda: _Recorder())
+    shard = torch.randn(4, 64, dtype=torch.bfloat16)
+    padded = torch.empty(8, 72, dtype=torch.bfloat16)[:, :64]
+    with pytest.raises(ValueError, match="row stride"):
+        ag_gemm.push_shards(shard, [padded, padded], [torch.zeros(32, dtype=torch.int32)] * 2, 0, 1,
+                            torch.zeros(1, dtype=torch.int32), _Stream())
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_gathered_a_takes_own_rows_from_the_shard(rank):
+    rows, k, world = 3, 8, 3
+    buffer = torch.randn(world * rows, k)
+    buffer[rank * rows:(rank + 1) * rows] = float("nan")  # never written on a pushing rank
+    shard = torch.randn(rows, k)
+    gathered = torch.full((world * rows, k), float("nan"))
+    ag_gemm.assemble_gathered(gathered, buffer, shard, rank)
+    expected = buffer.clone()
+    expected[rank * rows:(rank + 1) * rows] = shard
+    assert torch.equal(gathered, expected)
