@@ -6,7 +6,7 @@ import json
 import math
 import os
 import subprocess
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +43,11 @@ def sanitize(o):
     if isinstance(o, (list, tuple)):
         return [sanitize(v) for v in o]
     return o
+
+
+def parse_problems(text: Optional[str], default: Sequence[Tuple[int, ...]]) -> List[Tuple[int, ...]]:
+    """"M,K,N;M,K,N" as a list of integer tuples, or ``default`` when ``text`` is empty."""
+    return list(default) if not text else [tuple(int(x) for x in s.split(",")) for s in text.split(";")]
 
 
 def write_json(path: str, data: dict) -> None:

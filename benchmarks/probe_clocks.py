@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, parse_problems, write_json  # noqa: E402
 
 PROBLEMS = [(8192, 4096, 28672), (4096, 4096, 57344), (3072, 4096, 28672)]
 SETTLE_S = 0.5
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
+    problems = parse_problems(args.problems, PROBLEMS)
     configs = [int(c) for c in (args.split_configs if args.op == "rs-split" else args.variants).split(",")]
     dev = torch.device("cuda")
     index = dev.index if dev.index is not None else torch.cuda.current_device()

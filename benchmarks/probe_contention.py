@@ -37,7 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, parse_problems, write_json  # noqa: E402
 
 # Per-rank AG+GEMM problems of the TP=2 shapes (global M, K, N -> [M, K] @ [K, N/2]); the pulled shard is M/2 x K.
 PROBLEMS = [(4096, 12288, 24576), (8192, 8192, 14336), (2048, 8192, 14336)]
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
+    problems = parse_problems(args.problems, PROBLEMS)
     copy_bytes = ([int(b) for b in args.bytes.split(",")] if args.bytes else [m * k for m, k, _ in problems])
     if len(copy_bytes) != len(problems):
         p.error("--bytes needs one value per problem")

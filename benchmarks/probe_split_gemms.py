@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, parse_problems, write_json  # noqa: E402
 from sweep_kernels import time_round_robin  # noqa: E402
 
 PROBLEMS = [(8192, 4096, 28672), (4096, 6144, 49152), (16384, 4096, 28672), (4096, 4096, 57344), (3072, 4096, 28672)]
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
                    help="also the split GEMMs and cuBLAS with the weight N-major (as a backward's grad @ W gives it)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    problems = PROBLEMS if not args.problems else [tuple(int(x) for x in s.split(",")) for s in args.problems.split(";")]
+    problems = parse_problems(args.problems, PROBLEMS)
     dev = torch.device("cuda")
     sha, dirty = git_sha()
     data = {"schema": 1, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "git_sha": sha,

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+from _common import git_sha, parse_problems, write_json  # noqa: E402
 
 SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
           (1024, 8192, 8192), (512, 8192, 28672), (3072, 8192, 28672), (4096, 49152, 12288)]
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
-    shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    shapes = parse_problems(args.shapes, SHAPES)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     sha, dirty = git_sha()
