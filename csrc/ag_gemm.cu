@@ -135,6 +135,17 @@ Error stream_write_value32(void* address, uint32_t value, void* stream) {
   return {};
 }
 
+Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream) {
+  CUresult result = stream_wait_eq(static_cast<cudaStream_t>(stream), static_cast<uint32_t const*>(address), value);
+  if (result == CUDA_ERROR_NOT_SUPPORTED && stream_memops().wait_value32 == nullptr) {
+    return make_error("cuStreamWaitValue32 is not available from this driver");
+  }
+  if (result != CUDA_SUCCESS) {
+    return make_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
+  }
+  return {};
+}
+
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
   cudaError_t status =
       cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));

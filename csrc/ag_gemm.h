@@ -66,6 +66,9 @@ struct AllGatherGemmParams {
   // shards are pushed into A; this rank's never is copied there).  shard_rows must be a multiple of the tile's M.
   const void* a_local = nullptr;
   int64_t lda_local = 0;
+  // Launch as a programmatic dependent of the kernel before it on the stream (arrive_and_wait below): the GEMM may
+  // start while that kernel still runs.  It reads nothing that kernel writes, so it never waits for it.
+  bool pdl = false;
 };
 
 // The tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail runs in up to `waves` waves:
@@ -78,6 +81,27 @@ int64_t tail_split_flag_count(int sm_count, int waves = 1);
 // split), for tests on the host.
 int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves);
 
+// The per-call arrival (csrc/ag_barrier.cu), the AG+GEMM's barrier.  Rank r reaching call e writes e into its arrival
+// word on every peer (r's earlier work on this stream, its GEMMs of calls < e included, is done by then), waits until
+// every peer's arrival word here is at least `need`, then sets *passed = epoch, which the copy stream waits for before
+// it writes into peers' buffers.  A push needs need = e - 1 (peer q reached call e - 1, so its GEMM of call e - 2, the
+// last reader of the buffer this call writes into, is done), a pull need = e (every slot written).  The kernel lets a
+// programmatic dependent (the GEMM, `pdl`) start at once.  A wait past timeout_ns writes kErrorArrivalTimeout to
+// *error_word and traps, as torch's symmetric-memory barrier does: the copy stream must not write into a peer that may
+// still read, nor wait forever.
+constexpr int kMaxArrivalWorld = 32;
+constexpr int kErrorArrivalTimeout = 4;
+struct ArrivalParams {
+  uint32_t* peer_arrivals[kMaxArrivalWorld] = {};  // [q]: peer q's arrival word for this rank, mapped (q != rank)
+  uint32_t const* arrivals = nullptr;              // this rank's words, [world]: [q] written by peer q
+  uint32_t* passed = nullptr;                      // this device
+  uint32_t epoch = 0, need = 0;
+  int rank = 0, world = 1;
+  long long timeout_ns = 5000000000LL;
+  int* error_word = nullptr;                       // host-mapped, or nullptr
+};
+Error arrive_and_wait(ArrivalParams const& params, void* stream);
+
 // Checks and launches on `stream` (a cudaStream_t).
 Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 
@@ -86,6 +110,8 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& params);
 
 // cuStreamWriteValue32(stream, address, value) through the driver entry point (no libcuda link).
 Error stream_write_value32(void* address, uint32_t value, void* stream);
+// cuStreamWaitValue32(stream, address, value, EQ): `stream` waits until *address == value (device memory).
+Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream);
 
 // cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);

@@ -8,6 +8,7 @@ namespace py = pybind11;
 // ---- AG+GEMM (section owned by the AG+GEMM kernel work) -------------------------------------------
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ag_gemm.h"
 
@@ -29,7 +30,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int group_cluster_rows, int sm_count, long long timeout_ns,
                                              int64_t error_word, int variant, int64_t split_partials,
                                              int64_t split_flags, uint32_t split_epoch, int split_max_parts,
-                                             int split_waves, int64_t a_local = 0, int64_t lda_local = 0) {
+                                             int split_waves, int64_t a_local = 0, int64_t lda_local = 0,
+                                             bool pdl = false) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -54,6 +56,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.split_epoch = split_epoch; p.split_max_parts = split_max_parts; p.split_waves = split_waves;
   p.a_local = reinterpret_cast<const void*>(a_local);
   p.lda_local = lda_local;
+  p.pdl = pdl;
   return p;
 }
 
@@ -66,7 +69,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
       py::arg("variant") = 0, py::arg("split_partials") = 0, py::arg("split_flags") = 0,                    \
       py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1, py::arg("split_waves") = 1,               \
-      py::arg("a_local") = 0, py::arg("lda_local") = 0
+      py::arg("a_local") = 0, py::arg("lda_local") = 0, py::arg("pdl") = false
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -76,12 +79,12 @@ void export_ag_gemm(py::module_& m) {
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
          int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
-         int64_t lda_local, int64_t stream) {
+         int64_t lda_local, bool pdl, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns,
                                 error_word, variant, split_partials, split_flags, split_epoch, split_max_parts,
-                                split_waves, a_local, lda_local),
+                                split_waves, a_local, lda_local, pdl),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -93,11 +96,11 @@ void export_ag_gemm(py::module_& m) {
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
          int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
-         int64_t lda_local) {
+         int64_t lda_local, bool pdl) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
             chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant, split_partials,
-            split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local)).message);
+            split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local, pdl)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -107,6 +110,38 @@ void export_ag_gemm(py::module_& m) {
       },
       "cuStreamWriteValue32: write `value` to device `address` when `stream` reaches this point",
       py::arg("address"), py::arg("value"), py::arg("stream"));
+  m.def(
+      "ag_stream_wait_value32_eq",
+      [](int64_t address, uint32_t value, int64_t stream) {
+        check_ok(agg::stream_wait_value32_eq(reinterpret_cast<const void*>(address), value,
+                                             reinterpret_cast<void*>(stream)));
+      },
+      "cuStreamWaitValue32 (EQ): `stream` waits until the device word at `address` equals `value`",
+      py::arg("address"), py::arg("value"), py::arg("stream"));
+  m.def(
+      "ag_arrive_and_wait",
+      [](const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch, uint32_t need,
+         int rank, long long timeout_ns, int64_t error_word, int64_t stream) {
+        agg::ArrivalParams p;
+        if (peer_arrivals.empty() || peer_arrivals.size() > size_t(agg::kMaxArrivalWorld)) {
+          throw std::invalid_argument("peer_arrivals: one address per rank, at most " +
+                                      std::to_string(agg::kMaxArrivalWorld));
+        }
+        p.world = int(peer_arrivals.size());
+        for (size_t q = 0; q < peer_arrivals.size(); ++q) {
+          p.peer_arrivals[q] = reinterpret_cast<uint32_t*>(peer_arrivals[q]);
+        }
+        p.arrivals = reinterpret_cast<const uint32_t*>(arrivals);
+        p.passed = reinterpret_cast<uint32_t*>(passed);
+        p.epoch = epoch; p.need = need; p.rank = rank; p.timeout_ns = timeout_ns;
+        p.error_word = reinterpret_cast<int*>(error_word);
+        check_ok(agg::arrive_and_wait(p, reinterpret_cast<void*>(stream)));
+      },
+      "the AG+GEMM's per-call arrival on `stream` (ag_gemm.h arrive_and_wait): write `epoch` into every peer's "
+      "arrival word for this rank (peer_arrivals[q]; the entry for `rank` is unused), wait until each of this rank's "
+      "words (arrivals[q]) is at least `need`, then set *passed = epoch; traps after timeout_ns",
+      py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
+      py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"));
   m.def(
       "ag_memcpy_async",
       [](int64_t dst, int64_t src, int64_t bytes, int64_t stream) {

@@ -101,3 +101,84 @@ def test_gathered_a_takes_own_rows_from_the_shard(rank):
     expected = buffer.clone()
     expected[rank * rows:(rank + 1) * rows] = shard
     assert torch.equal(gathered, expected)
+
+
+class _OrderedStream:
+    def __init__(self, name, log):
+        self.name, self.log, self.cuda_stream = name, log, 0
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+
+class _Workspace:
+    """Stands in for symm.SymmetricWorkspace: CPU buffers, and a log of the calls' arrival and the side stream's wait."""
+
+    def __init__(self, log, rank, world, rows, k):
+        self.log, self.rank, self.world, self.epoch = log, rank, world, 4
+        self.side_stream = _OrderedStream("side", log)
+        self.buffers = [torch.full((world * rows, k), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+        self.flags = torch.zeros(2, world * 16, dtype=torch.int32)
+        self.epoch_word = torch.zeros(1, dtype=torch.int32)
+
+    def reserve(self, nbytes):
+        pass
+
+    def next_epoch(self):
+        self.epoch += 1
+        return self.epoch
+
+    def view(self, parity, rank, rows, cols, dtype):
+        return self.buffers[rank]
+
+    def peer_flags(self, parity, rank):
+        return self.flags[parity]
+
+    def arrive(self, epoch, need, stream):
+        own = self.buffers[self.rank][self.rank * 4:(self.rank + 1) * 4]
+        self.log.append(("arrive", epoch, need, stream.name, "own rows in buffer" if not own.isnan().any() else ""))
+
+    def wait_passed(self, epoch, stream):
+        self.log.append(("wait_passed", epoch, stream.name))
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push):
+    """What all_gather_matmul enqueues, in order: the side stream joins main (the shard is ready), main runs the call's
+    arrival (needing the peers at the previous call when pushing, at this call when pulling, after this rank's rows went
+    into its buffer), the side stream waits for the arrival before it moves any bytes, and only the first GEMM is
+    launched as the arrival's programmatic dependent."""
+    log = []
+    world, rank, rows, k = 2, 1, 4, 64
+    ws = _Workspace(log, rank, world, rows, k)
+    main = _OrderedStream("main", log)
+
+    class _Ext:
+        def ag_device_sm_count(self):
+            return 132
+
+    monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
+    monkeypatch.setattr(symm, "extension", lambda: _Ext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
+    monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
+    monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: push)
+    monkeypatch.setattr(ag_gemm, "push_shards", lambda *a, **kw: log.append(("push", a[-3].name)))
+    monkeypatch.setattr(ag_gemm, "pull_shards", lambda *a, **kw: log.append(("pull", a[6].name)))
+    monkeypatch.setattr(ag_gemm, "launch_gemm",
+                        lambda *a, **kw: log.append(("gemm", kw["stream"].name, kw["pdl"], kw["a_local"] is not None)))
+    shard = torch.randn(rows, k, dtype=torch.bfloat16)
+    outputs, _ = ag_gemm.all_gather_matmul(shard, [_weight(k, 16), _weight(k, 24)], [None, None], "g", False,
+                                           checked=True)
+
+    moved = ("push", "side") if push else ("pull", "side")
+    assert log == [
+        ("wait_stream", "side", "main"),
+        ("arrive", 5, 4 if push else 5, "main", "" if push else "own rows in buffer"),
+        ("wait_passed", 5, "side"),
+        moved,
+        ("gemm", "main", True, push),
+        ("gemm", "main", False, push),
+        ("wait_stream", "main", "side"),
+    ]
+    assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]

@@ -3,25 +3,31 @@
 Per call, on rank r of W (shard: [S, K], M = W * S), with buffer = this call's symmetric buffer [M, K], when S is
 a multiple of the kernel's tile M (the push, the default):
 
-1. main stream: a symmetric-memory barrier (every rank finished reading the buffer we are about to write into,
-   two calls ago, and its flags are ready).
-2. side stream (copy engine, no SMs): for q = r-1, r-2, ... (mod W, the order in which the peers' tile walks
-   reach rank r's rows), push the shard straight from the caller's tensor into rows [r*S, (r+1)*S) of peer q's
+1. main stream: the call's arrival (``SymmetricWorkspace.arrive``, csrc/ag_barrier.cu), one warp: write the call's
+   epoch into this rank's arrival word on every peer, check that every peer has reached the previous call (so its
+   GEMM of two calls ago, the last reader of the buffer parity we are about to write into, is done), then release
+   the side stream.  In a healthy run that check finds the word already set: this rank's previous GEMM waited for
+   chunks the peers pushed after their previous arrival.
+2. side stream (copy engine, no SMs), once the arrival has passed: for q = r-1, r-2, ... (mod W, the order in which
+   the peers' tile walks reach rank r's rows), push the shard straight from the caller's tensor into rows [r*S, (r+1)*S) of peer q's
    buffer, chunk by chunk; after each chunk, copy the call's epoch into that chunk's flag on peer q.
-3. main stream: the fused GEMM (csrc/ag_gemm.cu) for each weight, reading this rank's rows from the shard
+3. main stream: the fused GEMM (csrc/ag_gemm.cu) for each weight, the first launched as a programmatic dependent of
+   the arrival so that it starts at once (it reads nothing the arrival writes), reading this rank's rows from the shard
    itself (a second TMA descriptor, so the shard is never copied into the buffer) and the peers' rows from
    ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the
    chunk flags its rows need.  Then, if asked, the gathered A is assembled from the buffer and the shard.
 4. main stream waits for the side stream.
 
-Otherwise (the pull): main copies the shard into ``buffer[r*S:(r+1)*S]`` before the barrier, the side stream
+Otherwise (the pull): main copies the shard into ``buffer[r*S:(r+1)*S]`` before the arrival, which then waits for
+every peer to reach this call (every slot written), the side stream
 pulls each peer's rows out of that peer's buffer into ours and raises our own flags, the GEMM reads every row
 from ``buffer``, and the side stream copies the gathered buffer out.  The pull puts the shard copy (an SM
 kernel: a same-device copy) in front of the GEMM on the main stream, 5 us at 8 MB and 0.15 ms at 235 MB on an
 H200, which is most of what the fused op costs over its GEMM (csrc/NOTES_ag_gemm.md, session 11).
 
 A wait that times out writes an error code to a host-mapped word and the kernel goes on; the next call (or
-``check_errors``) raises.  Barriers time out inside torch symmetric memory.
+``check_errors``) raises.  An arrival that times out traps (a peer more than FLUXINDUCTOR_TIMEOUT_S behind: the side
+stream may neither write into that peer nor wait forever), as torch symmetric memory's barrier does.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
+_ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
 # Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md).
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
@@ -65,6 +72,10 @@ _TILE_M = {0: 128, 1: 256, 2: 128, 3: 256, 4: 128, 5: 128}
 # Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
 # shard's rows are a multiple of the tile's M); 0 = the pull for every call.
 PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
+# 1 (default): the call's barrier is the arrival kernel (csrc/ag_barrier.cu), which the side stream waits for and the
+# GEMM does not; 0: torch symmetric memory's barrier on the main stream in front of the GEMM (the earlier design, kept
+# for A/B measurements and as a fallback).  Every rank must use the same (the check of the first call of a layout).
+ARRIVAL = os.environ.get("FLUXINDUCTOR_AG_ARRIVAL", "1").strip() not in ("0", "false", "no", "")
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
@@ -183,8 +194,9 @@ def check_errors(device: Optional[torch.device] = None, synchronize: bool = Fals
     code = symm.read_error(index)
     if code:
         symm.clear_error(index)
-        what = ("a tail tile's last part waited too long for its other parts" if code == _ERROR_SPLIT_TIMEOUT
-                else "a wait for a peer's shard timed out")
+        what = {_ERROR_SPLIT_TIMEOUT: "a tail tile's last part waited too long for its other parts",
+                _ERROR_ARRIVAL_TIMEOUT: "a peer did not reach the call (the arrival timed out and trapped)",
+                }.get(code, "a wait for a peer's shard timed out")
         raise AllGatherGemmError(
             f"all_gather_matmul on cuda:{index}: {what} (error code {code}, timeout {symm.timeout_seconds()} s); "
             "its outputs were wrong")
@@ -200,14 +212,15 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
                 timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
-                tail_split: Optional[int] = None, a_local: Optional[Tensor] = None) -> Tensor:
+                tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
     the chunks its rows come from hold ``epoch`` (rows of ``rank`` are taken as present).  With ``k_chunks`` > 1
     (flags [world * k_chunks], see :func:`pull_shards`) it waits instead before each column block of its K loop.
     ``a_local`` ([shard_rows, K], with ``flags``; shard_rows a multiple of the tile's M): this rank's rows are read
-    from it instead of from ``a``.
+    from it instead of from ``a``.  ``pdl``: launch as a programmatic dependent of the kernel before it on ``stream``
+    (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
     ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
@@ -230,7 +243,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
         stream=stream.cuda_stream, a_local=0 if a_local is None else a_local.data_ptr(),
-        lda_local=0 if a_local is None else a_local.stride(0),
+        lda_local=0 if a_local is None else a_local.stride(0), pdl=pdl,
         **_tail_split_kwargs(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
     return out
 
@@ -395,21 +408,23 @@ def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
 
 
 def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool) -> None:
-    """Once per (rows, K, dtype, push): make sure every rank calls with the same layout and moves shards the same
-    way (a pulling rank would read a pushing peer's slot, which that peer never fills): else raise, not hang or
-    compute with stale rows."""
-    key = (shard2d.shape[0], shard2d.shape[1], shard2d.dtype, push)
+    """Once per (rows, K, dtype, push, barrier): make sure every rank calls with the same layout and moves shards the
+    same way (a pulling rank would read a pushing peer's slot, which that peer never fills; a rank on the arrival and
+    one on torch's barrier never meet): else raise, not hang or compute with stale rows."""
+    moves = int(push) + 2 * int(ARRIVAL)
+    key = (shard2d.shape[0], shard2d.shape[1], shard2d.dtype, moves)
     if key in ws.checked_layouts:
         return
     import torch.distributed as dist
 
-    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype], int(push)],
+    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype], moves],
                         dtype=torch.int64, device=shard2d.device)
     everyone = torch.empty(ws.world * 4, dtype=torch.int64, device=shard2d.device)
     dist.all_gather_into_tensor(everyone, mine, group=ws.group)
     rows = everyone.view(ws.world, 4).tolist()
     if any(r != rows[0] for r in rows):
-        raise ValueError(f"all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push): {rows}")
+        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push + 2 * arrival): "
+                         f"{rows}")
     ws.checked_layouts.add(key)
 
 
@@ -444,12 +459,19 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
     if not push:
         buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
-    ws.barrier(parity)  # every peer done with its buffer's previous use (and, pulling, every slot written)
-
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
-    side.wait_stream(main)
+    if ARRIVAL:
+        side.wait_stream(main)
+        # The barrier, off the GEMM's path: every peer done with the buffer this call writes into (pushing: the peer
+        # reached the previous call; pulling: this call, so every slot is written).  The side stream waits for it; the
+        # GEMM launches as its programmatic dependent and starts at once.
+        ws.arrive(epoch, epoch - 1 if push else epoch, main)
+        ws.wait_passed(epoch, side)
+    else:
+        ws.barrier(parity)
+        side.wait_stream(main)
     peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
     k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
@@ -459,13 +481,11 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     else:
         pull_shards(buffer, peers, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
 
-    outputs = []
-    for weight, bias in zip(weights, biases):
-        out = shard2d.new_empty((m, weight.shape[1]))
-        launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
+    outputs = [shard2d.new_empty((m, weight.shape[1])) for weight in weights]  # allocated before: no op between
+    for i, (weight, bias) in enumerate(zip(weights, biases)):
+        launch_gemm(buffer, weight, bias, outputs[i], flags=flags, epoch=epoch, rank=rank, world=world,
                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
-                    a_local=shard2d if push else None)
-        outputs.append(out)
+                    a_local=shard2d if push else None, pdl=ARRIVAL and i == 0)
     if push and gathered.numel():
         assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
     main.wait_stream(side)

@@ -3,8 +3,8 @@
 A workspace belongs to one (process group, CUDA device).  It holds two symmetric buffers from
 ``torch.distributed._symmetric_memory`` (used by alternate calls, so a call never overwrites what a peer
 may still be reading from the call before), the per-chunk arrival flags the GEMM waits on (symmetric too:
-the copy stream that delivers a chunk raises its flag, this rank's after a pull, a peer's after a push), a
-monotonically increasing call epoch (a flag is set when
+the copy stream that delivers a chunk raises its flag, this rank's after a pull, a peer's after a push), the
+per-rank arrival words of the calls' barrier (``arrive``), a monotonically increasing call epoch (a flag is set when
 it holds the current epoch, so flags are never reset), a side stream for the copy engine, and a
 host-mapped error word the kernel writes when a wait times out.
 
@@ -114,6 +114,13 @@ class SymmetricWorkspace:
         self.flags: Optional[torch.Tensor] = None
         self._flag_handle = None
         self._peer_flags: List[torch.Tensor] = []
+        # arrivals: [world] int32 in the same symmetric allocation, [q] = the last call peer q reached (written by q's
+        # ``arrive``); _peer_arrivals[q]: the address of this rank's word on peer q
+        self.arrivals: Optional[torch.Tensor] = None
+        self._peer_arrivals: List[int] = []
+        # set to the call's epoch by ``arrive`` once the peers have reached the call it needs; the side stream waits
+        # for it before writing into a peer
+        self.passed = torch.zeros(1, dtype=torch.int32, device=device)
         # the call's epoch on this device, written by the side stream, the source of the flag copies into peers
         self.epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = 0
@@ -152,19 +159,23 @@ class SymmetricWorkspace:
         self.capacity_bytes = capacity
 
     def _allocate_flags(self) -> None:
-        """The arrival flags, in symmetric memory (collective: the first reserve, on every rank), zeroed before any
-        peer can write them (peers push only after a later barrier)."""
+        """The chunk flags and the arrival words, in one symmetric allocation (collective: the first reserve, on every
+        rank), zeroed before the rendezvous, so before any peer can write them."""
         import torch.distributed._symmetric_memory as symm_mem
 
         _enable_group(self.group_name)
         shape = (2, self.world * MAX_CHUNKS_PER_RANK)
-        flags = symm_mem.empty(shape[0] * shape[1], dtype=torch.int32, device=self.device)
+        words = shape[0] * shape[1] + self.world
+        flags = symm_mem.empty(words, dtype=torch.int32, device=self.device)
         flags.zero_()
-        self._flag_handle = symm_mem.rendezvous(flags, self.group_name)
         torch.cuda.synchronize(self.device)
-        self.flags = flags.view(shape)
-        self._peer_flags = [self.flags if q == self.rank else self._flag_handle.get_buffer(q, shape, torch.int32, 0)
-                            for q in range(self.world)]
+        self._flag_handle = symm_mem.rendezvous(flags, self.group_name)
+        self.flags = flags[:shape[0] * shape[1]].view(shape)
+        self.arrivals = flags[shape[0] * shape[1]:]
+        peers = [flags if q == self.rank else self._flag_handle.get_buffer(q, (words,), torch.int32, 0)
+                 for q in range(self.world)]
+        self._peer_flags = [peer[:shape[0] * shape[1]].view(shape) for peer in peers]
+        self._peer_arrivals = [peer[shape[0] * shape[1] + self.rank].data_ptr() for peer in peers]
 
     def peer_flags(self, parity: int, rank: int) -> torch.Tensor:
         """``rank``'s flags of ``parity`` ([world * MAX_CHUNKS_PER_RANK] int32), mapped into this device."""
@@ -180,8 +191,38 @@ class SymmetricWorkspace:
         return view
 
     def barrier(self, parity: int) -> None:
-        """Every rank reached this point of its current stream (torch symmetric memory; times out)."""
+        """Every rank reached this point of its current stream (torch symmetric memory; times out and traps)."""
         self.handles[parity].barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
+
+    def arrive(self, epoch: int, need: int, stream: torch.cuda.Stream) -> None:
+        """This rank's arrival at call ``epoch`` on ``stream``, then ``passed`` = epoch once every peer reached ``need``
+        (see :func:`arrive`)."""
+        arrive(self._peer_arrivals, self.arrivals, self.passed, epoch, need, self.rank, stream)
+
+    def wait_passed(self, epoch: int, stream: torch.cuda.Stream) -> None:
+        """Enqueue on ``stream`` a wait until the arrival of call ``epoch`` has passed (see :func:`wait_passed`)."""
+        wait_passed(self.passed, epoch, stream)
+
+
+def arrive(peer_arrivals: List[int], arrivals: torch.Tensor, passed: torch.Tensor, epoch: int, need: int, rank: int,
+           stream: torch.cuda.Stream, timeout_s: Optional[float] = None) -> None:
+    """Enqueue on ``stream`` the arrival of ``rank`` at call ``epoch`` (csrc/ag_gemm.h arrive_and_wait): one warp
+    writes ``epoch`` to the address peer_arrivals[q] (this rank's word on peer q; the entry for ``rank`` is unused),
+    waits until every arrivals[q] (int32 [world], written by the peers) is at least ``need``, then sets ``passed``
+    (one int32) to ``epoch``.  A kernel launched next on ``stream`` with ``pdl`` starts without waiting for it.  Past
+    the timeout (FLUXINDUCTOR_TIMEOUT_S) it writes its code to the error word and traps."""
+    _, error_device = error_word(arrivals.device.index)
+    timeout_s = timeout_seconds() if timeout_s is None else timeout_s
+    extension().ag_arrive_and_wait(
+        peer_arrivals=peer_arrivals, arrivals=arrivals.data_ptr(), passed=passed.data_ptr(), epoch=epoch, need=need,
+        rank=rank, timeout_ns=int(timeout_s * 1e9), error_word=error_device, stream=stream.cuda_stream)
+
+
+def wait_passed(passed: torch.Tensor, epoch: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream`` a wait (a stream memory operation, no SM) until ``passed`` holds ``epoch``.  Equality, not
+    >=: ``passed`` cannot move on to the next call before this wait returns (the main stream joins the side stream at
+    the end of each call), and equality survives the epoch's wrap-around."""
+    extension().ag_stream_wait_value32_eq(passed.data_ptr(), epoch, stream.cuda_stream)
 
 
 def _enable_group(group_name: str) -> None:

@@ -5,7 +5,8 @@
 Checks (each rank prints "ALL CHECKS PASSED" at the end): numerics against an fp32 reference for awkward
 shapes (M = world * 129, several weights of both layouts, with and without bias, gathered output), outputs
 poisoned before every call; unsupported shapes give a reason; ``--calls`` back-to-back calls with no hang and
-no memory growth; ranks that disagree on the shard shape, or on pushing, get an error, not a hang.
+no memory growth; ranks that disagree on the shard shape, on pushing or on the barrier get an error, not a hang;
+FLUXINDUCTOR_AG_ARRIVAL=0 (torch's barrier) still computes right.
 With ``--bench``: times cuBLAS, the fused kernel with communication off, NCCL all-gather then cuBLAS, and
 the fused op on the TP=2 shapes and writes every number as JSON.
 """
@@ -153,6 +154,36 @@ def check_push_disagreement(ag_gemm, group, rank):
         ag_gemm.PUSH = saved
 
 
+def check_arrival_disagreement(ag_gemm, group, rank):
+    """One rank on the arrival kernel, the other on torch's barrier (FLUXINDUCTOR_AG_ARRIVAL set differently): they
+    would never meet, so the first call raises on both."""
+    device = torch.device("cuda", rank)
+    shard = torch.randn(384, 512, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
+    saved = ag_gemm.ARRIVAL
+    ag_gemm.ARRIVAL = rank == 0
+    try:
+        ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
+    except ValueError as e:
+        check("disagree" in str(e) and "arrival" in str(e), f"unexpected error {e}")
+        print(f"rank {rank}: arrival on one rank, torch's barrier on the other raised: {e}", flush=True)
+    else:
+        raise AssertionError("an arriving rank and a rank on torch's barrier did not raise")
+    finally:
+        ag_gemm.ARRIVAL = saved
+
+
+def check_torch_barrier(ag_gemm, group, rank):
+    """FLUXINDUCTOR_AG_ARRIVAL=0 on every rank: torch's barrier in front of the GEMM, pushing and pulling."""
+    saved = ag_gemm.ARRIVAL
+    ag_gemm.ARRIVAL = False
+    try:
+        check_numerics(ag_gemm, group, rank, torch.bfloat16)
+    finally:
+        ag_gemm.ARRIVAL = saved
+    print(f"rank {rank}: torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0) numerics passed", flush=True)
+
+
 def time_ms(fn, group, warmup=5, iters=20):
     times = []
     for i in range(warmup + iters):
@@ -246,6 +277,8 @@ def main():
         check_many_calls(ag_gemm, group, rank, args.calls)
         check_disagreement(ag_gemm, group, rank)
         check_push_disagreement(ag_gemm, group, rank)
+        check_arrival_disagreement(ag_gemm, group, rank)
+        check_torch_barrier(ag_gemm, group, rank)
         # After a refused call the group still works.
         check_numerics(ag_gemm, group, rank, torch.bfloat16)
     if args.bench:

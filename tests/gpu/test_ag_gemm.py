@@ -169,24 +169,32 @@ def _check_ranks(outputs, refs, gathered=None, full=None):
 
 
 def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks):
-    from fluxinductor.kernels import ag_gemm
+    from fluxinductor.kernels import ag_gemm, symm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
     device, shards, weights, biases, buffers, flags = t.device, t.shards, t.weights, t.biases, t.buffers, t.flags
     outputs, gathered, main, side, sm_count = t.outputs, t.gathered, t.main, t.side, t.sm_count
     epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
     epoch = 9
+    # The call's arrival, as all_gather_matmul runs it: arrivals[r][q] is rank r's word for peer q; every rank has
+    # reached the previous call, which is all a push needs.
+    arrivals = torch.full((world, world), epoch - 1, dtype=torch.int32, device=device)
+    passed = torch.zeros(world, dtype=torch.int32, device=device)
     torch.cuda.synchronize()
     for r in range(world):
         side[r].wait_stream(torch.cuda.current_stream())
         main[r].wait_stream(torch.cuda.current_stream())
+        symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, epoch - 1, r,
+                    main[r])
+        symm.wait_passed(passed[r], epoch, side[r])
         if r != skip_from:  # a rank that never delivers pushes nothing, so its chunks' flags are never set
             ag_gemm.push_shards(shards[r], buffers, flags, r, epoch, epoch_words[r], side[r], chunks, k_chunks)
         with torch.cuda.stream(main[r]):
             for i, (w, b) in enumerate(zip(weights, biases)):
                 ag_gemm.launch_gemm(buffers[r], w, b, outputs[r][i], flags=flags[r], epoch=epoch, rank=r, world=world,
                                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks,
-                                    sm_count=sm_count, timeout_s=timeout_s, stream=main[r], a_local=shards[r])
+                                    sm_count=sm_count, timeout_s=timeout_s, stream=main[r], a_local=shards[r],
+                                    pdl=i == 0)
             ag_gemm.assemble_gathered(gathered[r], buffers[r], shards[r], r)
         main[r].wait_stream(side[r])
     for r in range(world):
@@ -195,6 +203,9 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     for r in range(world):
         own = buffers[r][r * shard_rows:(r + 1) * shard_rows]
         assert own.isnan().all(), f"rank {r}: its own rows were written into its buffer"
+        written = [int(arrivals[q, r]) for q in range(world) if q != r]
+        assert written == [epoch] * (world - 1), f"rank {r}'s arrival on its peers: {written}"
+    assert passed.tolist() == [epoch] * world
     full = torch.cat(shards).float()
     refs = [full @ w.float() + (b.float() if b is not None else 0) for w, b in zip(weights, biases)]
     return outputs, refs, gathered, torch.cat(shards)
@@ -230,6 +241,52 @@ def test_push_peer_never_delivers_times_out():
     with pytest.raises(ag_gemm.AllGatherGemmError):
         ag_gemm.check_errors(torch.device("cuda", 0), synchronize=True)
     symm.clear_error(0)
+
+
+@pytest.mark.gpu
+def test_arrival_waits_for_a_late_peer():
+    """The arrival releases the side stream only once the peer's word reaches ``need``: the peer arrives late (after a
+    sleep on another stream), and the copy the side stream enqueued after its wait runs after that."""
+    from fluxinductor.kernels import symm
+
+    device = torch.device("cuda", 0)
+    world, rank, epoch = 2, 0, 12
+    arrivals = torch.zeros((world, world), dtype=torch.int32, device=device)
+    passed = torch.zeros(1, dtype=torch.int32, device=device)
+    source, target = torch.arange(64, dtype=torch.int32, device=device), torch.zeros(64, dtype=torch.int32,
+                                                                                    device=device)
+    main, side, peer = (torch.cuda.Stream(device) for _ in range(3))
+    torch.cuda.synchronize()
+    symm.arrive([arrivals[q, rank].data_ptr() for q in range(world)], arrivals[rank], passed[0], epoch, epoch, rank,
+                main, timeout_s=5.0)
+    symm.wait_passed(passed[0], epoch, side)
+    with torch.cuda.stream(side):
+        target.copy_(source)
+        copied = torch.cuda.Event(enable_timing=True)
+        copied.record(side)
+    with torch.cuda.stream(peer):
+        torch.cuda._sleep(50_000_000)  # ~25 ms
+        arrivals[rank, 1].fill_(epoch)  # the peer reaches the call
+        arrived = torch.cuda.Event(enable_timing=True)
+        arrived.record(peer)
+    torch.cuda.synchronize()
+    assert passed.item() == epoch
+    assert int(arrivals[1, rank]) == epoch, "the arrival was not written into the peer's word"
+    assert torch.equal(target, source)
+    assert arrived.elapsed_time(copied) > 0, "the side stream ran before the peer arrived"
+
+
+@pytest.mark.gpu
+def test_arrival_timeout_traps():
+    """A peer that never reaches the call: the arrival gives up after its timeout and traps (the copy stream must
+    neither write into that peer nor wait forever), leaving its error code in the host-mapped word."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.join(HERE, "run_ag_arrival_timeout.py")]
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the arrival did not give up on a peer that never arrives")
+    assert "ARRIVAL TRAPPED code 4" in result.stdout, result.stdout[-4000:] + result.stderr[-4000:]
 
 
 @pytest.mark.gpu

@@ -101,7 +101,7 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   if (status != cutlass::Status::kSuccess) {
     return make_error(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
   }
-  status = gemm.run(stream);
+  status = gemm.run(stream, nullptr, p.pdl);
   if (status != cutlass::Status::kSuccess) {
     return make_error(std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status) + " (" +
                       cudaGetErrorString(cudaGetLastError()) + ")");

@@ -47,6 +47,14 @@ inline CUresult stream_wait_geq(cudaStream_t stream, uint32_t const* address, ui
               CU_STREAM_WAIT_VALUE_GEQ);
 }
 
+// `stream` waits until *address == value (device memory of this context).
+inline CUresult stream_wait_eq(cudaStream_t stream, uint32_t const* address, uint32_t value) {
+  auto wait = stream_memops().wait_value32;
+  if (wait == nullptr) return CUDA_ERROR_NOT_SUPPORTED;
+  return wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
+              CU_STREAM_WAIT_VALUE_EQ);
+}
+
 // `stream` writes `value` to *address once its earlier work is done (default: with a memory barrier).
 inline CUresult stream_write(cudaStream_t stream, uint32_t* address, uint32_t value) {
   auto write = stream_memops().write_value32;
