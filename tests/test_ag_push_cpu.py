@@ -128,6 +128,15 @@ class _Workspace:
         self.epoch += 1
         return self.epoch
 
+    def previous_epoch(self):
+        return self.epoch - 1
+
+    def barrier(self, parity):
+        self.log.append(("torch barrier",))
+
+    def mark_arrived(self, epoch, stream):
+        self.log.append(("mark_arrived", epoch, stream.name))
+
     def view(self, parity, rank, rows, cols, dtype):
         return self.buffers[rank]
 
@@ -142,12 +151,16 @@ class _Workspace:
         self.log.append(("wait_passed", epoch, stream.name))
 
 
+@pytest.mark.parametrize("barrier", ["arrival", "arrival, one wave", "torch"])
 @pytest.mark.parametrize("push", [True, False])
-def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push):
-    """What all_gather_matmul enqueues, in order: the side stream joins main (the shard is ready), main runs the call's
-    arrival (needing the peers at the previous call when pushing, at this call when pulling, after this rank's rows went
-    into its buffer), the side stream waits for the arrival before it moves any bytes, and only the first GEMM is
-    launched as the arrival's programmatic dependent."""
+def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier):
+    """What all_gather_matmul enqueues, in order.  On the arrival (multi-wave): the side stream joins main (the shard
+    is ready), main runs the call's arrival (needing the peers at the previous call when pushing, at this call when
+    pulling, after this rank's rows went into its buffer), the side stream waits for the arrival's word before it moves
+    any bytes, and only the first GEMM is launched as the arrival's programmatic dependent.  One wave (column blocks):
+    the side stream follows the arrival through an event, and no GEMM is a dependent.  With torch's barrier
+    (FLUXINDUCTOR_AG_ARRIVAL=0): the barrier first, and the side stream still records this rank's arrival at the
+    end, for later calls on the arrival."""
     log = []
     world, rank, rows, k = 2, 1, 4, 64
     ws = _Workspace(log, rank, world, rows, k)
@@ -163,6 +176,9 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push):
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: push)
+    monkeypatch.setattr(ag_gemm, "ARRIVAL", barrier != "torch")
+    if barrier == "arrival, one wave":
+        monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4)
     monkeypatch.setattr(ag_gemm, "push_shards", lambda *a, **kw: log.append(("push", a[-3].name)))
     monkeypatch.setattr(ag_gemm, "pull_shards", lambda *a, **kw: log.append(("pull", a[6].name)))
     monkeypatch.setattr(ag_gemm, "launch_gemm",
@@ -172,13 +188,14 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push):
                                            checked=True)
 
     moved = ("push", "side") if push else ("pull", "side")
-    assert log == [
-        ("wait_stream", "side", "main"),
-        ("arrive", 5, 4 if push else 5, "main", "" if push else "own rows in buffer"),
-        ("wait_passed", 5, "side"),
-        moved,
-        ("gemm", "main", True, push),
-        ("gemm", "main", False, push),
-        ("wait_stream", "main", "side"),
-    ]
+    arrival = ("arrive", 5, 4 if push else 5, "main", "" if push else "own rows in buffer")
+    gemms = [("gemm", "main", barrier == "arrival", push), ("gemm", "main", False, push)]
+    if barrier == "arrival":
+        expected = [("wait_stream", "side", "main"), arrival, ("wait_passed", 5, "side"), moved] + gemms
+    elif barrier == "arrival, one wave":
+        expected = [arrival, ("wait_stream", "side", "main"), moved] + gemms
+    else:
+        expected = [("torch barrier",), ("wait_stream", "side", "main"), moved] + gemms + \
+            [("mark_arrived", 5, "side")]
+    assert log == expected + [("wait_stream", "main", "side")]
     assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]

@@ -462,19 +462,28 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
-    if ARRIVAL:
-        side.wait_stream(main)
-        # The barrier, off the GEMM's path: every peer done with the buffer this call writes into (pushing: the peer
-        # reached the previous call; pulling: this call, so every slot is written).  The side stream waits for it; the
-        # GEMM launches as its programmatic dependent and starts at once.
-        ws.arrive(epoch, epoch - 1 if push else epoch, main)
-        ws.wait_passed(epoch, side)
-    else:
-        ws.barrier(parity)
-        side.wait_stream(main)
-    peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
     k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
+    # The barrier: every peer done with the buffer this call writes into (pushing: the peer reached the previous call;
+    # pulling: this call, so every slot is written).
+    need = ws.previous_epoch() if push else epoch
+    pdl = False
+    if not ARRIVAL:
+        ws.barrier(parity)
+        side.wait_stream(main)
+    elif k_chunks > 1:
+        # One wave: the peers' tiles wait for the first column block from the start, so the push's start is the
+        # critical path, and the side stream follows the arrival through an event (a stream wait on the passed word
+        # started the push later: csrc/NOTES_ag_gemm.md, session 12).
+        ws.arrive(epoch, need, main)
+        side.wait_stream(main)
+    else:
+        # Off the GEMM's path: the side stream waits for the arrival, the GEMM is its programmatic dependent.
+        side.wait_stream(main)
+        ws.arrive(epoch, need, main)
+        ws.wait_passed(epoch, side)
+        pdl = True
+    peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
     if push:
         push_shards(shard2d, peers, [ws.peer_flags(parity, q) for q in range(world)], rank, epoch, ws.epoch_word,
                     side, chunks, k_chunks)
@@ -485,9 +494,11 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     for i, (weight, bias) in enumerate(zip(weights, biases)):
         launch_gemm(buffer, weight, bias, outputs[i], flags=flags, epoch=epoch, rank=rank, world=world,
                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
-                    a_local=shard2d if push else None, pdl=ARRIVAL and i == 0)
+                    a_local=shard2d if push else None, pdl=pdl and i == 0)
     if push and gathered.numel():
         assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
+    if not ARRIVAL:
+        ws.mark_arrived(epoch, side)  # so that a later call on the arrival finds this one
     main.wait_stream(side)
     return outputs, gathered
 

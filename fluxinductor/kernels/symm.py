@@ -124,13 +124,21 @@ class SymmetricWorkspace:
         # the call's epoch on this device, written by the side stream, the source of the flag copies into peers
         self.epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = 0
+        self._previous_epoch = 0
         self.side_stream = torch.cuda.Stream(device=device)
         self.checked_layouts: set = set()
         self._views: Dict[tuple, torch.Tensor] = {}
 
     def next_epoch(self) -> int:
-        self.epoch = (self.epoch + 1) & 0x7FFFFFFF or 1
+        """The next call's epoch: 32-bit, never 0 (the flags' initial value).  The kernels compare epochs by their
+        signed 32-bit difference, which stays right across the wrap as long as consecutive calls differ by 1 or 2."""
+        self._previous_epoch = self.epoch
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
         return self.epoch
+
+    def previous_epoch(self) -> int:
+        """The epoch of the call before the current one (0 before the first)."""
+        return self._previous_epoch
 
     def reserve(self, nbytes: int) -> None:
         """Make both buffers hold at least ``nbytes`` (collective when it grows)."""
@@ -198,6 +206,15 @@ class SymmetricWorkspace:
         """This rank's arrival at call ``epoch`` on ``stream``, then ``passed`` = epoch once every peer reached ``need``
         (see :func:`arrive`)."""
         arrive(self._peer_arrivals, self.arrivals, self.passed, epoch, need, self.rank, stream)
+
+    def mark_arrived(self, epoch: int, stream: torch.cuda.Stream) -> None:
+        """Enqueue on ``stream`` (copy engine) this rank's arrival at ``epoch`` on every peer without waiting for
+        theirs: for calls synchronized by torch's barrier instead, so that a later ``arrive`` finds them."""
+        ext = extension()
+        ext.ag_stream_write_value32(self.epoch_word.data_ptr(), epoch, stream.cuda_stream)
+        for q, address in enumerate(self._peer_arrivals):
+            if q != self.rank:
+                ext.ag_memcpy_async(address, self.epoch_word.data_ptr(), 4, stream.cuda_stream)
 
     def wait_passed(self, epoch: int, stream: torch.cuda.Stream) -> None:
         """Enqueue on ``stream`` a wait until the arrival of call ``epoch`` has passed (see :func:`wait_passed`)."""

@@ -174,14 +174,26 @@ def check_arrival_disagreement(ag_gemm, group, rank):
 
 
 def check_torch_barrier(ag_gemm, group, rank):
-    """FLUXINDUCTOR_AG_ARRIVAL=0 on every rank: torch's barrier in front of the GEMM, pushing and pulling."""
+    """FLUXINDUCTOR_AG_ARRIVAL=0 on every rank: torch's barrier in front of the GEMM, pushing and pulling; then a
+    push on the arrival again, which needs the arrival of the call before (one on torch's barrier) to have been
+    recorded."""
     saved = ag_gemm.ARRIVAL
     ag_gemm.ARRIVAL = False
     try:
         check_numerics(ag_gemm, group, rank, torch.bfloat16)
     finally:
         ag_gemm.ARRIVAL = saved
-    print(f"rank {rank}: torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0) numerics passed", flush=True)
+    device = torch.device("cuda", rank)
+    shard = torch.randn(256, 512, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(512, 384, dtype=torch.bfloat16, device=device)
+    dist.broadcast(weight, 0, group=group)
+    check(ag_gemm.use_push(shard, [weight]), "this call should push")
+    _, refs = reference(shard, [weight], [None], group)
+    outputs, _ = ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
+    torch.cuda.synchronize()
+    ag_gemm.check_errors(device)
+    check(relative_error(outputs[0], refs[0]) <= 1e-2, "a push on the arrival after torch's barrier is wrong")
+    print(f"rank {rank}: torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0) numerics passed, and a push after it", flush=True)
 
 
 def time_ms(fn, group, warmup=5, iters=20):

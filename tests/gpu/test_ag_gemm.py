@@ -102,14 +102,14 @@ def _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, flags_per_rank):
 
 
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
-                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False):
+                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False, epochs=(9, 8)):
     """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
     k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop.  push: each rank pushes
     its shard into the others' buffers and its GEMM reads its own rows from the shard, so its own rows of its buffer
     stay NaN (a read of them would show)."""
     if push:
         return _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_pull_from, timeout_s,
-                                      k_chunks)
+                                      k_chunks, *epochs)
     from fluxinductor.kernels import ag_gemm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
@@ -168,23 +168,34 @@ def _check_ranks(outputs, refs, gathered=None, full=None):
             assert relative_error(out, ref) <= 1e-2, f"rank {r}"
 
 
-def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks):
+def _as_int32(value):
+    """A uint32 epoch as the int32 a flag tensor stores."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks,
+                           epoch=9, previous=8):
     from fluxinductor.kernels import ag_gemm, symm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
     device, shards, weights, biases, buffers, flags = t.device, t.shards, t.weights, t.biases, t.buffers, t.flags
     outputs, gathered, main, side, sm_count = t.outputs, t.gathered, t.main, t.side, t.sm_count
     epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
-    epoch = 9
+    for f in flags:  # what this buffer parity's flags hold from two calls ago: must not read as this call's
+        f.fill_(_as_int32(previous - 1 if previous > 1 else 0xFFFFFFFF))
     # The call's arrival, as all_gather_matmul runs it: arrivals[r][q] is rank r's word for peer q; every rank has
     # reached the previous call, which is all a push needs.
-    arrivals = torch.full((world, world), epoch - 1, dtype=torch.int32, device=device)
+    arrivals = torch.full((world, world), _as_int32(previous), dtype=torch.int32, device=device)
     passed = torch.zeros(world, dtype=torch.int32, device=device)
+    # Load the kernels the ranks launch after a GEMM may already wait (CUDA's lazy loading can hold a launch until the
+    # device is idle, which a waiting simulated rank on the same GPU never is).
+    ag_gemm.assemble_gathered(gathered[0].clone(), buffers[0], shards[0], 0)
     torch.cuda.synchronize()
     for r in range(world):
         side[r].wait_stream(torch.cuda.current_stream())
         main[r].wait_stream(torch.cuda.current_stream())
-        symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, epoch - 1, r,
+        symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, previous, r,
                     main[r])
         symm.wait_passed(passed[r], epoch, side[r])
         if r != skip_from:  # a rank that never delivers pushes nothing, so its chunks' flags are never set
@@ -204,8 +215,8 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
         own = buffers[r][r * shard_rows:(r + 1) * shard_rows]
         assert own.isnan().all(), f"rank {r}: its own rows were written into its buffer"
         written = [int(arrivals[q, r]) for q in range(world) if q != r]
-        assert written == [epoch] * (world - 1), f"rank {r}'s arrival on its peers: {written}"
-    assert passed.tolist() == [epoch] * world
+        assert written == [_as_int32(epoch)] * (world - 1), f"rank {r}'s arrival on its peers: {written}"
+    assert passed.tolist() == [_as_int32(epoch)] * world
     full = torch.cat(shards).float()
     refs = [full @ w.float() + (b.float() if b is not None else 0) for w, b in zip(weights, biases)]
     return outputs, refs, gathered, torch.cat(shards)
@@ -228,6 +239,17 @@ def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dty
     torch.manual_seed(world + shard_rows + k_chunks)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias=True, chunks=chunks,
                                                          dtype=dtype, k_chunks=k_chunks, push=True)
+    _check_ranks(outputs, refs, gathered, full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epochs", [(0xFFFFFFFF, 0xFFFFFFFE), (1, 0xFFFFFFFF), (2, 1)])
+def test_push_across_the_epoch_wrap(epochs):
+    """Epochs are 32-bit and wrap from 0xFFFFFFFF to 1: the flags left two calls ago (previous - 1) must not read as
+    this call's, and the arrival of the previous call must satisfy the push, on both sides of the wrap."""
+    torch.manual_seed(epochs[0] & 0xFF)
+    outputs, refs, gathered, full = run_ranks_on_one_gpu(2, 256, 264, [520], with_bias=True, chunks=2, push=True,
+                                                         epochs=epochs)
     _check_ranks(outputs, refs, gathered, full)
 
 
@@ -256,6 +278,10 @@ def test_arrival_waits_for_a_late_peer():
     source, target = torch.arange(64, dtype=torch.int32, device=device), torch.zeros(64, dtype=torch.int32,
                                                                                     device=device)
     main, side, peer = (torch.cuda.Stream(device) for _ in range(3))
+    torch.cuda._sleep(1)  # load the kernels before the arrival spins: CUDA's lazy loading of a kernel can wait for an
+    arrivals[rank, 1].fill_(0)  # idle device, which this one is not while the arrival waits
+    target.copy_(source)
+    target.zero_()
     torch.cuda.synchronize()
     symm.arrive([arrivals[q, rank].data_ptr() for q in range(world)], arrivals[rank], passed[0], epoch, epoch, rank,
                 main, timeout_s=5.0)
