@@ -335,7 +335,12 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   if (status != cutlass::Status::kSuccess) {
     return fail(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
   }
-  status = gemm.run(stream);
+  // With the stores transport the GEMM directly follows the handshake on the stream: launched as its programmatic
+  // dependent, its mainloop runs while the handshake waits for the peers (the epilogue waits for the handshake).  Not
+  // in copy-engine mode, which puts the counters' reset and the copy stream's event between the two.
+  // FLUXINDUCTOR_GEMM_RS_HELLO_PDL=0 launches it normally (A/B).
+  static bool const hello_pdl = env_int("FLUXINDUCTOR_GEMM_RS_HELLO_PDL", 1) != 0;
+  status = gemm.run(stream, nullptr, hello_pdl && args.world > 1 && !copy_engine);
   if (status != cutlass::Status::kSuccess) {
     cudaError_t launch = cudaGetLastError();
     return fail(std::string("GEMM+RS launch failed: ") + cutlassGetStatusString(status) + " / " +

@@ -129,6 +129,9 @@ struct RsHelloParams {
 };
 
 __global__ void gemm_rs_hello_kernel(RsHelloParams p) {
+  // The GEMM launched next may start now (a programmatic dependent, stores transport): its mainloop reads nothing of
+  // ours, and its epilogue waits for this grid (griddepcontrol.wait) before it reads the status or touches a peer.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   int const peer = threadIdx.x;
   bool const is_peer = peer < p.world && peer != p.rank;
   char* local = p.buffers[p.rank];
@@ -348,6 +351,12 @@ class GemmRsEpilogue {
     using namespace cute;
     static_assert(decltype(size<0>(BlockShapeMNK{}))::value == kTileM);
     static_assert(decltype(size<1>(BlockShapeMNK{}))::value == kTileN);
+    // The handshake before this kernel may still run when it was launched as its programmatic dependent: nothing below
+    // may read the status or touch a peer before it has finished (returns at once after the first tile, or when the
+    // kernel was launched normally).
+    if (p_.world > 1) {
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
     // 0. a peer tile pushed by the previous epilogue: publish its flag once its bulk copies landed.
     flush_pending();
 
