@@ -136,41 +136,34 @@ def check_disagreement(ag_gemm, group, rank):
         raise AssertionError("ranks with different shard shapes did not raise")
 
 
-def check_push_disagreement(ag_gemm, group, rank):
-    """One rank pushing while the other pulls (FLUXINDUCTOR_AG_PUSH set differently) raises on both."""
+def check_setting_disagreement(ag_gemm, group, rank, setting, word, what, shard_rows):
+    """Rank 0 with ``ag_gemm.<setting>`` on, the others off (the environment variable set differently): the first call
+    of a layout raises on every rank, naming ``word``, instead of hanging or reading unfilled slots."""
     device = torch.device("cuda", rank)
-    shard = torch.randn(256, 512, dtype=torch.bfloat16, device=device)
+    shard = torch.randn(shard_rows, 512, dtype=torch.bfloat16, device=device)
     weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
-    saved = ag_gemm.PUSH
-    ag_gemm.PUSH = rank == 0
+    saved = getattr(ag_gemm, setting)
+    setattr(ag_gemm, setting, rank == 0)
     try:
         ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
     except ValueError as e:
-        check("disagree" in str(e) and "push" in str(e), f"unexpected error {e}")
-        print(f"rank {rank}: push on one rank, pull on the other raised: {e}", flush=True)
+        check("disagree" in str(e) and word in str(e), f"unexpected error {e}")
+        print(f"rank {rank}: {what} raised: {e}", flush=True)
     else:
-        raise AssertionError("a pushing and a pulling rank did not raise")
+        raise AssertionError(f"{what} did not raise")
     finally:
-        ag_gemm.PUSH = saved
+        setattr(ag_gemm, setting, saved)
+
+
+def check_push_disagreement(ag_gemm, group, rank):
+    """One rank pushing while the other pulls (FLUXINDUCTOR_AG_PUSH): it would read a slot the peer never fills."""
+    check_setting_disagreement(ag_gemm, group, rank, "PUSH", "push", "push on one rank, pull on the other", 256)
 
 
 def check_arrival_disagreement(ag_gemm, group, rank):
-    """One rank on the arrival kernel, the other on torch's barrier (FLUXINDUCTOR_AG_ARRIVAL set differently): they
-    would never meet, so the first call raises on both."""
-    device = torch.device("cuda", rank)
-    shard = torch.randn(384, 512, dtype=torch.bfloat16, device=device)
-    weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
-    saved = ag_gemm.ARRIVAL
-    ag_gemm.ARRIVAL = rank == 0
-    try:
-        ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
-    except ValueError as e:
-        check("disagree" in str(e) and "arrival" in str(e), f"unexpected error {e}")
-        print(f"rank {rank}: arrival on one rank, torch's barrier on the other raised: {e}", flush=True)
-    else:
-        raise AssertionError("an arriving rank and a rank on torch's barrier did not raise")
-    finally:
-        ag_gemm.ARRIVAL = saved
+    """One rank on the arrival kernel, the other on torch's barrier (FLUXINDUCTOR_AG_ARRIVAL): they would never meet."""
+    check_setting_disagreement(ag_gemm, group, rank, "ARRIVAL", "arrival",
+                               "arrival on one rank, torch's barrier on the other", 384)
 
 
 def check_torch_barrier(ag_gemm, group, rank):
