@@ -1,6 +1,7 @@
 """The AG+GEMM push's host side without a GPU: when a call pushes, what push_shards enqueues (peer order, byte
-offsets, flag indices; recorded by a fake extension instead of copy-engine calls), and the gathered A assembled from
-the buffer and the shard."""
+offsets, flag indices; recorded by a fake extension instead of copy-engine calls), the gathered A assembled from
+the buffer and the shard, and the order of what a call enqueues on its two streams around the call's barrier (the
+arrival, or torch's barrier)."""
 
 from __future__ import annotations
 
