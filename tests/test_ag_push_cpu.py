@@ -200,3 +200,14 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier):
             [("mark_arrived", 5, "side")]
     assert log == expected + [("wait_stream", "main", "side")]
     assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]
+
+
+def test_epochs_wrap_past_zero_and_remember_the_previous_call():
+    """Call epochs are 32-bit, never 0 (the flags' and arrival words' initial value), and the previous call's epoch
+    (what a push's arrival needs) is the one actually used before, across the wrap; the first call needs 0."""
+    ws = object.__new__(symm.SymmetricWorkspace)  # the epoch bookkeeping needs no process group
+    ws.epoch, ws._previous_epoch = 0, 0
+    assert (ws.next_epoch(), ws.previous_epoch()) == (1, 0)
+    ws.epoch = 0xFFFFFFFE
+    seen = [(ws.next_epoch(), ws.previous_epoch()) for _ in range(3)]
+    assert seen == [(0xFFFFFFFF, 0xFFFFFFFE), (1, 0xFFFFFFFF), (2, 1)]
