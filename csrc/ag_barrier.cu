@@ -13,25 +13,10 @@
 #include <string>
 
 #include "ag_gemm.h"
+#include "fluxinductor/ag_gemm_scheduler.cuh"
 
 namespace fluxinductor::ag_gemm {
 namespace {
-
-__device__ __forceinline__ uint32_t load_acquire_sys(uint32_t const* address) {
-  uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void store_relaxed_sys(uint32_t* address, uint32_t value) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ long long global_timer_ns() {
-  long long value;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(value));
-  return value;
-}
 
 // One warp; lane q handles peer q.
 __global__ void arrive_and_wait_kernel(ArrivalParams p) {
@@ -41,33 +26,25 @@ __global__ void arrive_and_wait_kernel(ArrivalParams p) {
   int const q = int(threadIdx.x);
   bool arrived = true;
   if (q < p.world && q != p.rank) {
-    store_relaxed_sys(p.peer_arrivals[q], p.epoch);
-    auto ready = [&] { return int(load_acquire_sys(p.arrivals + q) - p.need) >= 0; };
-    if (!ready()) {
-      long long const start = global_timer_ns();
-      unsigned sleep_ns = 32;
-      while (!(arrived = ready()) && global_timer_ns() - start <= p.timeout_ns) {
-        __nanosleep(sleep_ns);
-        sleep_ns = min(sleep_ns * 2, 1024u);
-      }
-    }
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p.peer_arrivals[q]), "r"(p.epoch) : "memory");
+    // The flags' poll (signed difference, backoff, timeout writing the code to the error word).
+    AllGatherSchedule wait;
+    wait.timeout_ns = p.timeout_ns;
+    wait.error_word = p.error_word;
+    arrived = !poll_for_epoch(wait, p.arrivals + q, p.need, kErrorArrivalTimeout);
   }
   unsigned const missing = __ballot_sync(0xffffffffu, !arrived);
   if (missing != 0) {
     if (q == __ffs(missing) - 1) {
       printf("fluxinductor all_gather_matmul: rank %d waited %lld ms for rank %d to reach call %u (it is at %u); "
              "stopping this process's CUDA context (FLUXINDUCTOR_TIMEOUT_S)\n",
-             p.rank, p.timeout_ns / 1000000, q, p.need, load_acquire_sys(p.arrivals + q));
-      if (p.error_word != nullptr) {
-        *reinterpret_cast<int volatile*>(p.error_word) = kErrorArrivalTimeout;
-        __threadfence_system();
-      }
+             p.rank, p.timeout_ns / 1000000, q, p.need, detail::load_acquire_sys(p.arrivals + q));
       __trap();
     }
     return;
   }
   if (q == 0) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p.passed), "r"(p.epoch) : "memory");
+    detail::store_release_gpu(p.passed, p.epoch);
   }
 }
 

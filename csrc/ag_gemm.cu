@@ -124,26 +124,29 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
 #endif
 }
 
-Error stream_write_value32(void* address, uint32_t value, void* stream) {
-  CUresult result = stream_write(static_cast<cudaStream_t>(stream), static_cast<uint32_t*>(address), value);
-  if (result == CUDA_ERROR_NOT_SUPPORTED && stream_memops().write_value32 == nullptr) {
-    return make_error("cuStreamWriteValue32 is not available from this driver");
+namespace {
+
+// A stream memory operation's result: `name` is missing from the driver when its entry point was not found.
+Error memop_error(CUresult result, bool available, char const* name) {
+  if (result == CUDA_ERROR_NOT_SUPPORTED && !available) {
+    return make_error(std::string(name) + " is not available from this driver");
   }
   if (result != CUDA_SUCCESS) {
-    return make_error("cuStreamWriteValue32 failed with CUresult " + std::to_string(int(result)));
+    return make_error(std::string(name) + " failed with CUresult " + std::to_string(int(result)));
   }
   return {};
 }
 
+}  // namespace
+
+Error stream_write_value32(void* address, uint32_t value, void* stream) {
+  return memop_error(stream_write(static_cast<cudaStream_t>(stream), static_cast<uint32_t*>(address), value),
+                     stream_memops().write_value32 != nullptr, "cuStreamWriteValue32");
+}
+
 Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream) {
-  CUresult result = stream_wait_eq(static_cast<cudaStream_t>(stream), static_cast<uint32_t const*>(address), value);
-  if (result == CUDA_ERROR_NOT_SUPPORTED && stream_memops().wait_value32 == nullptr) {
-    return make_error("cuStreamWaitValue32 is not available from this driver");
-  }
-  if (result != CUDA_SUCCESS) {
-    return make_error("cuStreamWaitValue32 failed with CUresult " + std::to_string(int(result)));
-  }
-  return {};
+  return memop_error(stream_wait_eq(static_cast<cudaStream_t>(stream), static_cast<uint32_t const*>(address), value),
+                     stream_memops().wait_value32 != nullptr, "cuStreamWaitValue32");
 }
 
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {

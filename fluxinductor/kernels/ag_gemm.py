@@ -490,11 +490,13 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     else:
         pull_shards(buffer, peers, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
 
-    outputs = [shard2d.new_empty((m, weight.shape[1])) for weight in weights]  # allocated before: no op between
-    for i, (weight, bias) in enumerate(zip(weights, biases)):
-        launch_gemm(buffer, weight, bias, outputs[i], flags=flags, epoch=epoch, rank=rank, world=world,
+    outputs = []
+    for weight, bias in zip(weights, biases):
+        out = shard2d.new_empty((m, weight.shape[1]))
+        launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
-                    a_local=shard2d if push else None, pdl=pdl and i == 0)
+                    a_local=shard2d if push else None, pdl=pdl and not outputs)
+        outputs.append(out)
     if push and gathered.numel():
         assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
     if not ARRIVAL:

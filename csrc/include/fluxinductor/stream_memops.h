@@ -39,20 +39,19 @@ inline StreamMemops const& stream_memops() {
   return ops;
 }
 
-// `stream` waits until *address >= value (device memory of this context).
-inline CUresult stream_wait_geq(cudaStream_t stream, uint32_t const* address, uint32_t value) {
+// `stream` waits until *address >= value (CU_STREAM_WAIT_VALUE_GEQ) or == value (EQ) (device memory of this context).
+inline CUresult stream_wait(cudaStream_t stream, uint32_t const* address, uint32_t value, unsigned int condition) {
   auto wait = stream_memops().wait_value32;
   if (wait == nullptr) return CUDA_ERROR_NOT_SUPPORTED;
-  return wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
-              CU_STREAM_WAIT_VALUE_GEQ);
+  return wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, condition);
 }
 
-// `stream` waits until *address == value (device memory of this context).
+inline CUresult stream_wait_geq(cudaStream_t stream, uint32_t const* address, uint32_t value) {
+  return stream_wait(stream, address, value, CU_STREAM_WAIT_VALUE_GEQ);
+}
+
 inline CUresult stream_wait_eq(cudaStream_t stream, uint32_t const* address, uint32_t value) {
-  auto wait = stream_memops().wait_value32;
-  if (wait == nullptr) return CUDA_ERROR_NOT_SUPPORTED;
-  return wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value,
-              CU_STREAM_WAIT_VALUE_EQ);
+  return stream_wait(stream, address, value, CU_STREAM_WAIT_VALUE_EQ);
 }
 
 // `stream` writes `value` to *address once its earlier work is done (default: with a memory barrier).
