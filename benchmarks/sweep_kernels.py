@@ -90,7 +90,7 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
             ag_variants: Optional[List[int]] = None, ag_groups: Optional[List[int]] = None) -> List[Dict[str, int]]:
     waves = tail_waves or [1]
     if op == "ag":
-        variants = (ag_variants or [0, 1, 3, 4]) if not quick else [0]
+        variants = (ag_variants or [0, 1, 3, 4, 6]) if not quick else [0]
         groups = (ag_groups or [4, 8, 16]) if not quick else [8]
         if tail_splits is None:
             from fluxinductor.kernels import ag_gemm
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                    help="--op ag / rs-split: comma-separated FLUXINDUCTOR_TAIL_SPLIT_WAVES values (default 1)")
     p.add_argument("--split-configs", default=None,
                    help="--op rs-split: comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values besides 0 (tuning builds)")
-    p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4)")
+    p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4,6)")
     p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

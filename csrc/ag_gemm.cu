@@ -111,6 +111,10 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
           return run_bf16_k_contiguous_coop128x256_c1x2(p, stream);
         case Variant::kPingpong128x192Cluster2x1:
           return run_bf16_k_contiguous_pingpong128x192_c2x1(p, stream);
+        case Variant::kCooperative256x160Cluster1x2:
+          return run_bf16_k_contiguous_coop256x160_c1x2(p, stream);
+        case Variant::kCooperative256x160Cluster2x1:
+          return run_bf16_k_contiguous_coop256x160_c2x1(p, stream);
         default:
           return run_bf16_k_contiguous(p, stream);
       }

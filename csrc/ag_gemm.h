@@ -24,6 +24,9 @@ enum class Variant : int {
   kCooperative256x128Cluster2x1 = 3,
   kCooperative128x256Cluster1x2 = 4,
   kPingpong128x192Cluster2x1 = 5,
+  // In every build: 256x160 tiles (a 4096 x 14336 output fills 10.9 waves of 132 SMs with them, 13.6 with 128x256).
+  kCooperative256x160Cluster1x2 = 6,
+  kCooperative256x160Cluster2x1 = 7,  // tuning builds only
 };
 
 // out[M, N] = A[M, K] @ B[K, N] (+ bias[N]), A read from the gathered buffer while it is being filled.

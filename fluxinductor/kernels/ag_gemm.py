@@ -50,9 +50,13 @@ _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
 GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
-# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2; tuning builds add
-# 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2 and 5 ping-pong 128x192 cluster 2x1.
-VARIANT = int(os.environ.get("FLUXINDUCTOR_AG_VARIANT", "0"))
+# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2, 6 cooperative 256x160 cluster 1x2;
+# tuning builds add 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2, 5 ping-pong 128x192
+# cluster 2x1 and 7 cooperative 256x160 cluster 2x1.  Unset (None): per shape, 0 or 6 (kernel_variant).
+_VARIANT_ENV = os.environ.get("FLUXINDUCTOR_AG_VARIANT", "").strip()
+VARIANT: Optional[int] = int(_VARIANT_ENV) if _VARIANT_ENV else None
+# The automatic choice takes variant 6 where the wave model below says it ends at least this much sooner than 0.
+WIDE_MIN_GAIN = 0.01
 # Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
 # shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
 # loop (csrc/NOTES_ag_gemm.md, sessions 6 and 7): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
@@ -67,8 +71,8 @@ _MIN_K_BLOCK_BYTES = 1 << 20
 # (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
 TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
 # Rows of A one cluster row covers, per variant (tile M x cluster M), and the tile's M.
-_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128, 5: 256}
-_TILE_M = {0: 128, 1: 256, 2: 128, 3: 256, 4: 128, 5: 128}
+_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128, 5: 256, 6: 256, 7: 512}
+_TILE_M = {0: 128, 1: 256, 2: 128, 3: 256, 4: 128, 5: 128, 6: 256, 7: 256}
 # Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
 # shard's rows are a multiple of the tile's M); 0 = the pull for every call.
 PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
@@ -91,6 +95,69 @@ def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = Non
     if shard_rows % _CLUSTER_ROW_HEIGHT.get(variant, 256):
         return max(1, min(limit, per_shard))
     return max(g for g in range(1, min(limit, per_shard) + 1) if per_shard % g == 0)
+
+
+# The wave model of the automatic variant choice: (tile M, tile N, CTAs per cluster, splits its tail).
+_WAVE_MODEL = {0: (128, 256, 2, True), 6: (256, 160, 2, False)}
+
+
+def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_parts: int = 1,
+                  tail_waves: int = 1) -> float:
+    """A persistent GEMM's time in units of one output element's K loop: waves of tiles x the tile's area.  A wave is
+    one tile per cluster of the grid; a partial last wave counts whole, or, where the variant splits its tail (into
+    at most ``tail_parts`` parts over ``tail_waves`` waves, after a full wave), as the split's parts
+    (ag_gemm_scheduler.cuh tail_split_parts)."""
+    tile_m, tile_n, cluster, splits = _WAVE_MODEL[variant]
+    tiles = -(-m // tile_m) * -(-n // tile_n)
+    clusters = max(1, sm_count // cluster)
+    full, tail = divmod(-(-tiles // cluster), clusters)
+    waves = float(full)
+    if tail and full and splits and tail_parts > 1:
+        k_tiles = -(-k // _K_TILE)
+        parts = symm.extension().ag_tail_split_parts(tail, clusters, min(tail_parts, k_tiles), tail_waves)
+        waves += -(-(parts * tail) // clusters) / parts
+    elif tail:
+        waves += 1
+    return waves * tile_m * tile_n
+
+
+def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
+    """Whether launches with this weight have variants (csrc/ag_gemm.cu: bf16 with a K-contiguous weight)."""
+    layout = _weight_layout(weight)
+    return dtype == torch.bfloat16 and layout is not None and layout[0]
+
+
+def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
+    """FLUXINDUCTOR_AG_VARIANT where launches with this weight have variants, else 0."""
+    return VARIANT if VARIANT is not None and _has_variants(dtype, weight) else 0
+
+
+def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optional[int] = None,
+                   sm_count: Optional[int] = None) -> int:
+    """The variant a launch of ``[m, K] @ weight`` runs.  FLUXINDUCTOR_AG_VARIANT (``VARIANT``) when set; else 0,
+    or 6 (256x160 tiles) where :func:`modelled_time` says it ends WIDE_MIN_GAIN sooner: a 4096 x 14336 output is
+    14 waves of 128x256 tiles on 132 SMs (the last 58% full, too full to split) and 10.9 of the 1.25x larger
+    256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (csrc/NOTES_ag_gemm.md,
+    session 13).  Only for bf16 with a K-contiguous weight (the other kernels have one variant), and, in a call
+    (``shard_rows`` given), for shards of whole 256-row tiles, so that the push and the tile order's groups keep
+    whole tiles, and for more than one wave (one-wave problems take the K-chunked waits, measured with 0 only)."""
+    if VARIANT is not None or not _has_variants(dtype, weight):
+        return _forced_variant(dtype, weight)
+    if shard_rows is not None and shard_rows % _TILE_M[6]:
+        return 0
+    k, n = weight.shape
+    sm_count = symm.extension().ag_device_sm_count() if sm_count is None else sm_count
+    from fluxinductor.kernels import tail_split
+
+    return _automatic_variant(m, n, k, sm_count, TAIL_SPLIT, tail_split.waves())
+
+
+@functools.lru_cache(maxsize=4096)
+def _automatic_variant(m: int, n: int, k: int, sm_count: int, tail_parts: int, tail_waves: int) -> int:
+    if use_k_chunks(m, n, sm_count, 1 << 30) > 1:
+        return 0
+    wide = modelled_time(m, n, k, 6, sm_count)
+    return 6 if wide * (1 + WIDE_MIN_GAIN) <= modelled_time(m, n, k, 0, sm_count, tail_parts, tail_waves) else 0
 
 
 class AllGatherGemmError(RuntimeError):
@@ -221,11 +288,12 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     ``a_local`` ([shard_rows, K], with ``flags``; shard_rows a multiple of the tile's M): this rank's rows are read
     from it instead of from ``a``.  ``pdl``: launch as a programmatic dependent of the kernel before it on ``stream``
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
-    ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, VARIANT,
+    ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
-    variant = VARIANT if variant is None else variant
+    if variant is None:
+        variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows if flags is not None else None, sm_count or None)
     if group_rows is None:
         group_rows = group_cluster_rows(shard_rows, variant) if flags is not None else GROUP_CLUSTER_ROWS
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
@@ -388,17 +456,12 @@ def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int
         gathered[hi:].copy_(buffer[hi:])
 
 
-def _variant_for(dtype: torch.dtype, weight: Tensor) -> int:
-    """The kernel variant a launch with this weight runs (csrc/ag_gemm.cu: the variants are bf16, K-contiguous)."""
-    layout = _weight_layout(weight)
-    return VARIANT if dtype == torch.bfloat16 and layout is not None and layout[0] else 0
-
-
 def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
     """Whether a call pushes (see the module docstring): PUSH, and the shard's rows a multiple of every launch's
-    tile M (a tile never straddles this rank's rows and a peer's)."""
+    tile M (a tile never straddles this rank's rows and a peer's).  The automatic variant choice takes 256-row tiles
+    only for shards of whole 256-row tiles, so without FLUXINDUCTOR_AG_VARIANT the 128-row tile decides."""
     rows = shard2d.shape[0]
-    return PUSH and shard2d.is_contiguous() and all(rows % _TILE_M.get(_variant_for(shard2d.dtype, w), 256) == 0
+    return PUSH and shard2d.is_contiguous() and all(rows % _TILE_M.get(_forced_variant(shard2d.dtype, w), 256) == 0
                                                     for w in weights)
 
 

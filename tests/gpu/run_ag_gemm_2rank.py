@@ -236,7 +236,8 @@ def bench(ag_gemm, group, rank, path):
                 lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
         ag_gemm.CHUNKS_PER_RANK = 2
         # Tuning sweep: kernel variant x tile-order group height (communication off, then on).
-        for variant in (0, 1, 2):
+        automatic = ag_gemm.VARIANT
+        for variant in (0, 1, 2, 6):
             for group_rows in (4, 8, 16):
                 row[f"nocomm_v{variant}_g{group_rows}_ms"] = time_ms(
                     lambda: ag_gemm.launch_gemm(full, weight, None, torch.empty(m, weight.shape[1], dtype=full.dtype,
@@ -244,7 +245,7 @@ def bench(ag_gemm, group, rank, path):
             ag_gemm.VARIANT = variant
             row[f"fused_v{variant}_ms"] = time_ms(
                 lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
-        ag_gemm.VARIANT = 0
+        ag_gemm.VARIANT = automatic
         t_gemm, t_seq = row["gemm_cublas_ms"], row["nccl_seq_ms"]
         row["efficiency"] = 1 - (row["fused_ms"] - t_gemm) / (t_seq - t_gemm)
         row["nocomm_vs_cublas"] = row["gemm_fused_nocomm_ms"] / t_gemm

@@ -107,9 +107,12 @@ def _load_kernels(t):
     peer whose work the blocked host has not enqueued yet (the first test of a run then timed out)."""
     from fluxinductor.kernels import ag_gemm
 
+    shard_rows = t.shards[0].shape[0]
     for w, b in zip(t.weights, t.biases):
-        ag_gemm.launch_gemm(t.shards[0], w, b, torch.empty(t.shards[0].shape[0], w.shape[1], dtype=w.dtype,
-                                                            device=t.device), sm_count=t.sm_count)
+        # the variant the simulated ranks' launches will run (the automatic choice sees the whole M and the shard)
+        variant = ag_gemm.kernel_variant(w.dtype, w, t.m, shard_rows, t.sm_count)
+        ag_gemm.launch_gemm(t.shards[0], w, b, torch.empty(shard_rows, w.shape[1], dtype=w.dtype, device=t.device),
+                            sm_count=t.sm_count, variant=variant)
     torch.cuda.synchronize()
 
 
@@ -429,13 +432,13 @@ def test_tail_split_n_ranks_on_one_gpu(world, shard_rows, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2, 5])
+@pytest.mark.parametrize("variant", [1, 2, 5, 6, 7])
 def test_other_kernel_variants(variant):
     """The other variants of the bf16 kernel (K-contiguous weight) are exact too, with and without waits."""
     from fluxinductor.kernels import ag_gemm, gemm_rs
 
-    if variant >= 3 and not gemm_rs._extension().gemm_rs_tuning_build():
-        pytest.skip("AG+GEMM variants 3-5 need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
+    if variant in (3, 4, 5, 7) and not gemm_rs._extension().gemm_rs_tuning_build():
+        pytest.skip(f"AG+GEMM variant {variant} needs a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
 
     torch.manual_seed(variant)
     a = torch.randn(1000, 264, dtype=torch.bfloat16, device="cuda")
@@ -452,6 +455,41 @@ def test_other_kernel_variants(variant):
         ag_gemm.VARIANT = previous
     for r in range(4):
         assert relative_error(outputs[r][0], refs[0]) <= 1e-2, f"rank {r}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,shard_rows,chunks", [(2, 256, 2), (4, 512, 3), (2, 1024, 2)])
+def test_wide_variant_push_n_ranks_on_one_gpu(monkeypatch, world, shard_rows, chunks):
+    """Variant 6 (256x160 tiles, which the automatic choice takes for 4096 x 14336 outputs) under the push: this rank's
+    rows from the shard through the second TMA descriptor (256-row tiles), the peers' rows waited for per row chunk
+    (chunks of 128 or 171 rows: a tile waits for two or three), N = 520 and 136 not multiples of 160."""
+    from fluxinductor.kernels import ag_gemm
+
+    monkeypatch.setattr(ag_gemm, "VARIANT", 6)
+    torch.manual_seed(world + shard_rows)
+    outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, 776, [520, 136], with_bias=True,
+                                                         chunks=chunks, push=True)
+    _check_ranks(outputs, refs, gathered, full)
+
+
+@pytest.mark.gpu
+def test_automatic_variant_on_a_wide_shape():
+    """The automatic choice (no FLUXINDUCTOR_AG_VARIANT) on the per-rank problem of 4096x8192x28672 at TP=2 takes
+    variant 6 on a 132-SM device, and the launch is exact."""
+    from fluxinductor.kernels import ag_gemm, symm
+
+    if ag_gemm.VARIANT is not None:
+        pytest.skip("FLUXINDUCTOR_AG_VARIANT is set")
+    sm_count = symm.extension().ag_device_sm_count()
+    torch.manual_seed(6)
+    a = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(8192, 14336, True, torch.bfloat16, "cuda")
+    bias = torch.randn(14336, dtype=torch.bfloat16, device="cuda")
+    expected = 6 if sm_count == 132 else ag_gemm.kernel_variant(torch.bfloat16, w, 4096, sm_count=sm_count)
+    assert ag_gemm.kernel_variant(torch.bfloat16, w, 4096) == expected
+    out = torch.full((4096, 14336), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ag_gemm.launch_gemm(a, w, bias, out)
+    assert relative_error(out, a.float() @ w.float() + bias.float()) <= 1e-2
 
 
 @pytest.mark.gpu

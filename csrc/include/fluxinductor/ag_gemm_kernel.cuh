@@ -45,6 +45,16 @@ using Cooperative128x256Cluster1x2 = TileConfig<            // tuning builds onl
     cute::Shape<cute::_1, cute::_2, cute::_1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative,
     cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Cooperative256x160Cluster1x2 = TileConfig<            // wgmma 64x160 atoms: csrc/ag_gemm_bf16_wide.cu
+    cute::Shape<cute::_256, cute::_160, cute::_64>,        // 1.25x a 128x256 tile: fewer, larger waves
+    cute::Shape<cute::_1, cute::_2, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Cooperative256x160Cluster2x1 = TileConfig<            // tuning builds only
+    cute::Shape<cute::_256, cute::_160, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>;
 using Pingpong64x256Cluster2x1 = TileConfig<              // the split GEMM+RS transport's tuning configuration
     cute::Shape<cute::_64, cute::_256, cute::_64>,
     cute::Shape<cute::_2, cute::_1, cute::_1>,
