@@ -82,3 +82,13 @@ def test_forced_variant(monkeypatch):
     assert ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 14336), 4096, sm_count=SMS) == 1
     assert ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 4096), 4096, sm_count=SMS) == 1
     assert ag_gemm.kernel_variant(torch.float16, _weight(8192, 4096, dtype=torch.float16), 4096, sm_count=SMS) == 0
+
+
+@pytest.mark.parametrize("value", [9, -1])
+def test_unknown_forced_variant_raises(monkeypatch, value):
+    """A FLUXINDUCTOR_AG_VARIANT the kernel does not have (-1: not a number) is an error, not a silent variant 0."""
+    monkeypatch.setattr(ag_gemm, "VARIANT", value)
+    with pytest.raises(ValueError, match="FLUXINDUCTOR_AG_VARIANT must be one of"):
+        ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 4096), 4096, sm_count=SMS)
+    with pytest.raises(ValueError, match="FLUXINDUCTOR_AG_VARIANT must be one of"):
+        ag_gemm.use_push(torch.empty(256, 16, dtype=torch.bfloat16), [_weight(16, 64)])

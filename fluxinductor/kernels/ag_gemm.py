@@ -54,7 +54,7 @@ GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # tuning builds add 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2, 5 ping-pong 128x192
 # cluster 2x1 and 7 cooperative 256x160 cluster 2x1.  Unset (None): per shape, 0 or 6 (kernel_variant).
 _VARIANT_ENV = os.environ.get("FLUXINDUCTOR_AG_VARIANT", "").strip()
-VARIANT: Optional[int] = int(_VARIANT_ENV) if _VARIANT_ENV else None
+VARIANT: Optional[int] = (int(_VARIANT_ENV) if _VARIANT_ENV.isdigit() else -1) if _VARIANT_ENV else None
 # The automatic choice takes variant 6 where the wave model below says it ends at least this much sooner than 0.
 WIDE_MIN_GAIN = 0.01
 # Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
@@ -129,6 +129,9 @@ def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
 
 def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
     """FLUXINDUCTOR_AG_VARIANT where launches with this weight have variants, else 0."""
+    if VARIANT is not None and VARIANT not in _TILE_M:
+        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILE_M)} (csrc/ag_gemm.h Variant), "
+                         f"got {os.environ.get('FLUXINDUCTOR_AG_VARIANT')!r}")
     return VARIANT if VARIANT is not None and _has_variants(dtype, weight) else 0
 
 
