@@ -4,9 +4,14 @@
     python3 benchmarks/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
     python3 benchmarks/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
     python3 benchmarks/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
+    python3 benchmarks/sweep_kernels.py --op ag --variants 0 --stock 0,1,2 --out $OUT/sweep_ag_stock.json
 
 Needs an extension built with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING for the tuning variants (AG variants
 3, 4; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
+
+``--stock`` (tuning builds) adds stock CUTLASS GEMMs on the same problems (csrc/probe_stock_gemm.h: CUTLASS's own
+persistent and stream-K schedulers, no fluxinductor code in the kernel), which separates what our scheduler and
+mainloop wrapper cost from CUTLASS's own distance to cuBLAS.
 
 Shapes are the *global* (M, K, N) of benchmarks/bench_ops.py at TP = ``--world``; the per-rank problem is
 AG: [M, K] @ [K, N/w] (the gathered input), GEMM+RS: [M, K/w] @ [K/w, N].  The weight is the transposed
@@ -135,6 +140,24 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
     return call
 
 
+def stock_gemm(config: int, a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
+    """A stock CUTLASS GEMM (csrc/probe_stock_gemm.h) of out = a @ w_t, its workspace allocated once."""
+    from fluxinductor.kernels import symm
+
+    ext = symm.extension()
+    (m, k), n = a.shape, w_t.shape[1]
+    size = ext.probe_stock_gemm_workspace(config, m, n, k)
+    if size < 0:
+        raise RuntimeError("the stock CUTLASS GEMMs exist only in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)")
+    workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=a.device)
+
+    def call():
+        ext.probe_stock_gemm_run(config, a.data_ptr(), m, k, a.stride(0), w_t.data_ptr(), n, w_t.stride(1),
+                                 out.data_ptr(), out.stride(0), workspace.data_ptr(), 0,
+                                 torch.cuda.current_stream().cuda_stream)
+    return call
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=["ag", "rs", "rs-split"], required=True)
@@ -153,6 +176,9 @@ def main(argv=None) -> int:
                    help="--op rs-split: comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values besides 0 (tuning builds)")
     p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4,6)")
     p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
+    p.add_argument("--stock", default=None,
+                   help="--op ag: comma-separated stock CUTLASS GEMM configurations to time too (csrc/probe_stock_gemm.h:"
+                        " 0 persistent 128x256 c2x1, 1 stream-K 128x256 c2x1, 2 persistent 256x128 c1x2; tuning builds)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -195,6 +221,18 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - a variant this build lacks, or one that fails: record it
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             entry["configs"].append(row)
+        for config in ([int(c) for c in args.stock.split(",")] if args.stock and args.op == "ag" else []):
+            row = {"stock": config}
+            try:
+                fn = stock_gemm(config, a, w_t, out)
+                out.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                row["rel_err"] = rel(out, ref)
+                fns[str(len(entry["configs"]))] = fn  # keyed by its row, as the configurations are
+            except Exception as e:  # noqa: BLE001 - not a tuning build, or a failed launch: record it
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            entry["configs"].append(row)
         times = time_round_robin(fns, args.warmup, args.iters, args.rounds)
         med = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
         entry["cublas_ms"] = med["cublas"]
@@ -215,7 +253,7 @@ def main(argv=None) -> int:
         for row in entry["configs"]:
             cfg = {key: row[key] for key in row
                    if key in ("variant", "group_rows", "tail_split", "tail_waves", "config", "swizzle", "raster",
-                              "split", "split_config")}
+                              "split", "split_config", "stock")}
             if "ms" in row:
                 print(f"   {cfg} {row['ms']:.3f} ms  x{row['ratio']:.3f}  err {row['rel_err']:.1e}", flush=True)
             else:

@@ -11,6 +11,7 @@ namespace py = pybind11;
 #include <vector>
 
 #include "ag_gemm.h"
+#include "probe_stock_gemm.h"
 
 namespace ag_gemm_bindings {
 
@@ -178,6 +179,25 @@ void export_ag_gemm(py::module_& m) {
   m.def("ag_tail_split_parts", &agg::tail_split_parts_for,
         "the parts a split tail of `tail` tiles on `clusters` clusters takes (1: no split)", py::arg("tail"),
         py::arg("clusters"), py::arg("max_parts"), py::arg("max_waves"));
+  // Measurement only (csrc/probe_stock_gemm.h; tuning builds): stock CUTLASS GEMMs on the AG+GEMM kernel's tiles.
+  m.def("probe_stock_gemm_workspace", &fluxinductor::probe::stock_gemm_workspace,
+        "workspace bytes of a stock CUTLASS GEMM configuration (-1: not in this build)", py::arg("config"),
+        py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sm_count") = 0);
+  m.def(
+      "probe_stock_gemm_run",
+      [](int config, int64_t a, int m, int k, int64_t lda, int64_t b, int n, int64_t ldb, int64_t out, int64_t ldo,
+         int64_t workspace, int sm_count, int64_t stream) {
+        char error[384] = {0};
+        if (fluxinductor::probe::stock_gemm_run(config, reinterpret_cast<const void*>(a), m, k, lda,
+                                                reinterpret_cast<const void*>(b), n, ldb, reinterpret_cast<void*>(out),
+                                                ldo, reinterpret_cast<void*>(workspace), sm_count,
+                                                reinterpret_cast<void*>(stream), error, int(sizeof(error))) != 0) {
+          throw std::runtime_error(error);
+        }
+      },
+      "out[m, n] = a[m, k] @ b (bf16, b K-major) with a stock CUTLASS GEMM configuration (tuning builds)",
+      py::arg("config"), py::arg("a"), py::arg("m"), py::arg("k"), py::arg("lda"), py::arg("b"), py::arg("n"),
+      py::arg("ldb"), py::arg("out"), py::arg("ldo"), py::arg("workspace"), py::arg("sm_count"), py::arg("stream"));
 }
 
 #undef FLUXINDUCTOR_AG_GEMM_ARGS
