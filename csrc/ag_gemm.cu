@@ -101,6 +101,8 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
         return run_bf16_n_contiguous(p, stream);
       }
       switch (p.variant) {
+        case Variant::kCooperative128x256Cluster2x1:
+          return run_bf16_k_contiguous(p, stream);
         case Variant::kCooperative256x128Cluster1x2:
           return run_bf16_k_contiguous_coop256x128(p, stream);
         case Variant::kPingpong128x128Cluster1x2:
@@ -115,9 +117,8 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
           return run_bf16_k_contiguous_coop256x160_c1x2(p, stream);
         case Variant::kCooperative256x160Cluster2x1:
           return run_bf16_k_contiguous_coop256x160_c2x1(p, stream);
-        default:
-          return run_bf16_k_contiguous(p, stream);
       }
+      return make_error("unknown AG+GEMM kernel variant " + std::to_string(int(p.variant)) + " (csrc/ag_gemm.h)");
     case DType::kFloat16:
       return p.b_k_contiguous ? run_fp16_k_contiguous(p, stream) : run_fp16_n_contiguous(p, stream);
   }

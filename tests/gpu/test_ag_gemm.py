@@ -473,6 +473,19 @@ def test_wide_variant_push_n_ranks_on_one_gpu(monkeypatch, world, shard_rows, ch
 
 
 @pytest.mark.gpu
+def test_unknown_variant_is_an_error():
+    """A variant number the extension has no kernel for raises; it never silently runs another variant."""
+    from fluxinductor.kernels import ag_gemm
+
+    a = torch.randn(256, 64, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(64, 256, True, torch.bfloat16, "cuda")
+    out = torch.full((256, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="unknown AG\\+GEMM kernel variant 99"):
+        ag_gemm.launch_gemm(a, w, None, out, variant=99)
+    assert out.isnan().all()
+
+
+@pytest.mark.gpu
 def test_automatic_variant_on_a_wide_shape():
     """The automatic choice (no FLUXINDUCTOR_AG_VARIANT) on the per-rank problem of 4096x8192x28672 at TP=2 takes
     variant 6 on a 132-SM device, and the launch is exact."""
