@@ -41,6 +41,7 @@ from torch import Tensor
 
 from fluxinductor.kernels import symm
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
+from fluxinductor.kernels.tail_split import waves as tail_split_waves
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
@@ -70,9 +71,21 @@ _MIN_K_BLOCK_BYTES = 1 << 20
 # up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
 # (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
 TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
-# Rows of A one cluster row covers, per variant (tile M x cluster M), and the tile's M.
-_CLUSTER_ROW_HEIGHT = {0: 256, 1: 256, 2: 128, 3: 512, 4: 128, 5: 256, 6: 256, 7: 512}
-_TILE_M = {0: 128, 1: 256, 2: 128, 3: 256, 4: 128, 5: 128, 6: 256, 7: 256}
+# Each variant's tiling (csrc/include/fluxinductor/ag_gemm_kernel.cuh): tile M, tile N, cluster M, cluster N.
+_TILES = {0: (128, 256, 2, 1), 1: (256, 128, 1, 2), 2: (128, 128, 1, 2), 3: (256, 128, 2, 1), 4: (128, 256, 1, 2),
+          5: (128, 192, 2, 1), 6: (256, 160, 1, 2), 7: (256, 160, 2, 1)}
+# The variants whose partial last wave the kernel splits (ag_gemm_scheduler.cuh supports_tail_split: cooperative,
+# tiles of at most 128 x 256).
+_TAIL_SPLITTING = (0, 1, 3, 4)
+
+
+def _tile_m(variant: int) -> int:
+    return _TILES[variant][0]
+
+
+def _cluster_row_height(variant: int) -> int:
+    """Rows of A one cluster row covers: tile M x cluster M."""
+    return _TILES[variant][0] * _TILES[variant][2]
 # Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
 # shard's rows are a multiple of the tile's M); 0 = the pull for every call.
 PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
@@ -89,16 +102,12 @@ def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = Non
     a peer's shard would make the first wave wait for the pull.
     """
     limit = GROUP_CLUSTER_ROWS if limit is None else limit
-    per_shard = shard_rows // _CLUSTER_ROW_HEIGHT.get(variant, 256)
+    per_shard = shard_rows // _cluster_row_height(variant)
     if per_shard < 1:
         return 1
-    if shard_rows % _CLUSTER_ROW_HEIGHT.get(variant, 256):
+    if shard_rows % _cluster_row_height(variant):
         return max(1, min(limit, per_shard))
     return max(g for g in range(1, min(limit, per_shard) + 1) if per_shard % g == 0)
-
-
-# The wave model of the automatic variant choice: (tile M, tile N, CTAs per cluster, splits its tail).
-_WAVE_MODEL = {0: (128, 256, 2, True), 6: (256, 160, 2, False)}
 
 
 def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_parts: int = 1,
@@ -107,12 +116,13 @@ def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_part
     one tile per cluster of the grid; a partial last wave counts whole, or, where the variant splits its tail (into
     at most ``tail_parts`` parts over ``tail_waves`` waves, after a full wave), as the split's parts
     (ag_gemm_scheduler.cuh tail_split_parts)."""
-    tile_m, tile_n, cluster, splits = _WAVE_MODEL[variant]
+    tile_m, tile_n, cluster_m, cluster_n = _TILES[variant]
+    cluster = cluster_m * cluster_n
     tiles = -(-m // tile_m) * -(-n // tile_n)
     clusters = max(1, sm_count // cluster)
     full, tail = divmod(-(-tiles // cluster), clusters)
     waves = float(full)
-    if tail and full and splits and tail_parts > 1:
+    if tail and full and variant in _TAIL_SPLITTING and tail_parts > 1:
         k_tiles = -(-k // _K_TILE)
         parts = symm.extension().ag_tail_split_parts(tail, clusters, min(tail_parts, k_tiles), tail_waves)
         waves += -(-(parts * tail) // clusters) / parts
@@ -129,8 +139,8 @@ def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
 
 def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
     """FLUXINDUCTOR_AG_VARIANT where launches with this weight have variants, else 0."""
-    if VARIANT is not None and VARIANT not in _TILE_M:
-        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILE_M)} (csrc/ag_gemm.h Variant), "
+    if VARIANT is not None and VARIANT not in _TILES:
+        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILES)} (csrc/ag_gemm.h Variant), "
                          f"got {os.environ.get('FLUXINDUCTOR_AG_VARIANT')!r}")
     return VARIANT if VARIANT is not None and _has_variants(dtype, weight) else 0
 
@@ -143,22 +153,19 @@ def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optio
     256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (csrc/NOTES_ag_gemm.md,
     session 13).  Only for bf16 with a K-contiguous weight (the other kernels have one variant), and, in a call
     (``shard_rows`` given), for shards of whole 256-row tiles, so that the push and the tile order's groups keep
-    whole tiles, and for more than one wave (one-wave problems take the K-chunked waits, measured with 0 only)."""
+    whole tiles.  Never for a problem of one wave of 128x256 tiles (those take the K-chunked waits, measured with 0
+    only): there the model's one wave of 256x160 tiles is the longer one."""
     if VARIANT is not None or not _has_variants(dtype, weight):
         return _forced_variant(dtype, weight)
-    if shard_rows is not None and shard_rows % _TILE_M[6]:
+    if shard_rows is not None and shard_rows % _tile_m(6):
         return 0
     k, n = weight.shape
     sm_count = symm.extension().ag_device_sm_count() if sm_count is None else sm_count
-    from fluxinductor.kernels import tail_split
-
-    return _automatic_variant(m, n, k, sm_count, TAIL_SPLIT, tail_split.waves())
+    return _automatic_variant(m, n, k, sm_count, TAIL_SPLIT, tail_split_waves())
 
 
 @functools.lru_cache(maxsize=4096)
 def _automatic_variant(m: int, n: int, k: int, sm_count: int, tail_parts: int, tail_waves: int) -> int:
-    if use_k_chunks(m, n, sm_count, 1 << 30) > 1:
-        return 0
     wide = modelled_time(m, n, k, 6, sm_count)
     return 6 if wide * (1 + WIDE_MIN_GAIN) <= modelled_time(m, n, k, 0, sm_count, tail_parts, tail_waves) else 0
 
@@ -464,7 +471,7 @@ def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
     tile M (a tile never straddles this rank's rows and a peer's).  The automatic variant choice takes 256-row tiles
     only for shards of whole 256-row tiles, so without FLUXINDUCTOR_AG_VARIANT the 128-row tile decides."""
     rows = shard2d.shape[0]
-    return PUSH and shard2d.is_contiguous() and all(rows % _TILE_M.get(_forced_variant(shard2d.dtype, w), 256) == 0
+    return PUSH and shard2d.is_contiguous() and all(rows % _tile_m(_forced_variant(shard2d.dtype, w)) == 0
                                                     for w in weights)
 
 
