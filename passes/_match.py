@@ -109,6 +109,25 @@ def reshape_arg(shape: Sequence[Size]) -> Optional[List[int]]:
     return [-1 if i in symbolic else s for i, s in enumerate(shape)]
 
 
+def rows_first(shape: Sequence[Size], dim: int) -> Optional[Tuple[List[int], List[int], List[int]]]:
+    """How to lay ``dim`` of an N-D tensor ``shape`` out first, so that its slices are whole row blocks of the
+    [rows, last] matrix the fused ops run on: ``(perm, inverse, lead)``, where ``permute(x, perm)`` has ``dim``
+    first and the other dims in their order, ``permute(y, inverse)`` undoes it and ``lead`` is the permuted shape
+    without its last dim (as reshape arguments, a symbolic size as -1).
+
+    None where no permutation is needed (every dim before ``dim`` has size 1: the order of the elements is
+    already ``dim``-major) or where ``lead`` has more than one symbolic size.  With [B, S, H] sharded on S and
+    B > 1, the permutes placed in the graph around the op let inductor write the operand in that order in the
+    kernel that produces it, and read the result in it in the kernel that consumes it, instead of the op
+    copying both (an N-sized copy of the output: several percent of the GEMM)."""
+    if dim == 0 or all(known_equal(s, 1) for s in shape[:dim]):
+        return None
+    perm = [dim] + [i for i in range(len(shape)) if i != dim]
+    inverse = [perm.index(i) for i in range(len(shape))]
+    lead = reshape_arg([shape[i] for i in perm[:-1]])
+    return None if lead is None else (perm, inverse, lead)
+
+
 def view_size_args(node: Node, erased: Iterable[Node]) -> Optional[List[object]]:
     """The size list of the reshape ``node`` (ints and nodes computing symbolic sizes), for a new reshape to the
     same shape where :func:`reshape_arg` cannot express it (two symbolic sizes); None if ``node`` is not a reshape
@@ -305,6 +324,24 @@ def set_val(node: Node, fake_mode, fn: Callable[[], object]) -> None:
     """Set ``node.meta['val']`` to ``fn()`` evaluated under the graph's fake mode."""
     with fake_mode:
         node.meta["val"] = fn()
+
+
+def call_view(graph: Graph, fake_mode, target, x: Node, arg: list) -> Node:
+    """A new ``target(x, arg)`` node (a permute or a reshape, inserted at the graph's insertion point) with its
+    fake value."""
+    node = graph.call_function(target, (x, arg))
+    set_val(node, fake_mode, lambda: target(val(x), arg))
+    return node
+
+
+def call_contiguous(graph: Graph, fake_mode, x: Node) -> Node:
+    """A new ``clone(x, memory_format=contiguous)`` node: the graph's other nodes were traced with a contiguous
+    tensor there (an ``aten.view`` of it would fail on a permuted one).  Inductor lowers the clone to a
+    pointwise read that it fuses into the kernels consuming it; it copies only where a consumer needs memory
+    (an extern kernel, a graph output)."""
+    node = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+    set_val(node, fake_mode, lambda: val(x).clone(memory_format=torch.contiguous_format))
+    return node
 
 
 def copy_debug_meta(new: Node, old: Node) -> None:

@@ -13,13 +13,17 @@ Before (gather_dim = 1, as funcol/DTensor write it for activations [B, S, H] sha
     q     = addmm(b_q, A2, W_q)    ; k = mm(A2, W_k)                        # [B*S, N_i]
     use(A2)                                                                # e.g. saved for backward
 
-After::
+After (the op runs on the shard rows-first, [S/w * B, H], and gathers on dim 0; the permutes are left to inductor,
+which folds them into the kernels that produce the shard and read the results)::
 
-    f     = fluxinductor.all_gather_matmul(shard, [W_q, W_k], [b_q, None], 1, group, True)
-    outs  = getitem(f, 0)
-    q     = reshape(getitem(outs, 0), [B*S, N_q]) ; k = reshape(getitem(outs, 1), [B*S, N_k])
-    A     = getitem(f, 1)                                                  # [B, S, H]
+    s2    = reshape(clone(permute(shard, [1, 0, 2]), contiguous), [-1, H])  # [S/w * B, H]
+    f     = fluxinductor.all_gather_matmul(s2, [W_q, W_k], [b_q, None], 0, group, True)
+    outs  = getitem(f, 0)                                                  # [S * B, N_i]
+    q     = reshape(permute(reshape(getitem(outs, 0), [S, B, N_q]), [1, 0, 2]), [B*S, N_q]) ; k = ...
+    A     = clone(permute(reshape(getitem(f, 1), [S, B, H]), [1, 0, 2]), contiguous)   # [B, S, H]
     A2    = reshape(A, [B*S, H]) ; use(A2)
+
+With B = 1 (or gather_dim 0) no permute is needed and the op gets the shard as it is, with the graph's gather_dim.
 
 ``return_gathered`` is True only when something other than the fused matmuls still reads the gathered
 tensor; otherwise the second result is an empty tensor and is not used.  The gather forms recognized:
@@ -237,15 +241,26 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
     weights = [mm.weight for mm in matmuls]
     biases = [mm.bias for mm in matmuls]
 
+    # gather_dim > 0 with a leading dim > 1 ([B, S/w, H] with B > 1): the op gathers the rows-first shard on dim 0
+    # and the permutes around it are left to inductor (see m.rows_first).
+    plan = m.rows_first(match.shape, match.gather_dim)
+    k = match.shape[-1]
     # Evaluate the op's fake impl first: a failure leaves the graph untouched.
     try:
         with fake_mode:
             shard_val = m.val(match.shard)
             if match.cast_dtype is not None:
                 shard_val = m.CONVERT(shard_val, match.cast_dtype)
+            if plan is not None:
+                shard_val = shard_val.permute(plan[0]).reshape(-1, k)
             result = op(shard_val, [m.val(w) for w in weights],
                         [None if b is None else m.val(b) for b in biases],
-                        match.gather_dim, match.group_name, return_gathered)
+                        0 if plan is not None else match.gather_dim, match.group_name, return_gathered)
+            if plan is not None:
+                # The results as the graph reads them: [..., world * S, ..., N_i] (views of the rows-first results).
+                result_2d = result
+                result = ([o.reshape(plan[2] + [mm.n]).permute(plan[1]) for o, mm in zip(result_2d[0], matmuls)],
+                          result_2d[1].reshape(plan[2] + [k]).permute(plan[1]) if return_gathered else result_2d[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     for mm, out in zip(matmuls, result[0]):
@@ -274,16 +289,24 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
         shard = match.shard
         if match.cast_dtype is not None:
             shard = graph.call_function(m.CONVERT, (match.shard, match.cast_dtype))
-            shard.meta["val"] = shard_val
-        args = (shard, weights, biases, match.gather_dim, match.group_name, return_gathered)
+            m.set_val(shard, fake_mode, lambda: m.CONVERT(m.val(match.shard), match.cast_dtype))
+        if plan is not None:
+            shard = m.call_view(graph, fake_mode, m.aten.permute.default, shard, plan[0])
+            shard = m.call_contiguous(graph, fake_mode, shard)
+            shard = m.call_view(graph, fake_mode, m.aten.reshape.default, shard, [-1, k])
+        args = (shard, weights, biases, 0 if plan is not None else match.gather_dim, match.group_name,
+                return_gathered)
         fused = graph.call_function(op, args)
-        fused.meta["val"] = result
+        fused.meta["val"] = result if plan is None else result_2d
         m.copy_debug_meta(fused, matmuls[0].node)
         outs = graph.call_function(operator.getitem, (fused, 0))
-        outs.meta["val"] = result[0]
+        outs.meta["val"] = fused.meta["val"][0]
         for i, mm in enumerate(matmuls):
             out = graph.call_function(operator.getitem, (outs, i))
-            out.meta["val"] = result[0][i]
+            out.meta["val"] = outs.meta["val"][i]
+            if plan is not None:
+                out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, plan[2] + [mm.n])
+                out = m.call_view(graph, fake_mode, m.aten.permute.default, out, plan[1])
             if not m.same_shape(result[0][i].shape, m.val(mm.node).shape):
                 # [..., N] -> the [M, N] the mm produced (row-major, same elements).
                 reshaped = graph.call_function(m.aten.reshape.default, (out, [-1, mm.n]))
@@ -292,7 +315,11 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
             mm.node.replace_all_uses_with(out)
         if return_gathered:
             gathered = graph.call_function(operator.getitem, (fused, 1))
-            gathered.meta["val"] = result[1]
+            gathered.meta["val"] = fused.meta["val"][1]
+            if plan is not None:
+                gathered = m.call_view(graph, fake_mode, m.aten.reshape.default, gathered, plan[2] + [k])
+                gathered = m.call_view(graph, fake_mode, m.aten.permute.default, gathered, plan[1])
+                gathered = m.call_contiguous(graph, fake_mode, gathered)
             if not m.same_shape(result[1].shape, old_shape):
                 # A cast found after a reshape of the gathered tensor: reshape the op's result the same way.
                 reshaped = graph.call_function(m.aten.reshape.default, (gathered, gathered_arg))

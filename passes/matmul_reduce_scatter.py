@@ -12,10 +12,15 @@ Before (scatter_dim = 1, as funcol/DTensor write it for activations [B, S, N] sc
     rs    = _c10d_functional.reduce_scatter_tensor(z, "sum", world, group)
     out   = _c10d_functional.wait_tensor(rs)       # [B, S/w, N]; any number of users
 
-After::
+After (the op runs on the operand rows-first, [S * B, K], and scatters dim 0; inductor folds the permutes into the
+kernels that produce ``a`` and read ``out``)::
 
     a3    = reshape(a2, [B, S, K])                 # or a itself when a2 = reshape(a, [B, S, K])
-    out   = fluxinductor.matmul_reduce_scatter(a3, W, b, "sum", 1, group)
+    a_r   = reshape(clone(permute(a3, [1, 0, 2]), contiguous), [-1, K])
+    out   = clone(permute(reshape(fluxinductor.matmul_reduce_scatter(a_r, W, b, "sum", 0, group), [S/w, B, N]),
+                          [1, 0, 2]), contiguous)  # [B, S/w, N]
+
+With B = 1 no permute is needed: the op gets ``a3`` and scatter_dim 1.
 
 A sum of matmuls (the input gradient of separate Q/K/V or gate/up linears; inductor has already folded
 ``mm + mm`` into ``addmm(mm, a, w)``) is fused as one matmul over the concatenated K::
@@ -243,6 +248,11 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
         a_nd_arg = match.lead_args + [sum(ks)]
     if needs_reshape and a_nd_arg is None:
         raise Skip("symbolic shape", f"operand {a_nd_shape} would need a reshape with more than one symbolic size")
+    # scatter_dim > 0 with a leading dim > 1 ([B, S, N] scattered on S with B > 1): the op reduce-scatters the
+    # rows-first operand on dim 0 and the permutes around it are left to inductor (see m.rows_first).
+    out_shape = m.val(match.wait).shape
+    n = match.partial_shape[-1]
+    plan = m.rows_first(out_shape, match.scatter_dim)
     try:
         with fake_mode:
             if len(match.terms) == 1:
@@ -253,12 +263,16 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
                 w_val = torch.cat([m.val(t.weight) for t in match.terms], 0)
             if needs_reshape:
                 a_val = a_val.reshape(a_nd_shape)
-            result = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
-                        match.reduce_op, match.scatter_dim, match.group_name)
+            if plan is not None:
+                a_val = a_val.permute(plan[0]).reshape(-1, sum(ks))
+            result_2d = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
+                           match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name)
+            # The result as the graph reads it (a view of the rows-first result).
+            result = result_2d if plan is None else result_2d.reshape(plan[2] + [n]).permute(plan[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
-    if not m.same_shape(result.shape, m.val(match.wait).shape):
-        raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(m.val(match.wait).shape)}")
+    if not m.same_shape(result.shape, out_shape):
+        raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(out_shape)}")
 
     with graph.inserting_before(rs):
         if len(match.terms) == 1:
@@ -269,12 +283,23 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
             a_arg = _n_d(graph, fake_mode, a_cat, a_nd_shape, a_nd_arg)
             w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in match.terms], 0))
             m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in match.terms], 0))
-        fused = graph.call_function(op, (a_arg, w_arg, match.bias, match.reduce_op, match.scatter_dim,
-                                         match.group_name))
-        fused.meta["val"] = result
+        if plan is not None:
+            a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, plan[0])
+            a_arg = m.call_contiguous(graph, fake_mode, a_arg)
+            a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
+        fused = graph.call_function(op, (a_arg, w_arg, match.bias, match.reduce_op,
+                                         0 if plan is not None else match.scatter_dim, match.group_name))
+        fused.meta["val"] = result_2d
         m.copy_debug_meta(fused, match.first)
-    match.wait.replace_all_uses_with(fused)
-    m.erase_dead(graph, match.between)
+        out = fused
+        if plan is not None:
+            out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, plan[2] + [n])
+            out = m.call_view(graph, fake_mode, m.aten.permute.default, out, plan[1])
+            out = m.call_contiguous(graph, fake_mode, out)
+    match.wait.replace_all_uses_with(out)
+    # The matmuls' [M, K] operand views go too when the op reads their N-D source instead: a dead view would
+    # count as a second reader and make inductor store the producer's result where it could be fused.
+    m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
     record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}")
 

@@ -167,6 +167,22 @@ def fused(pattern) -> int:
     return rewrite_stats()["fused"].get(pattern, 0)
 
 
+def rows_first_source(operand, perm, k):
+    """``operand`` is ``reshape(permute(x, perm), [-1, k])`` (the rows-first operand the passes give the op for a
+    gather/scatter dim behind a dim > 1): returns x."""
+    assert operand.target == aten.reshape.default and operand.args[1] == [-1, k], operand.format_node()
+    permute = operand.args[0]
+    assert permute.target == aten.permute.default and permute.args[1] == perm, permute.format_node()
+    return permute.args[0]
+
+
+def back_through_views(node):
+    """The node ``node`` reads through reshapes, permutes and contiguous clones."""
+    while node.target in (aten.reshape.default, aten.view.default, aten.permute.default, aten.clone.default):
+        node = node.args[0]
+    return node
+
+
 def assert_all_vals(gm):
     """Every call_function node (new ones included) carries meta['val'] of its real shape."""
     for n in gm.graph.nodes:
@@ -218,12 +234,16 @@ def test_all_gather_sequence_dim1_forward(batch):
     (node,) = nodes(gm, AG_MM)
     outs, gathered = node.meta["val"]
     gather_dim, return_gathered = node.args[3], node.args[5]
-    # The view form reads the same memory as a dim-0 gather, and is passed as one.
-    assert gather_dim == (1 if batch > 1 else 0)
+    # The view form reads the same memory as a dim-0 gather, and is passed as one; with B > 1 the op gets the
+    # shard rows-first ([S/w * B, H]) and gathers on dim 0.
+    assert gather_dim == 0
     assert return_gathered is True
-    expected_gathered = (batch, 8, 16) if batch > 1 else (2, 4, 16)
-    assert tuple(gathered.shape) == expected_gathered
-    assert tuple(outs[0].shape) == expected_gathered[:-1] + (32,)
+    if batch > 1:
+        assert rows_first_source(node.args[0], [1, 0, 2], 16).op == "placeholder"
+        assert tuple(gathered.shape) == (8 * batch, 16) and tuple(outs[0].shape) == (8 * batch, 32)
+    else:
+        assert node.args[0].op == "placeholder"
+        assert tuple(gathered.shape) == (2, 4, 16) and tuple(outs[0].shape) == (2, 4, 32)
     # The gathered output feeds the saved [B*S, H] view (an output of the graph).
     readers = [u for u in node.users if u.args[1] == 1]
     assert len(readers) == 1
@@ -231,8 +251,16 @@ def test_all_gather_sequence_dim1_forward(batch):
     saved = out_node.args[0][1]
     assert tuple(saved.meta["val"].shape) == (batch * 8, 16)
     (rs,) = nodes(gm, MM_RS)
-    assert tuple(rs.meta["val"].shape) == (batch, 4, 16)
-    assert rs.args[3:] == ("sum", 1, group())
+    if batch > 1:
+        # Rows-first: the op scatters [S * B, H] on dim 0; the graph reads [B, S/w, H] through permute + clone.
+        assert tuple(rs.meta["val"].shape) == (4 * batch, 16) and rs.args[3:] == ("sum", 0, group())
+        (view,) = rs.users
+        (permute,) = view.users
+        (clone,) = permute.users
+        assert clone.target == aten.clone.default and tuple(clone.meta["val"].shape) == (batch, 4, 16)
+        assert clone.meta["val"].is_contiguous()
+    else:
+        assert tuple(rs.meta["val"].shape) == (batch, 4, 16) and rs.args[3:] == ("sum", 1, group())
     assert_all_vals(gm)
 
 
@@ -264,7 +292,8 @@ def test_all_gather_qkv_one_op(gather_dim):
     (node,) = nodes(gm, AG_MM)
     assert len(node.args[1]) == 3 and all(b is not None for b in node.args[2])
     assert node.args[5] is False  # nothing else reads the gathered tensor
-    assert [tuple(o.shape) for o in node.meta["val"][0]] == [(2 * (1 + (gather_dim == 0)), 4 * (1 + gather_dim), 16)] * 3
+    assert [tuple(o.shape) for o in node.meta["val"][0]] == [(4, 4, 16) if gather_dim == 0 else (16, 16)] * 3
+    assert node.args[3] == 0
     assert_all_vals(gm)
 
 
@@ -281,8 +310,7 @@ def test_all_gather_backward_weight_grad_skipped():
     (node,) = nodes(gm, AG_MM)
     assert node.args[5] is True
     (grad_w,) = nodes(gm, aten.mm.default)
-    permute = grad_w.args[0]
-    src = permute.args[0].args[0]  # permute(reshape(getitem(op, 1)))
+    src = back_through_views(grad_w.args[0])  # permute(view(clone(permute(reshape(getitem(op, 1))))))
     assert src.target is operator.getitem and src.args == (node, 1)
     assert count(gm, c10d.all_gather_into_tensor.default) == 0
 
@@ -378,10 +406,16 @@ def test_reduce_scatter_sequence_dim1_addmm(batch):
     assert count(gm, aten.addmm.default) == 0 and count(gm, aten.cat.default) == 0
     (node,) = nodes(gm, MM_RS)
     a, weight, bias, reduce_op, scatter_dim, group_name = node.args
-    assert (reduce_op, scatter_dim) == ("sum", 1)
-    assert tuple(a.meta["val"].shape) == (batch, 8, 32)  # the N-D operand, not its [B*S, K] view
     assert bias is not None and bias.target == aten.div.Tensor
-    assert tuple(node.meta["val"].shape) == (batch, 4, 16)
+    if batch > 1:
+        # The op gets [S * B, K] rows-first (of the N-D operand) and scatters dim 0.
+        assert (reduce_op, scatter_dim) == ("sum", 0)
+        assert rows_first_source(a, [1, 0, 2], 32).op == "placeholder"
+        assert tuple(node.meta["val"].shape) == (4 * batch, 16)
+    else:
+        assert (reduce_op, scatter_dim) == ("sum", 1)
+        assert tuple(a.meta["val"].shape) == (batch, 8, 32)  # the N-D operand, not its [B*S, K] view
+        assert tuple(node.meta["val"].shape) == (batch, 4, 16)
 
 
 def test_reduce_scatter_backward_input_grad():
@@ -467,9 +501,12 @@ def test_reduce_scatter_of_sum_of_matmuls(scatter_dim):
     assert count(gm, aten.add.Tensor) == 0 and count(gm, c10d.reduce_scatter_tensor.default) == 0
     (node,) = nodes(gm, MM_RS)
     a, weight = node.args[0], node.args[1]
+    if scatter_dim == 1:
+        a = rows_first_source(a, [1, 0, 2], 20)
     assert tuple(a.meta["val"].shape) == (2, 8, 20) and tuple(weight.meta["val"].shape) == (20, 16)
     assert weight.target == aten.cat.default and len(weight.args[0]) == 3
-    assert tuple(node.meta["val"].shape) == ((1, 8, 16) if scatter_dim == 0 else (2, 4, 16))
+    assert node.args[4] == 0
+    assert tuple(node.meta["val"].shape) == ((1, 8, 16) if scatter_dim == 0 else (8, 16))
     assert_all_vals(gm)
 
 
@@ -559,7 +596,7 @@ def test_funcol_api_forms(dim):
     assert count(gm, c10d.reduce_scatter_tensor.default) == 0
     assert count(gm, aten.mm.default) == 0
     (rs,) = nodes(gm, MM_RS)
-    assert rs.args[4] == dim and tuple(rs.meta["val"].shape) == (2, 4, 16)
+    assert rs.args[4] == 0 and tuple(rs.meta["val"].shape) == ((2, 4, 16) if dim == 0 else (8, 16))
     assert_all_vals(gm)
 
 
@@ -640,7 +677,7 @@ def test_narrow_chunk_forms():
     gm = trace(fn, torch.randn(2, 4, 16), torch.randn(16, 8), torch.randn(2, 8, 8), torch.randn(8, 16))
     run_passes(gm)
     assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
-    assert nodes(gm, AG_MM)[0].args[3] == 1 and nodes(gm, MM_RS)[0].args[4] == 1
+    assert nodes(gm, AG_MM)[0].args[3] == 0 and nodes(gm, MM_RS)[0].args[4] == 0  # rows-first (B = 2)
     assert count(gm, aten.slice.Tensor) == 0 and count(gm, aten.cat.default) == 0
 
 
@@ -809,15 +846,20 @@ def test_all_gather_through_dtype_cast(reshape_first):
     assert fused("all_gather_matmul") == 1
     assert count(gm, c10d.all_gather_into_tensor.default) == 0 and count(gm, aten.mm.default) == 0
     (node,) = nodes(gm, AG_MM)
-    shard = node.args[0]
+    shard = rows_first_source(node.args[0], [1, 0, 2], 16)
     assert shard.target == torch.ops.prims.convert_element_type.default and shard.args[1] == torch.bfloat16
     assert node.args[5] is True
     outs, gathered = node.meta["val"]
-    assert outs[0].dtype == torch.bfloat16 and gathered.dtype == torch.bfloat16 and tuple(gathered.shape) == (2, 8, 16)
+    assert outs[0].dtype == torch.bfloat16 and gathered.dtype == torch.bfloat16 and tuple(gathered.shape) == (16, 16)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     assert tuple(out_node.args[0][1].meta["val"].shape) == (16, 16)
-    if reshape_first:  # the op's [2, 8, 16] result is reshaped to the [1, 16, 16] the cast produced
-        (reader,) = [u for u in node.users if u.args[1] == 1][0].users
+    (item,) = [u for u in node.users if u.args[1] == 1]
+    (view,) = item.users
+    (permute,) = view.users
+    (clone,) = permute.users
+    assert clone.target == aten.clone.default and tuple(clone.meta["val"].shape) == (2, 8, 16)
+    if reshape_first:  # the [2, 8, 16] gathered tensor is reshaped to the [1, 16, 16] the cast produced
+        (reader,) = clone.users
         assert reader.target == aten.reshape.default and tuple(reader.meta["val"].shape) == (1, 16, 16)
     assert_all_vals(gm)
 
@@ -990,7 +1032,8 @@ def test_all_gather_unfused_bias_gpu_form():
     run_passes(gm)
     assert fused("all_gather_matmul") == 1 and count(gm, aten.mm.default) == 0
     (add,) = nodes(gm, aten.add.Tensor)
-    assert add.args[1].target == aten.reshape.default and add.args[1].args[0].target is operator.getitem
+    assert add.args[1].target == aten.reshape.default and tuple(add.args[1].meta["val"].shape) == (16, 24)
+    assert back_through_views(add.args[1]).target is operator.getitem
 
 
 def test_not_worth_fusing_veto_leaves_graph_and_sees_global_shapes():
