@@ -168,10 +168,12 @@ def fused(pattern) -> int:
 
 
 def rows_first_source(operand, perm, k):
-    """``operand`` is ``reshape(permute(x, perm), [-1, k])`` (the rows-first operand the passes give the op for a
-    gather/scatter dim behind a dim > 1): returns x."""
+    """``operand`` is ``reshape(clone(permute(x, perm), contiguous), [-1, k])`` (the rows-first operand the passes
+    give the op for a gather/scatter dim behind a dim > 1): returns x."""
     assert operand.target == aten.reshape.default and operand.args[1] == [-1, k], operand.format_node()
-    permute = operand.args[0]
+    clone = operand.args[0]
+    assert clone.target == aten.clone.default and clone.kwargs == {"memory_format": torch.contiguous_format}
+    permute = clone.args[0]
     assert permute.target == aten.permute.default and permute.args[1] == perm, permute.format_node()
     return permute.args[0]
 
