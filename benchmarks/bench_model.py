@@ -267,7 +267,7 @@ def input_shape(name: str, cfg: dict, world: int, shard_dim: int) -> Tuple[int, 
     """This rank's input shard shape."""
     if name == "mlp":
         t = cfg["tokens"] // world
-        return (t, cfg["hidden"]) if shard_dim == 0 else (1, t, cfg["hidden"])
+        return (t, cfg["hidden"]) if shard_dim == 0 else (cfg.get("batch", 1), t, cfg["hidden"])
     return (cfg["batch"], cfg["seq"] // world, cfg["hidden"])
 
 
@@ -818,6 +818,9 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", choices=tuple(CONFIGS), default=None, help="default full on cuda, small on cpu")
     p.add_argument("--seq", type=int, default=None, help="override llama2 S and mlp tokens")
     p.add_argument("--layers", type=int, default=None, help="override the llama2 decoder layer count (2)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="llama2 batch B (default 1), and the mlp's with --mlp-shard-dim 1 (x [B, T/w, H]): B > 1 "
+                        "puts the sequence dim behind the batch dim, which the passes rewrite rows-first")
     p.add_argument("--mlp-shard-dim", type=int, choices=(0, 1), default=0,
                    help="mlp input layout: 0 = x [T/w, H] Shard(0) (the anchor), 1 = x [1, T/w, H] Shard(1)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 5; --quick 1)")
@@ -860,6 +863,10 @@ def main(argv=None) -> int:
         configs["llama2"]["seq"] = args.seq
     if args.layers:
         configs["llama2"]["layers"] = args.layers
+    if args.batch:
+        configs["llama2"]["batch"] = args.batch
+        if args.mlp_shard_dim == 1:
+            configs["mlp"]["batch"] = args.batch
     models = [m for m in MODELS if m in args.models.split(",")]
     phases = [p for p in PHASES if p in args.phases.split(",")]
     modes = [m for m in RUN_ORDER if m in args.modes.split(",")]

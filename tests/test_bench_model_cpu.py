@@ -122,10 +122,11 @@ def test_bench_model_cpu_mlp_all_modes(tmp_path):
 
 
 def test_bench_model_cpu_llama_layer(tmp_path):
+    # B = 2: [B, S/w, H] sequence shards behind a batch dim, which the passes rewrite rows-first (attention and MLP).
     data, stdout = _run(tmp_path, "llama", ["--models", "llama2", "--layers", "1", "--phases", "fwd_bwd",
-                                            "--modes", "eager,flux"])
+                                            "--modes", "eager,flux", "--batch", "2"])
     _check_common(data, stdout, n_rows=2)
-    assert data["settings"]["models"]["llama2"]["layers"] == 1
+    assert data["settings"]["models"]["llama2"]["layers"] == 1 and data["settings"]["models"]["llama2"]["batch"] == 2
     eager, flux = data["results"]
     assert (eager["mode"], flux["mode"]) == ("eager", "flux")
     _check_measured(eager)

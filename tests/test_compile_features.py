@@ -13,7 +13,6 @@ the passes must leave alone, and fusion restricted to the tensor-parallel group 
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 import traceback
 from typing import Dict, Optional
