@@ -111,21 +111,32 @@ def reshape_arg(shape: Sequence[Size]) -> Optional[List[int]]:
 
 def rows_first(shape: Sequence[Size], dim: int) -> Optional[Tuple[List[int], List[int], List[int]]]:
     """How to lay ``dim`` of an N-D tensor ``shape`` out first, so that its slices are whole row blocks of the
-    [rows, last] matrix the fused ops run on: ``(perm, inverse, lead)``, where ``permute(x, perm)`` has ``dim``
-    first and the other dims in their order, ``permute(y, inverse)`` undoes it and ``lead`` is the permuted shape
-    without its last dim (as reshape arguments, a symbolic size as -1).
+    [rows, last] matrix the fused ops run on: ``(perm, inverse, rest)``, where ``permute(x, perm)`` has ``dim``
+    first and the other dims in their order, ``permute(y, inverse)`` undoes it, and ``rest`` lists the dims (of
+    ``shape``) that follow ``dim`` in the permuted tensor but for the last: a rows-first result reshapes back to
+    ``[-1] + [size of d for d in rest] + [its last dim]`` (see :func:`size_arg`).
 
-    None where no permutation is needed (every dim before ``dim`` has size 1: the order of the elements is
-    already ``dim``-major) or where ``lead`` has more than one symbolic size.  With [B, S, H] sharded on S and
-    B > 1, the permutes placed in the graph around the op let inductor write the operand in that order in the
-    kernel that produces it, and read the result in it in the kernel that consumes it, instead of the op
-    copying both (16-34% of the GEMM's time on MLP shapes, one H200: benchmarks/probe_layout.py)."""
+    None where no permutation is needed: every dim before ``dim`` has size 1, so the order of the elements is
+    already ``dim``-major.  With [B, S, H] sharded on S and B > 1, the permutes placed in the graph around the op
+    let inductor write the operand in that order in the kernel that produces it, and read the result in it in
+    the kernel that consumes it, instead of the op copying both (16-34% of the GEMM's time on MLP shapes, one
+    H200: benchmarks/probe_layout.py)."""
     if dim == 0 or all(known_equal(s, 1) for s in shape[:dim]):
         return None
     perm = [dim] + [i for i in range(len(shape)) if i != dim]
     inverse = [perm.index(i) for i in range(len(shape))]
-    lead = reshape_arg([shape[i] for i in perm[:-1]])
-    return None if lead is None else (perm, inverse, lead)
+    return perm, inverse, perm[1:-1]
+
+
+def size_arg(graph: Graph, node: Node, dim: int) -> Union[int, Node]:
+    """Size ``dim`` of ``node`` as a reshape argument: the int, or (symbolic) a new ``sym_size`` node at the
+    graph's insertion point."""
+    size = val(node).shape[dim]
+    if isinstance(size, int):
+        return size
+    sym = graph.call_function(aten.sym_size.int, (node, dim))
+    sym.meta["val"] = size
+    return sym
 
 
 def view_size_args(node: Node, erased: Iterable[Node]) -> Optional[List[object]]:
@@ -328,9 +339,9 @@ def set_val(node: Node, fake_mode, fn: Callable[[], object]) -> None:
 
 def call_view(graph: Graph, fake_mode, target, x: Node, arg: list) -> Node:
     """A new ``target(x, arg)`` node (a permute or a reshape, inserted at the graph's insertion point) with its
-    fake value."""
+    fake value; ``arg`` may hold size nodes (:func:`size_arg`)."""
     node = graph.call_function(target, (x, arg))
-    set_val(node, fake_mode, lambda: target(val(x), arg))
+    set_val(node, fake_mode, lambda: target(val(x), [a.meta["val"] if isinstance(a, Node) else a for a in arg]))
     return node
 
 

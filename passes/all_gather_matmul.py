@@ -252,6 +252,7 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
             if match.cast_dtype is not None:
                 shard_val = m.CONVERT(shard_val, match.cast_dtype)
             if plan is not None:
+                lead = [-1] + [shard_val.shape[d] for d in plan[2]]  # [world * S, rest...] of the results
                 shard_val = shard_val.permute(plan[0]).reshape(-1, k)
             result = op(shard_val, [m.val(w) for w in weights],
                         [None if b is None else m.val(b) for b in biases],
@@ -259,8 +260,8 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
             if plan is not None:
                 # The results as the graph reads them: [..., world * S, ..., N_i] (views of the rows-first results).
                 result_2d = result
-                result = ([o.reshape(plan[2] + [mm.n]).permute(plan[1]) for o, mm in zip(result_2d[0], matmuls)],
-                          result_2d[1].reshape(plan[2] + [k]).permute(plan[1]) if return_gathered else result_2d[1])
+                result = ([o.reshape(lead + [mm.n]).permute(plan[1]) for o, mm in zip(result_2d[0], matmuls)],
+                          result_2d[1].reshape(lead + [k]).permute(plan[1]) if return_gathered else result_2d[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     for mm, out in zip(matmuls, result[0]):
@@ -291,6 +292,7 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
             shard = graph.call_function(m.CONVERT, (match.shard, match.cast_dtype))
             m.set_val(shard, fake_mode, lambda: m.CONVERT(m.val(match.shard), match.cast_dtype))
         if plan is not None:
+            lead = [-1] + [m.size_arg(graph, match.shard, d) for d in plan[2]]
             shard = m.call_view(graph, fake_mode, m.aten.permute.default, shard, plan[0])
             shard = m.call_contiguous(graph, fake_mode, shard)
             shard = m.call_view(graph, fake_mode, m.aten.reshape.default, shard, [-1, k])
@@ -305,7 +307,7 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
             out = graph.call_function(operator.getitem, (outs, i))
             out.meta["val"] = outs.meta["val"][i]
             if plan is not None:
-                out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, plan[2] + [mm.n])
+                out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, lead + [mm.n])
                 out = m.call_view(graph, fake_mode, m.aten.permute.default, out, plan[1])
             if not m.same_shape(result[0][i].shape, m.val(mm.node).shape):
                 # [..., N] -> the [M, N] the mm produced (row-major, same elements).
@@ -317,7 +319,7 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
             gathered = graph.call_function(operator.getitem, (fused, 1))
             gathered.meta["val"] = fused.meta["val"][1]
             if plan is not None:
-                gathered = m.call_view(graph, fake_mode, m.aten.reshape.default, gathered, plan[2] + [k])
+                gathered = m.call_view(graph, fake_mode, m.aten.reshape.default, gathered, lead + [k])
                 gathered = m.call_view(graph, fake_mode, m.aten.permute.default, gathered, plan[1])
                 gathered = m.call_contiguous(graph, fake_mode, gathered)
             if not m.same_shape(result[1].shape, old_shape):

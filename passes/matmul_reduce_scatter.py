@@ -264,11 +264,12 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
             if needs_reshape:
                 a_val = a_val.reshape(a_nd_shape)
             if plan is not None:
+                lead = [-1] + [a_val.shape[d] for d in plan[2]]  # [S / world, rest...] of the result
                 a_val = a_val.permute(plan[0]).reshape(-1, sum(ks))
             result_2d = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
                            match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name)
             # The result as the graph reads it (a view of the rows-first result).
-            result = result_2d if plan is None else result_2d.reshape(plan[2] + [n]).permute(plan[1])
+            result = result_2d if plan is None else result_2d.reshape(lead + [n]).permute(plan[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     if not m.same_shape(result.shape, out_shape):
@@ -284,6 +285,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
             w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in match.terms], 0))
             m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in match.terms], 0))
         if plan is not None:
+            lead = [-1] + [m.size_arg(graph, a_arg, d) for d in plan[2]]
             a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, plan[0])
             a_arg = m.call_contiguous(graph, fake_mode, a_arg)
             a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
@@ -293,7 +295,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
         m.copy_debug_meta(fused, match.first)
         out = fused
         if plan is not None:
-            out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, plan[2] + [n])
+            out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, lead + [n])
             out = m.call_view(graph, fake_mode, m.aten.permute.default, out, plan[1])
             out = m.call_contiguous(graph, fake_mode, out)
     match.wait.replace_all_uses_with(out)

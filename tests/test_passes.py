@@ -936,12 +936,13 @@ def _sp_mlp_dynamic_args(gather_dim, rows):
     return (x, torch.randn(24, 16), torch.randn(24), torch.randn(16, 24), torch.randn(16))
 
 
-def _trace_dynamic(fn, args, gather_dim):
+def _trace_dynamic(fn, args, gather_dim, dynamic_dims=None):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = [_symbolic(fake_mode, args[0], {gather_dim})] + [_symbolic(fake_mode, a) for a in args[1:]]
+    dims = {gather_dim} if dynamic_dims is None else dynamic_dims
+    fakes = [_symbolic(fake_mode, args[0], dims)] + [_symbolic(fake_mode, a) for a in args[1:]]
     return make_fx(fn, tracing_mode="fake")(*fakes)
 
 
@@ -1004,6 +1005,38 @@ def test_numerics_symbolic_rows_world1(gather_dim):
     for rows in (2, 5, 7):
         args = _sp_mlp_dynamic_args(gather_dim, rows)
         for e, g in zip(original(*args), rewritten(*args)):
+            assert e.shape == g.shape
+            assert ((g - e).norm() / e.norm()).item() < 1e-5
+
+
+def test_symbolic_batch_and_sequence_rows_first_world1():
+    """[B, S/w, H] with B and S both symbolic (``dynamic=True``): the rows-first reshapes take -1 for the gathered
+    (scattered) dim and a ``sym_size`` node of the operand for B; one rewritten graph is right at every (B, S)."""
+    torch.manual_seed(6)
+    fn = sp_mlp_dynamic(1, WORLD1_GROUP, 1)
+
+    def args(batch, rows):
+        return (torch.randn(batch, rows, 16), torch.randn(24, 16), torch.randn(24), torch.randn(16, 24),
+                torch.randn(16))
+
+    original = _trace_dynamic(fn, args(3, 4), 1, {0, 1})
+    rewritten = run_passes(_trace_dynamic(fn, args(3, 4), 1, {0, 1}))
+    (ag,) = nodes(rewritten, AG_MM)
+    (rs,) = nodes(rewritten, MM_RS)
+    assert ag.args[3] == 0 and rs.args[4] == 0  # rows-first
+    # The results go back to [-1, B, N]: B is a sym_size node of the operand, the gathered / scattered dim -1.
+    (outs,) = [u for u in ag.users if u.args[1] == 0]
+    (out0,) = outs.users
+    (view,) = out0.users
+    for reshape, source in ((view, ag.args[0]), (next(iter(rs.users)), rs.args[0])):
+        assert reshape.target == aten.reshape.default and reshape.args[1][0] == -1, reshape.format_node()
+        size = reshape.args[1][1]
+        assert size.target == aten.sym_size.int and size.args[1] == 0, size.format_node()
+        assert back_through_views(source) is back_through_views(size.args[0])
+    assert_all_vals(rewritten)
+    for batch, rows in ((2, 3), (3, 4), (5, 2)):
+        a = args(batch, rows)
+        for e, g in zip(original(*a), rewritten(*a)):
             assert e.shape == g.shape
             assert ((g - e).norm() / e.norm()).item() < 1e-5
 
