@@ -44,7 +44,8 @@ def main() -> None:
     p.add_argument("--phases", default="fwd,fwd_bwd")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--label", required=True, help="what this run's passes/ are (recorded)")
-    p.add_argument("--config", choices=("full", "small"), default="full", help="bench_model's sizes (small: a CPU smoke)")
+    p.add_argument("--config", choices=("full", "small"), default="full",
+                   help="bench_model's sizes (small: a CPU smoke)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", required=True)
     args = p.parse_args()

@@ -329,7 +329,7 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
                 gathered = reshaped
             match.gathered.replace_all_uses_with(gathered)
     m.erase_dead(graph, [mm.node for mm in matmuls] + closure + match.gather_nodes)
-    record_fused(PATTERN, f"{len(matmuls)} matmul(s), gather_dim={match.gather_dim}, "
+    record_fused(PATTERN, f"{len(matmuls)} matmul(s), gather_dim={match.gather_dim}{', rows-first' if plan else ''}, "
                           f"return_gathered={return_gathered}, group={match.group_name}")
 
 

@@ -302,7 +302,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     # The matmuls' [M, K] operand views go too when the op reads their N-D source instead: a dead view would
     # count as a second reader and make inductor store the producer's result where it could be fused.
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
-    record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}, "
+    record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}"
+                          f"{', rows-first' if plan else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}")
 
 

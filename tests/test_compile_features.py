@@ -349,7 +349,8 @@ def test_sequence_dim_with_batch_runs_rows_first_without_copies():
         check_errors(r["errors"], "fp32", where)
         check_fused(r["forward"], {AG_MM: 1, MM_RS: 1}, where)
         code = r["code"]
-        ag = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.all_gather_matmul\.default\(.*, \[.*\], \[.*\], 0, ", code)
+        ag = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.all_gather_matmul\.default\("
+                       r".*, \[.*\], \[.*\], 0, ", code)
         rs = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.matmul_reduce_scatter\.default\("
                        r"(?:reinterpret_tensor\()?(buf\d+)\b.*, 'sum', 0, ", code)
         assert ag and rs, f"{where}: the ops are not called rows-first (dim 0):\n{code}"
