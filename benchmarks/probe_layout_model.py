@@ -55,7 +55,7 @@ def main() -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     import fluxinductor  # noqa: F401  (registers the backend)
-    from bench_model import CONFIGS, build_model
+    from bench_model import CONFIGS, _step, build_model
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,12 +83,7 @@ def main() -> None:
             x.requires_grad_(grad is not None)
 
             def step():
-                if grad is None:
-                    with torch.no_grad():
-                        return compiled(x)
-                out = compiled(x)
-                out.backward(grad)
-                return out
+                return _step(compiled, x, grad)
 
             _, codes = run_and_get_code(step)
             kernels = [len(re.findall(r"^\s+(?:triton_\w+\.run|cpp_fused_\w+|extern_kernels\.\w+)\(", c, re.M))

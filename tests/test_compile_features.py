@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from _codegen import check_rows_first_mlp
 from _dist import run_ranks
 from test_compile_numerics import (
     AG_MM,
@@ -323,45 +324,17 @@ def _rows_first_job(rank: int, world: int) -> Dict[str, object]:
             "forward": stats_delta(fluxinductor.rewrite_stats(), s0), "code": "\n".join(codes)}
 
 
-def _kernel_calls(code: str):
-    """(kernel name, buffers it takes) for each generated kernel launched in ``call``; a buffer that reuses another's
-    memory (``bufX = reinterpret_tensor(bufY, ...)``, ``bufX = bufY``) is named by the first one's name."""
-    import re
-
-    body = code[code.index("def call(self, args)"):]
-    first = {}
-    for new, old in re.findall(r"^\s+(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)(?:,|;|$)", body, re.M):
-        first[new] = first.get(old, old)
-    return [(name, {first.get(b, b) for b in re.findall(r"\bbuf\d+\b", args)})
-            for name, args in re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)(?:\.run)?\((.*)\)$", body, re.M)], first
-
-
 def test_sequence_dim_with_batch_runs_rows_first_without_copies():
     """Both ops get [S * B, H] operands (dim 0): the kernel computing gelu reads the all-gather's output through the
     permute and writes the reduce-scatter's operand in rows-first order, and the residual add reads the
     reduce-scatter's output directly; no other kernel touches them (no layout copy, where the op used to copy the
     operand and its result)."""
-    import re
-
     for rank, r in enumerate(run_ranks(_rows_first_job, 2, timeout=300)):
         where = f"rows-first rank={rank}"
         _assert_ok(r, where)
         check_errors(r["errors"], "fp32", where)
         check_fused(r["forward"], {AG_MM: 1, MM_RS: 1}, where)
-        code = r["code"]
-        ag = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.all_gather_matmul\.default\("
-                       r".*, \[.*\], \[.*\], 0, ", code)
-        rs = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.matmul_reduce_scatter\.default\("
-                       r"(?:reinterpret_tensor\()?(buf\d+)\b.*, 'sum', 0, ", code)
-        assert ag and rs, f"{where}: the ops are not called rows-first (dim 0):\n{code}"
-        calls, first = _kernel_calls(code)
-        ag_out = re.search(rf"(buf\d+) = {ag.group(1)}\[0\]\[0\]", code).group(1)
-        rs_in, rs_out = first.get(rs.group(2), rs.group(2)), first.get(rs.group(1), rs.group(1))
-        readers = {name for name, bufs in calls if ag_out in bufs}
-        writers = {name for name, bufs in calls if rs_in in bufs}
-        assert len(readers) == 1 and readers == writers and "gelu" in readers.pop(), f"{where}: {calls}"
-        adders = [name for name, bufs in calls if rs_out in bufs]
-        assert len(adders) == 1 and "add" in adders[0], f"{where}: {calls}"
+        calls = check_rows_first_mlp(r["code"])
         # Besides those two, only the copy of the graph's input shard into rows-first order.
         assert len(calls) == 3, f"{where}: {calls}"
 
