@@ -16,6 +16,9 @@ reference decomposition: the collective through the process group, then the matm
   - ``fused``: the fused kernel wherever it is eligible (benchmarks and tests);
   - ``decomposed``: never the fused kernel.
 
+A fused kernel runs only for a group whose GPUs share a host and NVLink (:mod:`fluxinductor.kernels.peers`, asked
+once per group); other groups always take the decomposition.
+
 The kernels take 2-D operands with the collective on dim 0.  Other layouts are brought to that form
 here: the gathered (or scattered) dim moves to the front, which is a free view when it is the leading
 non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
@@ -59,6 +62,20 @@ def _world_size(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name).size()
+
+
+def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
+    """Why the group's GPUs cannot run the fused kernels together (another host, a shared GPU, no NVLink), or None;
+    a collective on the group's first call (:func:`fluxinductor.kernels.peers.group_reason`).
+
+    Asked before the call's own checks, so that whether a rank joins that collective depends only on what every rank
+    shares (the dispatch mode, CUDA operands), and skipped during CUDA graph capture, which its host copies would
+    break (the kernels refuse capture anyway)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    from fluxinductor.kernels import peers
+
+    return peers.group_reason(group_name, device)
 
 
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
@@ -186,7 +203,8 @@ def all_gather_matmul(
     rest = tuple(shard.shape[d] for d in range(shard.dim() - 1) if d != gather_dim)
     # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0.
     shard2d = _rows_first(shard, gather_dim)
-    why = kernels.unsupported_reason(shard2d, weights, biases, group_name)
+    why = _peers_reason(group_name, shard.device)
+    why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
     if mode() == "auto":
         n_global = world * sum(w.shape[1] for w in weights)
         path, reason = _cost_model_says(op, shard.device, world, world * shard2d.shape[0], shard2d.shape[1],
@@ -229,7 +247,8 @@ def matmul_reduce_scatter(
     rest = tuple(a.shape[d] for d in range(a.dim() - 1) if d != scatter_dim)
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
     a2d = _rows_first(a, scatter_dim)
-    why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name)
+    why = _peers_reason(group_name, a.device)
+    why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name) or why
     transport = "store"
     if mode() == "auto":
         # Where the split transport cannot take the call (N not a multiple of 8, a misaligned bias), the cost model

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/gpu/run_ag_gemm_2rank.py [--calls 1000] [--bench out.json]
 
-Checks (each rank prints "ALL CHECKS PASSED" at the end): numerics against an fp32 reference for awkward
+Checks (each rank prints "ALL CHECKS PASSED" at the end): the dispatcher's peer check accepts the group; numerics against an fp32 reference for awkward
 shapes (M = world * 129, several weights of both layouts, with and without bias, gathered output), outputs
 poisoned before every call; unsupported shapes give a reason; ``--calls`` back-to-back calls with no hang and
 no memory growth; ranks that disagree on the shard shape, on pushing or on the barrier get an error, not a hang;
@@ -264,6 +264,19 @@ def bench(ag_gemm, group, rank, path):
             json.dump(record, f, indent=1)
 
 
+def check_peers(group, rank):
+    """The dispatcher's peer check passes these two GPUs (one host, NVLink: the 2xH200 machine is NV18), and a
+    group on one GPU's rank alone has nothing to check."""
+    from fluxinductor.kernels import peers
+
+    device = torch.device("cuda", rank)
+    verdict = peers.group_reason(group.group_name, device)
+    check(verdict is None, f"peer check objects to the 2-GPU group: {verdict}")
+    alone = dist.new_group([0])
+    if rank == 0:
+        check(peers.group_reason(alone.group_name, device) is None, "a one-rank group has no peers to object to")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=1000)
@@ -277,6 +290,7 @@ def main():
     from fluxinductor.kernels import ag_gemm
 
     if not args.skip_checks:
+        check_peers(group, rank)
         check_numerics(ag_gemm, group, rank, torch.bfloat16)
         check_numerics(ag_gemm, group, rank, torch.float16)
         check_unsupported(ag_gemm, group, rank)

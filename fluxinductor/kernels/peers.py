@@ -1,0 +1,183 @@
+"""Whether a process group's GPUs can reach each other the way the fused kernels need.
+
+The kernels read and write peers' memory through symmetric-memory mappings (copy-engine pulls, NVLink stores,
+flags), so every rank of the group must be on this host and every pair of their GPUs joined by NVLink.  A group
+that spans hosts (the CUDA symmetric-memory rendezvous cannot map a remote GPU), puts two ranks on one GPU, or
+joins GPUs over PCIe only runs the decomposition instead, and the reason is logged.
+
+The check is a collective over the group, made once per (group, device) on the first call that could run a fused
+kernel, when every rank of the group is in that same call:
+
+1. each rank shares (host name, boot id, the PCI bus id of its GPU);
+2. each rank judges the group from that list: one host, distinct GPUs, and NVML (``libnvidia-ml``, which sees
+   every GPU of the host whatever ``CUDA_VISIBLE_DEVICES`` says) reporting NVLink between every pair;
+3. the ranks share their verdicts and all take the first objection, in rank order.  Step 3 keeps the ranks in
+   agreement where their views differ (say, one container whose NVML cannot see a peer's GPU): a rank that runs
+   the fused kernel while its peer decomposes would wait for flags that never come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import socket
+import threading
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from fluxinductor.log import logger
+
+
+class Identity(NamedTuple):
+    host: str      # host name and boot id: two containers of one host share the boot id, not the name
+    bus_id: str    # the GPU's PCI bus id, "0000:18:00.0"
+
+
+def identity(device: torch.device) -> Identity:
+    """This process's host and the PCI bus id of ``device``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    props = torch.cuda.get_device_properties(device)
+    bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return Identity(f"{socket.gethostname()}/{boot}", bus_id)
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVML through ctypes: the driver ships libnvidia-ml.so.1; pynvml is not a dependency.
+# ---------------------------------------------------------------------------------------------------
+
+_NVML_SUCCESS = 0
+_NVML_P2P_CAPS_INDEX_NVLINK = 2  # nvmlGpuP2PCapsIndex_t
+_NVML_P2P_STATUS_OK = 0          # nvmlGpuP2PStatus_t
+
+_nvml: Optional[ctypes.CDLL] = None
+_nvml_reason: Optional[str] = None
+_nvml_lock = threading.Lock()
+
+
+def _load_nvml() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """(library, None) once ``nvmlInit_v2`` succeeded, else (None, why); tried once per process."""
+    global _nvml, _nvml_reason
+    with _nvml_lock:
+        if _nvml is None and _nvml_reason is None:
+            try:
+                lib = ctypes.CDLL("libnvidia-ml.so.1")
+                rc = lib.nvmlInit_v2()
+                if rc != _NVML_SUCCESS:
+                    _nvml_reason = f"nvmlInit_v2 returned {rc}"
+                else:
+                    _nvml = lib
+            except (OSError, AttributeError) as e:
+                _nvml_reason = f"libnvidia-ml.so.1 does not load ({e})"
+        return _nvml, _nvml_reason
+
+
+def nvml_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
+    """(True | False, detail) whether NVML reports NVLink peer access between two GPUs of this host given by PCI
+    bus id; (None, why) when NVML cannot answer."""
+    lib, why = _load_nvml()
+    if lib is None:
+        return None, why
+    handles = []
+    for bus in (bus_a, bus_b):
+        handle = ctypes.c_void_p()
+        rc = lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus.encode()), ctypes.byref(handle))
+        if rc != _NVML_SUCCESS:
+            return None, f"NVML does not see the GPU at {bus} (error {rc})"
+        handles.append(handle)
+    status = ctypes.c_int(-1)
+    rc = lib.nvmlDeviceGetP2PStatus(handles[0], handles[1], _NVML_P2P_CAPS_INDEX_NVLINK, ctypes.byref(status))
+    if rc != _NVML_SUCCESS:
+        return None, f"nvmlDeviceGetP2PStatus({bus_a}, {bus_b}) returned error {rc}"
+    return status.value == _NVML_P2P_STATUS_OK, f"NVML NVLink P2P status {status.value}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The verdict.
+# ---------------------------------------------------------------------------------------------------
+
+NvlinkQuery = Callable[[str, str], Tuple[Optional[bool], str]]
+
+
+def judge(identities: Sequence[Optional[Identity]], nvlink: NvlinkQuery = nvml_nvlink) -> Optional[str]:
+    """None if ranks with these identities (in rank order) can run the fused kernels together, else why not.
+
+    ``nvlink(bus_a, bus_b)`` answers for one pair as :func:`nvml_nvlink` does.
+    """
+    if any(i is None for i in identities):
+        return "rank " + ", ".join(str(r) for r, i in enumerate(identities) if i is None) + " could not identify its GPU"
+    hosts = {i.host for i in identities}
+    if len(hosts) > 1:
+        names = ", ".join(sorted({h.split("/")[0] for h in hosts}))
+        return f"the group spans {len(hosts)} hosts ({names}); the fused kernels reach peers over NVLink within one host"
+    seen: Dict[str, int] = {}
+    for rank, ident in enumerate(identities):
+        if ident.bus_id in seen:
+            return f"ranks {seen[ident.bus_id]} and {rank} share the GPU at {ident.bus_id}"
+        seen[ident.bus_id] = rank
+    for a in range(len(identities)):
+        for b in range(a + 1, len(identities)):
+            linked, detail = nvlink(identities[a].bus_id, identities[b].bus_id)
+            if linked is None:
+                return f"cannot tell whether ranks {a} and {b} are joined by NVLink: {detail}"
+            if not linked:
+                return (f"ranks {a} and {b} ({identities[a].bus_id}, {identities[b].bus_id}) are not joined by NVLink "
+                        f"({detail})")
+    return None
+
+
+def _all_gather_object(obj, group) -> List:
+    import torch.distributed as dist
+
+    out: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+_verdicts: Dict[Tuple[str, int], Optional[str]] = {}
+
+
+def group_reason(group_name: str, device: torch.device, *,
+                 identify: Callable[[torch.device], Identity] = identity,
+                 nvlink: NvlinkQuery = nvml_nvlink) -> Optional[str]:
+    """None if the GPUs of ``group_name`` can run the fused kernels together, else why not (the same answer on every
+    rank).  Collective on the first call for (group, device), which every rank of the group must make; remembered
+    after that."""
+    key = (group_name, -1 if device.index is None else device.index)
+    if key in _verdicts:
+        return _verdicts[key]
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    if group.size() == 1:
+        verdict = None
+    else:
+        # all_gather_object stages its bytes on the current CUDA device for NCCL groups.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            # Nothing this rank does between the two collectives may raise: its peers would wait for it forever.
+            try:
+                ident: Optional[tuple] = tuple(identify(device))
+                failure = None
+            except Exception as e:  # noqa: BLE001
+                ident, failure = None, f"could not identify its GPU ({type(e).__name__}: {e})"
+            identities = [None if i is None else Identity(*i) for i in _all_gather_object(ident, group)]
+            try:
+                mine = failure or judge(identities, nvlink)
+            except Exception as e:  # noqa: BLE001
+                mine = f"the peer check failed ({type(e).__name__}: {e})"
+            verdicts = _all_gather_object(mine, group)
+        objections = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if not objections:
+            verdict = None
+        elif len(set(verdicts)) == 1:
+            verdict = objections[0][1]
+        else:  # the ranks saw the group differently: all take the first objection, naming its rank
+            verdict = f"rank {objections[0][0]} objects: {objections[0][1]}"
+        logger.info("group %s: %s", group_name, "peers joined by NVLink on one host" if verdict is None else verdict)
+    _verdicts[key] = verdict
+    return verdict
+

@@ -1,0 +1,164 @@
+"""The peer check: a group runs the fused kernels only when its GPUs are on one host and joined by NVLink, every
+rank reaches the same verdict, and the dispatcher runs the decomposition (with the reason logged) otherwise.
+
+The identities and NVML's answers are injected here; ``tests/gpu/test_peers_gpu.py`` asks the real NVML about a real
+GPU and the two-rank GPU scripts check the verdict on the 2xH200 machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from fluxinductor import dispatch
+from fluxinductor.kernels import peers
+from tests._dist import run_ranks
+
+Identity = peers.Identity
+
+
+def _linked(pairs_without_nvlink=(), unknown=()):
+    asked = []
+
+    def query(a, b):
+        asked.append((a, b))
+        if (a, b) in unknown:
+            return None, "NVML does not see the GPU"
+        return (a, b) not in pairs_without_nvlink, "test"
+
+    return query, asked
+
+
+def test_one_host_all_pairs_linked():
+    ids = [Identity("h/boot", f"0000:{i:02x}:00.0") for i in range(4)]
+    query, asked = _linked()
+    assert peers.judge(ids, query) is None
+    assert len(asked) == 6  # every pair once
+
+
+def test_objections_name_what_is_wrong():
+    a, b, c = (Identity("h/boot", f"0000:{i:02x}:00.0") for i in range(3))
+    query, _ = _linked()
+    assert "spans 2 hosts (h, other)" in peers.judge([a, Identity("other/boot", a.bus_id)], query)
+    # same name, another boot: another machine (or the same one rebooted under a stale rendezvous)
+    assert "spans 2 hosts" in peers.judge([a, Identity("h/boot2", b.bus_id)], query)
+    assert "ranks 0 and 2 share the GPU at 0000:00:00.0" in peers.judge([a, b, a], query)
+    assert "rank 1 could not identify its GPU" in peers.judge([a, None, c], query)
+    query, _ = _linked(pairs_without_nvlink={(b.bus_id, c.bus_id)})
+    assert "ranks 1 and 2 (0000:01:00.0, 0000:02:00.0) are not joined by NVLink" in peers.judge([a, b, c], query)
+    query, _ = _linked(unknown={(a.bus_id, c.bus_id)})
+    assert "cannot tell whether ranks 0 and 2 are joined by NVLink: NVML does not see" in peers.judge([a, b, c], query)
+
+
+def _verdicts_on_two_ranks(rank, world):
+    """Each scenario on a fresh group of both ranks (the verdict is remembered per group)."""
+    import torch.distributed as dist
+
+    from fluxinductor.kernels import peers
+
+    host = "h/boot"
+    cpu = torch.device("cpu")
+    out = {}
+
+    def ask(identify, nvlink=lambda a, b: (True, "test")):
+        group = dist.new_group([0, 1])
+        return peers.group_reason(group.group_name, cpu, identify=identify, nvlink=nvlink)
+
+    out["ok"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"))
+    out["hosts"] = ask(lambda d: Identity(f"node{rank}/boot{rank}", "0000:00:00.0"))
+    out["shared"] = ask(lambda d: Identity(host, "0000:07:00.0"))
+    out["pcie"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"), lambda a, b: (False, "status 5"))
+    # rank 1's NVML cannot see rank 0's GPU; rank 0's can: both must decompose, or rank 0 would wait on flags forever
+    out["disagree"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"),
+                          lambda a, b: (True, "test") if rank == 0 else (None, "NVML does not see the GPU"))
+
+    def identify_fails(d):
+        if rank == 0:
+            raise RuntimeError("no PCI bus id")
+        return Identity(host, "0000:01:00.0")
+
+    out["raises"] = ask(identify_fails)
+    # remembered: the second call for a group makes no collective and does not identify again
+    group = dist.new_group([0, 1])
+    calls = []
+
+    def counting(d):
+        calls.append(d)
+        return Identity(host, f"0000:0{rank}:00.0")
+
+    linked = lambda a, b: (True, "test")  # noqa: E731
+    first = peers.group_reason(group.group_name, cpu, identify=counting, nvlink=linked)
+    second = peers.group_reason(group.group_name, cpu, identify=counting, nvlink=linked)
+    out["remembered"] = (first, second, len(calls))
+    alone = dist.new_group([0])  # every rank creates every group
+    out["self"] = peers.group_reason(alone.group_name, cpu, identify=counting) if rank == 0 else None
+    # the real NVML query: on a CPU machine the library is missing; on a GPU machine it finds no GPU at these bus ids
+    out["no_nvml"] = peers.group_reason(dist.new_group([0, 1]).group_name, cpu,
+                                        identify=lambda d: Identity(host, f"0000:0{rank}:00.0"))
+    return out
+
+
+def test_group_verdict_is_the_same_on_every_rank():
+    r0, r1 = run_ranks(_verdicts_on_two_ranks, 2, timeout=180)
+    assert r0 == r1
+    assert r0["ok"] is None
+    assert "the group spans 2 hosts (node0, node1)" in r0["hosts"]
+    assert "ranks 0 and 1 share the GPU at 0000:07:00.0" in r0["shared"]
+    assert "ranks 0 and 1 (0000:00:00.0, 0000:01:00.0) are not joined by NVLink (status 5)" in r0["pcie"]
+    assert r0["disagree"].startswith("rank 1 objects: cannot tell whether ranks 0 and 1 are joined by NVLink")
+    assert r0["raises"].startswith("rank 0 objects: could not identify its GPU (RuntimeError: no PCI bus id)")
+    assert r0["remembered"] == (None, None, 1)
+    assert r0["self"] is None  # a one-rank group has no peers to check
+    assert "cannot tell whether ranks 0 and 1 are joined by NVLink" in r0["no_nvml"]
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """Kernel modules that would run (unsupported_reason None) and record the call if they did."""
+    ran = []
+    module = types.SimpleNamespace(
+        unsupported_reason=lambda *args: None,
+        split_reason=lambda *args: None,
+        all_gather_matmul=lambda *args, **kw: ran.append("ag"),
+        matmul_reduce_scatter=lambda *args, **kw: ran.append("rs"),
+    )
+    monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
+    monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
+    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "fused")
+    return ran
+
+
+def test_dispatcher_decomposes_when_the_peers_object(fake_kernels, monkeypatch, caplog):
+    reason = "the group spans 2 hosts (node0, node1); the fused kernels reach peers over NVLink within one host"
+    monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: reason)
+    from fluxinductor import log
+
+    log.reset_rewrite_stats()
+    with caplog.at_level(logging.INFO, logger="fluxinductor"):
+        assert dispatch.all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 6)], [None], 0, "g", False) is None
+        assert dispatch.matmul_reduce_scatter(torch.randn(8, 4), torch.randn(4, 6), None, "sum", 0, "g") is None
+    assert fake_kernels == []
+    fallbacks = log.rewrite_stats()["fallbacks"]
+    assert fallbacks == {"all_gather_matmul": {reason: 1}, "matmul_reduce_scatter": {reason: 1}}
+    assert f"all_gather_matmul runs decomposed: {reason}" in caplog.text
+
+
+def test_dispatcher_asks_before_the_call_checks(fake_kernels, monkeypatch):
+    """Whether a rank joins the check's collective must not depend on anything its peers might see differently."""
+    asked = []
+    monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: asked.append(group_name))
+    monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: types.SimpleNamespace(
+        unsupported_reason=lambda *args: "a shape the kernel does not take"))
+    assert dispatch.matmul_reduce_scatter(torch.randn(8, 4), torch.randn(4, 6), None, "sum", 0, "g") is None
+    assert dispatch.all_gather_matmul(torch.randn(4, 8), [torch.randn(8, 6)], [None], 0, "g", False) is None
+    assert asked == ["g", "g"]
+
+
+def test_no_check_while_capturing_a_cuda_graph(monkeypatch):
+    """The check's collective copies to the host, which would break a capture (the kernels refuse capture anyway)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(peers, "group_reason", lambda *args, **kw: pytest.fail("checked during capture"))
+    assert dispatch._peers_reason("g", torch.device("cuda", 0)) is None
