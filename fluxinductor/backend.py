@@ -14,13 +14,18 @@ from fluxinductor import config
 from fluxinductor.log import logger
 
 
-def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[Dict[str, Any]] = None):
+def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[Dict[str, Any]] = None,
+                 mode: Optional[str] = None):
     """Compile ``gm`` with inductor, with fluxinductor's pass manager as the post-grad custom pass.
 
     ``options`` (from ``torch.compile(..., options=...)``): ``"tp_group"`` (a group name, ProcessGroup,
     1-D DeviceMesh or a list of them) restricts fusion to that group, overriding
     :func:`fluxinductor.set_tp_group`; every other key is an inductor config patch.  Forward and backward
     graphs are both rewritten: inductor applies the same config patches to the backward compile.
+    ``mode`` (``torch.compile(..., mode=...)``; torch accepts it or ``options``, not both) means what it means for
+    inductor (:func:`torch._inductor.list_mode_options`): ``"reduce-overhead"`` and ``"max-autotune"`` turn on CUDA
+    graphs, which leave the fused ops out of the captured partitions (the ops are tagged ``cudagraph_unsafe``: their
+    kernels cannot be captured) and capture the rest of the graph.
     """
     from torch._inductor.compile_fx import compile_fx
 
@@ -29,6 +34,8 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
     from fluxinductor.passes import FluxPassManager
 
     patches = dict(options or {})
+    if mode is not None:
+        patches = _mode_options(mode)
     tp_group = patches.pop("tp_group", None)
     if config.disabled():
         logger.info("FLUXINDUCTOR_DISABLE is set: compiling with plain inductor")
@@ -41,5 +48,19 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
         raise ValueError(
             "backend='flux' installs inductor's post_grad_custom_post_pass itself; another one is already set"
         )
+    cudagraphs = patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)
+    if cudagraphs and hasattr(torch._inductor.config, "graph_partition"):
+        # Capture around the fused ops instead of skipping CUDA graphs for every graph that has one.
+        patches.setdefault("graph_partition", True)
     patches["post_grad_custom_post_pass"] = FluxPassManager(config.tp_group_names())
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _mode_options(mode: str) -> Dict[str, Any]:
+    """Inductor's config for a ``torch.compile`` mode (torch checks the mode only for its own backend)."""
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode not in modes:
+        raise ValueError(f"torch.compile mode {mode!r} is not one of {sorted(modes)}")
+    return dict(list_mode_options(mode))

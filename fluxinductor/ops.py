@@ -140,9 +140,15 @@ def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scat
 # ---------------------------------------------------------------------------------------------------
 
 
+# The fused kernels cannot be captured in a CUDA graph (the call's epoch and the copy engine's flags are set from the
+# host); inductor's CUDA graphs (mode="reduce-overhead") run ops with this tag eagerly between captured partitions.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
 @torch.library.custom_op(
     "fluxinductor::all_gather_matmul",
     mutates_args=(),
+    tags=_TAGS,
     schema="(Tensor shard, Tensor[] weights, Tensor?[] biases, int gather_dim, str group_name, "
     "bool return_gathered) -> (Tensor[], Tensor)",
 )
@@ -183,6 +189,7 @@ def _(shard, weights, biases, gather_dim, group_name, return_gathered):
 @torch.library.custom_op(
     "fluxinductor::matmul_reduce_scatter",
     mutates_args=(),
+    tags=_TAGS,
     schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name) -> Tensor",
 )
 def matmul_reduce_scatter(
