@@ -6,6 +6,7 @@ the passes must leave alone, and fusion restricted to the tensor-parallel group 
   from the cache (no pass runs, so nothing is counted as fused) and still calls the fused ops and gives
   the right answer; a compile under other fusion settings must not be served the fused graph.
 * Bad inputs (uneven sequence shards, integer matmuls) compile, run correctly, and are logged as skips.
+* Activation checkpointing: the recomputed forward in the backward graph is fused too.
 * 2x2 (dp, tp) mesh on 4 ranks: with the tp group set (``options={"tp_group": mesh["tp"]}`` or
   :func:`fluxinductor.set_tp_group`) only tp collectives are fused, the dp ones are skipped with a reason.
 """
@@ -337,6 +338,55 @@ def test_sequence_dim_with_batch_runs_rows_first_without_copies():
         calls = check_rows_first_mlp(r["code"])
         # Besides those two, only the copy of the graph's input shard into rows-first order.
         assert len(calls) == 3, f"{where}: {calls}"
+
+
+def _checkpoint_job(rank: int, world: int) -> Dict[str, object]:
+    """A training step through an SP MLP under activation checkpointing, eager and compiled."""
+    import fluxinductor
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x):
+            return x + checkpoint(lambda t: self.mlp.w2(F.gelu(self.mlp.w1(t))), x, use_reentrant=False)
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        model = Block()
+        parallelize_module(model.mlp, mesh, {
+            "w1": ColwiseParallel(input_layouts=Shard(1)),
+            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+        x = distribute_tensor(_seeded_full((2, 8, HIDDEN), 600), mesh, [Shard(1)]).requires_grad_(True)
+        s0 = fluxinductor.rewrite_stats()
+        out = (torch.compile(model, backend="flux") if compiled else model)(x)
+        out.to_local().pow(2).sum().backward()
+        results.append({"out": out.to_local().detach(), "w1.grad": model.mlp.w1.weight.grad.to_local(),
+                        "w2.grad": model.mlp.w2.weight.grad.to_local(), "x.grad": x.grad.to_local(),
+                        "stats": stats_delta(fluxinductor.rewrite_stats(), s0)})
+    eager, flux = results
+    return {"errors": {k: error_of(flux[k], eager[k]) for k in ("out", "w1.grad", "w2.grad", "x.grad")},
+            "stats": flux["stats"]}
+
+
+def test_activation_checkpointing_fuses_the_recomputed_forward_too():
+    """The backward graph recomputes the checkpointed all-gather -> matmul and fuses it as well: three AG+GEMMs
+    (forward, recomputed forward, the gradient's all-gather) and two GEMM+RS, with eager's numerics."""
+    for rank, r in enumerate(run_ranks(_checkpoint_job, 2, timeout=300)):
+        where = f"checkpoint rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        check_fused(r["stats"], {AG_MM: 3, MM_RS: 2}, where)
 
 
 # ---------------------------------------------------------------------------------------------------
