@@ -55,6 +55,8 @@ def test_objections_name_what_is_wrong():
 
 def _verdicts_on_two_ranks(rank, world):
     """Each scenario on a fresh group of both ranks (the verdict is remembered per group)."""
+    import os
+
     import torch.distributed as dist
 
     from fluxinductor.kernels import peers
@@ -95,6 +97,18 @@ def _verdicts_on_two_ranks(rank, world):
     out["remembered"] = (first, second, len(calls))
     alone = dist.new_group([0])  # every rank creates every group
     out["self"] = peers.group_reason(alone.group_name, cpu, identify=counting) if rank == 0 else None
+    # a group re-created under the same name is checked afresh (the old verdict belonged to another group object)
+    peers._verdicts[(group.group_name, -1)] = (object(), "a stale verdict")
+    out["recreated"] = (peers.group_reason(group.group_name, cpu, identify=counting, nvlink=linked), len(calls))
+    # only rank 0 asks (rank 1 decomposes, say): rank 0 gets an error naming rank 1 instead of waiting forever
+    lonely = dist.new_group([0, 1])
+    os.environ["FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S"] = "2"
+    try:
+        peers.group_reason(lonely.group_name, cpu, identify=counting, nvlink=linked) if rank == 0 else None
+        out["lonely"] = None
+    except peers.PeerCheckError as e:
+        out["lonely"] = str(e)
+    del os.environ["FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S"]
     # the real NVML query: on a CPU machine the library is missing; on a GPU machine it finds no GPU at these bus ids
     out["no_nvml"] = peers.group_reason(dist.new_group([0, 1]).group_name, cpu,
                                         identify=lambda d: Identity(host, f"0000:0{rank}:00.0"))
@@ -103,6 +117,9 @@ def _verdicts_on_two_ranks(rank, world):
 
 def test_group_verdict_is_the_same_on_every_rank():
     r0, r1 = run_ranks(_verdicts_on_two_ranks, 2, timeout=180)
+    lonely = r0.pop("lonely")
+    assert "group" in lonely and "rank(s) [1] did not reach the fused kernels' peer check within 2 s" in lonely
+    assert r1.pop("lonely") is None
     assert r0 == r1
     assert r0["ok"] is None
     assert "the group spans 2 hosts (node0, node1)" in r0["hosts"]
@@ -111,6 +128,7 @@ def test_group_verdict_is_the_same_on_every_rank():
     assert r0["disagree"].startswith("rank 1 objects: cannot tell whether ranks 0 and 1 are joined by NVLink")
     assert r0["raises"].startswith("rank 0 objects: could not identify its GPU (RuntimeError: no PCI bus id)")
     assert r0["remembered"] == (None, None, 1)
+    assert r0["recreated"] == (None, 2)  # identified again
     assert r0["self"] is None  # a one-rank group has no peers to check
     assert "cannot tell whether ranks 0 and 1 are joined by NVLink" in r0["no_nvml"]
 

@@ -5,24 +5,30 @@ flags), so every rank of the group must be on this host and every pair of their 
 that spans hosts (the CUDA symmetric-memory rendezvous cannot map a remote GPU), puts two ranks on one GPU, or
 joins GPUs over PCIe only runs the decomposition instead, and the reason is logged.
 
-The check is a collective over the group, made once per (group, device) on the first call that could run a fused
-kernel, when every rank of the group is in that same call:
+The check runs once per (group, device), on the first call that could run a fused kernel, and exchanges its data
+through the group's c10d store (no collective on the group, so it cannot be mismatched with one of the model's):
 
-1. each rank shares (host name, boot id, the PCI bus id of its GPU);
+1. each rank posts (host name and boot id, the PCI bus id of its GPU) and reads everyone's;
 2. each rank judges the group from that list: one host, distinct GPUs, and NVML (``libnvidia-ml``, which sees
    every GPU of the host whatever ``CUDA_VISIBLE_DEVICES`` says) reporting NVLink between every pair;
-3. the ranks share their verdicts and all take the first objection, in rank order.  Step 3 keeps the ranks in
+3. the ranks post their verdicts and all take the first objection, in rank order.  Step 3 keeps the ranks in
    agreement where their views differ (say, one container whose NVML cannot see a peer's GPU): a rank that runs
    the fused kernel while its peer decomposes would wait for flags that never come.
+
+A rank that does not post within ``FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S`` (default 600 s: a peer may still be
+compiling) makes the check raise :class:`PeerCheckError` naming it: the ranks disagree on whether to take the fused
+path (``FLUXINDUCTOR_DISPATCH`` or the extension differs between them), and going on would hang.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import datetime
+import json
+import os
 import socket
 import threading
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -130,46 +136,77 @@ def judge(identities: Sequence[Optional[Identity]], nvlink: NvlinkQuery = nvml_n
     return None
 
 
-def _all_gather_object(obj, group) -> List:
-    import torch.distributed as dist
-
-    out: List = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+class PeerCheckError(RuntimeError):
+    """Some rank of the group did not reach the peer check in time."""
 
 
-_verdicts: Dict[Tuple[str, int], Optional[str]] = {}
+def timeout_seconds() -> float:
+    return float(os.environ.get("FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S", "600"))
+
+
+def _store(group):
+    from torch.distributed import distributed_c10d as c10d
+
+    get = getattr(c10d, "_get_process_group_store", None)
+    return get(group) if get is not None else c10d._world.pg_map[group][1]
+
+
+def _exchange(store, key: str, value, rank: int, world: int, group_name: str):
+    """Post ``value`` (JSON) as this rank's ``key`` and return every rank's, in rank order."""
+    store.set(f"{key}/{rank}", json.dumps(value))
+    keys = [f"{key}/{q}" for q in range(world)]
+    timeout = timeout_seconds()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - the store's timeout error type differs between torch versions
+        missing = [q for q in range(world) if not store.check([keys[q]])]
+        raise PeerCheckError(
+            f"group {group_name}: rank(s) {missing or '?'} did not reach the fused kernels' peer check within "
+            f"{timeout:g} s (FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S); do all ranks run with the same FLUXINDUCTOR_DISPATCH "
+            f"and the extension built? ({type(e).__name__}: {e})") from e
+    return [json.loads(store.get(k)) for k in keys]
+
+
+# (group name, device index) -> (the group object checked, verdict); the object tells a group re-created under the same
+# name (after destroy_process_group) from the one checked.
+_verdicts: Dict[Tuple[str, int], Tuple[object, Optional[str]]] = {}
+# checks made per group name in this process: part of the store keys, so a re-created group is checked afresh
+_rounds: Dict[str, int] = {}
 
 
 def group_reason(group_name: str, device: torch.device, *,
                  identify: Callable[[torch.device], Identity] = identity,
                  nvlink: NvlinkQuery = nvml_nvlink) -> Optional[str]:
     """None if the GPUs of ``group_name`` can run the fused kernels together, else why not (the same answer on every
-    rank).  Collective on the first call for (group, device), which every rank of the group must make; remembered
-    after that."""
-    key = (group_name, -1 if device.index is None else device.index)
-    if key in _verdicts:
-        return _verdicts[key]
+    rank).  The first call for (group, device) waits for every rank of the group to make it too; the answer is
+    remembered after that."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
+    key = (group_name, -1 if device.index is None else device.index)
+    known = _verdicts.get(key)
+    if known is not None and known[0] is group:
+        return known[1]
     if group.size() == 1:
         verdict = None
     else:
-        # all_gather_object stages its bytes on the current CUDA device for NCCL groups.
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            # Nothing this rank does between the two collectives may raise: its peers would wait for it forever.
-            try:
-                ident: Optional[tuple] = tuple(identify(device))
-                failure = None
-            except Exception as e:  # noqa: BLE001
-                ident, failure = None, f"could not identify its GPU ({type(e).__name__}: {e})"
-            identities = [None if i is None else Identity(*i) for i in _all_gather_object(ident, group)]
-            try:
-                mine = failure or judge(identities, nvlink)
-            except Exception as e:  # noqa: BLE001
-                mine = f"the peer check failed ({type(e).__name__}: {e})"
-            verdicts = _all_gather_object(mine, group)
+        rounds = _rounds.get(group_name, 0)
+        _rounds[group_name] = rounds + 1
+        prefix = f"fluxinductor/peers/{group_name}/{rounds}"
+        store, rank, world = _store(group), group.rank(), group.size()
+        # Nothing this rank does between the two posts may raise: its peers would wait for its verdict in vain.
+        try:
+            ident: Optional[list] = list(identify(device))
+            failure = None
+        except Exception as e:  # noqa: BLE001
+            ident, failure = None, f"could not identify its GPU ({type(e).__name__}: {e})"
+        identities = [None if i is None else Identity(*i) for i in _exchange(store, f"{prefix}/id", ident, rank, world,
+                                                                               group_name)]
+        try:
+            mine = failure or judge(identities, nvlink)
+        except Exception as e:  # noqa: BLE001
+            mine = f"the peer check failed ({type(e).__name__}: {e})"
+        verdicts = _exchange(store, f"{prefix}/verdict", mine, rank, world, group_name)
         objections = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if not objections:
             verdict = None
@@ -178,6 +215,5 @@ def group_reason(group_name: str, device: torch.device, *,
         else:  # the ranks saw the group differently: all take the first objection, naming its rank
             verdict = f"rank {objections[0][0]} objects: {objections[0][1]}"
         logger.info("group %s: %s", group_name, "peers joined by NVLink on one host" if verdict is None else verdict)
-    _verdicts[key] = verdict
+    _verdicts[key] = (group, verdict)
     return verdict
-
