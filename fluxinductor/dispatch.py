@@ -75,7 +75,19 @@ def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
         return None
     from fluxinductor.kernels import peers
 
-    return peers.group_reason(group_name, device)
+    return peers.group_reason(group_name, device, local_reason=_local_reason(device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _local_reason(index: int) -> Optional[str]:
+    """Why this process cannot run the fused kernels on GPU ``index`` at all, or None (see :func:`_peers_reason`)."""
+    from fluxinductor.kernels import symm
+
+    why = symm.extension_available()
+    capability = torch.cuda.get_device_capability(index)
+    if why is None and capability != (9, 0):
+        why = f"the fused kernels are built for sm_90a; cuda:{index} has capability {capability}"
+    return why
 
 
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,

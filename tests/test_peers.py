@@ -65,9 +65,9 @@ def _verdicts_on_two_ranks(rank, world):
     cpu = torch.device("cpu")
     out = {}
 
-    def ask(identify, nvlink=lambda a, b: (True, "test")):
+    def ask(identify, nvlink=lambda a, b: (True, "test"), local_reason=None):
         group = dist.new_group([0, 1])
-        return peers.group_reason(group.group_name, cpu, identify=identify, nvlink=nvlink)
+        return peers.group_reason(group.group_name, cpu, identify=identify, nvlink=nvlink, local_reason=local_reason)
 
     out["ok"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"))
     out["hosts"] = ask(lambda d: Identity(f"node{rank}/boot{rank}", "0000:00:00.0"))
@@ -76,6 +76,10 @@ def _verdicts_on_two_ranks(rank, world):
     # rank 1's NVML cannot see rank 0's GPU; rank 0's can: both must decompose, or rank 0 would wait on flags forever
     out["disagree"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"),
                           lambda a, b: (True, "test") if rank == 0 else (None, "NVML does not see the GPU"))
+
+    # rank 1 has no fused kernels (say, an install without the extension): the whole group decomposes
+    out["local"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"),
+                       local_reason="fluxinductor._C is not built" if rank == 1 else None)
 
     def identify_fails(d):
         if rank == 0:
@@ -126,6 +130,7 @@ def test_group_verdict_is_the_same_on_every_rank():
     assert "ranks 0 and 1 share the GPU at 0000:07:00.0" in r0["shared"]
     assert "ranks 0 and 1 (0000:00:00.0, 0000:01:00.0) are not joined by NVLink (status 5)" in r0["pcie"]
     assert r0["disagree"].startswith("rank 1 objects: cannot tell whether ranks 0 and 1 are joined by NVLink")
+    assert r0["local"] == "rank 1 objects: fluxinductor._C is not built"
     assert r0["raises"].startswith("rank 0 objects: could not identify its GPU (RuntimeError: no PCI bus id)")
     assert r0["remembered"] == (None, None, 1)
     assert r0["recreated"] == (None, 2)  # identified again

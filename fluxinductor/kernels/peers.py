@@ -115,11 +115,13 @@ def judge(identities: Sequence[Optional[Identity]], nvlink: NvlinkQuery = nvml_n
     ``nvlink(bus_a, bus_b)`` answers for one pair as :func:`nvml_nvlink` does.
     """
     if any(i is None for i in identities):
-        return "rank " + ", ".join(str(r) for r, i in enumerate(identities) if i is None) + " could not identify its GPU"
+        missing = ", ".join(str(r) for r, i in enumerate(identities) if i is None)
+        return f"rank {missing} could not identify its GPU"
     hosts = {i.host for i in identities}
     if len(hosts) > 1:
         names = ", ".join(sorted({h.split("/")[0] for h in hosts}))
-        return f"the group spans {len(hosts)} hosts ({names}); the fused kernels reach peers over NVLink within one host"
+        return (f"the group spans {len(hosts)} hosts ({names}); the fused kernels reach peers over NVLink within one "
+                "host")
     seen: Dict[str, int] = {}
     for rank, ident in enumerate(identities):
         if ident.bus_id in seen:
@@ -176,10 +178,11 @@ _rounds: Dict[str, int] = {}
 
 def group_reason(group_name: str, device: torch.device, *,
                  identify: Callable[[torch.device], Identity] = identity,
-                 nvlink: NvlinkQuery = nvml_nvlink) -> Optional[str]:
+                 nvlink: NvlinkQuery = nvml_nvlink, local_reason: Optional[str] = None) -> Optional[str]:
     """None if the GPUs of ``group_name`` can run the fused kernels together, else why not (the same answer on every
     rank).  The first call for (group, device) waits for every rank of the group to make it too; the answer is
-    remembered after that."""
+    remembered after that.  ``local_reason``: why this rank cannot run the fused kernels at all (no extension, not a
+    Hopper GPU), its objection for the whole group: with one rank decomposing, its peers' kernels would wait for it."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
@@ -203,7 +206,7 @@ def group_reason(group_name: str, device: torch.device, *,
         identities = [None if i is None else Identity(*i) for i in _exchange(store, f"{prefix}/id", ident, rank, world,
                                                                                group_name)]
         try:
-            mine = failure or judge(identities, nvlink)
+            mine = failure or local_reason or judge(identities, nvlink)
         except Exception as e:  # noqa: BLE001
             mine = f"the peer check failed ({type(e).__name__}: {e})"
         verdicts = _exchange(store, f"{prefix}/verdict", mine, rank, world, group_name)
