@@ -221,9 +221,10 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
          int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
          int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl, int64_t tail_split_partials,
          int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts, int tail_split_waves,
-         int split_config) {
+         int split_config, bool out_float) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
+  args.out_float = out_float;
   args.m = m; args.n = n; args.k = k;
   args.world = world; args.rank = rank;
   args.a = reinterpret_cast<const void*>(a); args.lda = lda;
@@ -271,7 +272,8 @@ void export_gemm_rs(py::module_& m) {
         py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("epoch_word"), py::arg("bands"),
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
-        py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0);
+        py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,
+        py::arg("out_float") = false);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),

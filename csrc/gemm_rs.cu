@@ -52,8 +52,9 @@ struct GemmRsShape {
 // group's epilogue (the NVLink stores, the peer reads) runs under the other's MMAs.
 using DefaultShape = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 2, 1>;
 
-template <class Element, class LayoutB, class Shape>
+template <class Element, class LayoutB, class Shape, class ElementOut_ = Element>
 struct GemmRsConfig {
+  using ElementOut = ElementOut_;                             // the reduced rows (float: autocast's fp32 reduction)
   using ElementA = Element;                                   // A: this rank's K slice, row-major
   using LayoutA = cutlass::layout::RowMajor;
   using ElementB = Element;                                   // B: K-major (ColumnMajor) or N-major (RowMajor)
@@ -62,7 +63,8 @@ struct GemmRsConfig {
   using ClusterShape = typename Shape::ClusterShape;          // B tile multicast along the cluster's M
   using KernelSchedule = typename Shape::KernelSchedule;
   using Epilogue =                                            // staged, peer-aware
-      GemmRsEpilogue<Element, Shape::kTileM, Shape::kTileN, Shape::kThreads, Shape::kAsyncPush>;
+      GemmRsEpilogue<Element, Shape::kTileM, Shape::kTileN, Shape::kThreads, Shape::kAsyncPush,
+                     default_sub_n<Shape::kTileN>(), ElementOut>;
   using CollectiveEpilogue = GemmRsCollectiveEpilogue<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -256,7 +258,8 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   }
   cute::get<2>(stride_b) = 0;
 
-  GemmRsEpilogueArguments<Element> epi;
+  using ElementOut = typename Config::ElementOut;
+  GemmRsEpilogueArguments<Element, ElementOut> epi;
   for (int r = 0; r < args.world; ++r) {
     epi.buffers[r] = static_cast<char*>(args.buffers[r]);
   }
@@ -276,7 +279,7 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   }
   epi.epoch = args.epoch;
   epi.bias = static_cast<Element const*>(args.bias);
-  epi.out = static_cast<Element*>(args.out);
+  epi.out = static_cast<ElementOut*>(args.out);
   epi.ldo = args.ldo;
   epi.out_scale = args.out_scale;
   epi.error = args.error;
@@ -710,6 +713,9 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
+  if (args.out_float && (args.split || args.dtype != 0)) {
+    return fail("fp32 output is built for bf16 operands with the store or copy transport");
+  }
   if (args.split) {
     return args.world == 1 ? run_split_nocomm(args, stream) : run_split(args, stream);
   }
@@ -718,7 +724,7 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
   using ColumnMajor = cutlass::layout::ColumnMajor;  // B K-major: the transposed nn.Linear weight
   using RowMajor = cutlass::layout::RowMajor;        // B N-major
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  if (int config = tuning_config(); config != 0) {
+  if (int config = tuning_config(); config != 0 && !args.out_float) {
     if (args.dtype != 0 || !args.b_k_major) {
       return fail("tuning configurations exist for bf16 with a K-major weight only");
     }
@@ -731,6 +737,10 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     return rc;
   }
 #endif
+  if (args.out_float) {
+    return args.b_k_major ? run_config<GemmRsConfig<bfloat16_t, ColumnMajor, DefaultShape, float>>(args, stream)
+                          : run_config<GemmRsConfig<bfloat16_t, RowMajor, DefaultShape, float>>(args, stream);
+  }
   if (args.dtype == 0) {
     return args.b_k_major ? run_config<GemmRsConfig<bfloat16_t, ColumnMajor, DefaultShape>>(args, stream)
                           : run_config<GemmRsConfig<bfloat16_t, RowMajor, DefaultShape>>(args, stream);

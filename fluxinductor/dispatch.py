@@ -242,7 +242,8 @@ _TRANSPORTS = {"fused": "store", "fused_copy": "copy", "fused_split": "split"}
 
 
 def matmul_reduce_scatter(
-    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Optional[Tensor]:
     op = "matmul_reduce_scatter"
     kernels = _kernels_for(op, a)
@@ -260,13 +261,15 @@ def matmul_reduce_scatter(
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
     a2d = _rows_first(a, scatter_dim)
     why = _peers_reason(group_name, a.device)
-    why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name) or why
+    out_dtype = None if out_dtype == a.dtype else out_dtype
+    extra = () if out_dtype is None else (out_dtype,)
+    why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name, *extra) or why
     transport = "store"
     if mode() == "auto":
         # Where the split transport cannot take the call (N not a multiple of 8, a misaligned bias), the cost model
         # chooses among the others: its measured split time says nothing about them, and the copy transport the
         # kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
-        split_eligible = why is None and kernels.split_reason(world, weight, bias) is None
+        split_eligible = why is None and out_dtype is None and kernels.split_reason(world, weight, bias) is None
         path, reason = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
                                         a.dtype, fused_eligible=why is None, split_eligible=split_eligible)
         if path == "asynctp":
@@ -283,5 +286,6 @@ def matmul_reduce_scatter(
     # call runs the split transport, by the cost model's choice or FLUXINDUCTOR_GEMM_RS_PUSH=split).
     config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
     out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
-                                          transport=transport, split_config_choice=config)
+                                          transport=transport, split_config_choice=config,
+                                          **({} if out_dtype is None else {"out_dtype": out_dtype}))
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)

@@ -96,10 +96,14 @@ def all_gather_matmul_reference(
 
 
 def matmul_reduce_scatter_reference(
-    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """reduce_scatter(a @ weight + bias, reduce_op, scatter_dim); the bias is added on every rank."""
-    return reduce_scatter(_linear(a, weight, bias), reduce_op, scatter_dim, _group(group_name))
+    """reduce_scatter((a @ weight + bias).to(out_dtype), reduce_op, scatter_dim); the bias is added on every rank."""
+    partial = _linear(a, weight, bias)
+    if out_dtype is not None:
+        partial = partial.to(out_dtype)
+    return reduce_scatter(partial, reduce_op, scatter_dim, _group(group_name))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,28 +194,32 @@ def _(shard, weights, biases, gather_dim, group_name, return_gathered):
     "fluxinductor::matmul_reduce_scatter",
     mutates_args=(),
     tags=_TAGS,
-    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name) -> Tensor",
+    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name, "
+    "ScalarType? out_dtype=None) -> Tensor",
 )
 def matmul_reduce_scatter(
-    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """``reduce_scatter(a @ weight + bias, reduce_op, scatter_dim)`` over the group.
+    """``reduce_scatter((a @ weight + bias).to(out_dtype), reduce_op, scatter_dim)`` over the group.
 
     a: [..., K] (this rank's partial operand), weight: [K, N], bias: [N] or None, added on every rank
-    before the reduction, as the unfused graph did.  Returns [...] with ``scatter_dim`` divided by world.
+    before the reduction, as the unfused graph did.  ``out_dtype`` (None: a's): the dtype the partials are
+    reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype first).
+    Returns [...] with ``scatter_dim`` divided by world.
     """
     _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, _group(group_name).size())
-    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name)
+    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
     if fused is not None:
         return fused
-    return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name)
+    return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
 
 
 @matmul_reduce_scatter.register_fake
-def _(a, weight, bias, reduce_op, scatter_dim, group_name):
+def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
     world = _group(group_name).size()
     _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, world)
     shape = list(a.shape[:-1]) + [weight.shape[1]]
     scatter_dim = scatter_dim % len(shape)
     shape[scatter_dim] //= world
-    return a.new_empty(shape)
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)

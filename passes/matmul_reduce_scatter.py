@@ -80,9 +80,11 @@ class _ReduceScatterMatch:
     between: List[Node]  # matmuls, adds, reshapes, chunk nodes, cat, reduce_scatter, wait: erased once dead
     first: Node  # the earliest node of the sum: the operands are read there in the original graph
     lead_args: Optional[list]  # size args of [...] (partial_shape[:-1]) from a reshape in the chain, or None
+    out_dtype: Optional[torch.dtype] = None  # the reduction's dtype where the chain upcasts the matmul (autocast)
 
 
-def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases: List[Node], chain: List[Node]) -> None:
+def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases: List[Node], chain: List[Node],
+                   casts: List[Node]) -> None:
     """Split ``node`` (a tensor of ``rows * n`` elements, last dim ``n``) into matmul terms and [N] biases.
 
     Accepts reshapes (row-major, so any chain keeping the last dim ``n`` maps element (m, j) of every
@@ -104,9 +106,14 @@ def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases:
             raise Skip("reduce_scatter input is not a matmul", f"{node.name} broadcasts")
         children = [x, y]
     elif m.is_call(node, m.CONVERT):
-        # Autocast: a low-precision matmul reduced in a wider dtype.  The op would reduce in the matmul's
-        # dtype, which is not what the graph computes.
-        raise Skip("dtype cast between matmul and reduce_scatter", f"{node.name} to {node.args[1]}")
+        # Autocast: a bf16 matmul reduced in fp32.  The op takes that as out_dtype (the kernel sends bf16 partials
+        # and sums them in fp32, as the graph does); other casts would change what the graph computes.
+        source = node.args[0]
+        source_dtype = m.val(source).dtype if isinstance(source, Node) and m.val(source) is not None else None
+        if casts or source_dtype != torch.bfloat16 or node.args[1] != torch.float32:
+            raise Skip("dtype cast between matmul and reduce_scatter", f"{node.name}: {source_dtype} to {node.args[1]}")
+        casts.append(node)
+        children = [source]
     else:
         operands = m.matmul_operands(node)
         if operands is None:
@@ -127,7 +134,7 @@ def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases:
     for child in children:
         if len(child.users) != 1:
             raise Skip("matmul output has other users", f"{child.name} is read by {[u.name for u in child.users]}")
-        _collect_terms(child, rows, n, terms, biases, chain)
+        _collect_terms(child, rows, n, terms, biases, chain, casts)
 
 
 def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_sums: bool) -> _ReduceScatterMatch:
@@ -183,7 +190,11 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
     terms: List[_Term] = []
     biases: List[Node] = []
     chain: List[Node] = []
-    _collect_terms(partial, rows, n, terms, biases, chain)
+    casts: List[Node] = []
+    _collect_terms(partial, rows, n, terms, biases, chain, casts)
+    out_dtype = None
+    if casts:  # the matmuls run in the cast's source dtype, the reduction in ``dtype``
+        out_dtype, dtype = dtype, m.val(casts[0].args[0]).dtype
     if len(terms) > 1 and not fuse_sums:
         raise Skip("sum of matmuls (FLUXINDUCTOR_FUSE_MATMUL_SUMS=0)", f"{len(terms)} terms")
     if len(biases) > 1:
@@ -210,7 +221,7 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
                 lead_args = size_args[:-1]
                 break
     return _ReduceScatterMatch(wait, terms, bias, reduce_op, scatter_dim, group_name, partial_shape,
-                               between + chain, first, lead_args)
+                               between + chain, first, lead_args, out_dtype)
 
 
 def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple, arg: Optional[list]) -> Node:
@@ -253,6 +264,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     out_shape = m.val(match.wait).shape
     n = match.partial_shape[-1]
     plan = m.rows_first(out_shape, match.scatter_dim)
+    out_dtype_arg = () if match.out_dtype is None else (match.out_dtype,)  # the schema's default otherwise
     try:
         with fake_mode:
             if len(match.terms) == 1:
@@ -267,7 +279,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
                 lead = [-1] + [a_val.shape[d] for d in plan[2]]  # [S / world, rest...] of the result
                 a_val = a_val.permute(plan[0]).reshape(-1, sum(ks))
             result_2d = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
-                           match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name)
+                           match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name,
+                           *out_dtype_arg)
             # The result as the graph reads it (a view of the rows-first result).
             result = result_2d if plan is None else result_2d.reshape(lead + [n]).permute(plan[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
@@ -290,7 +303,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
             a_arg = m.call_contiguous(graph, fake_mode, a_arg)
             a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
         fused = graph.call_function(op, (a_arg, w_arg, match.bias, match.reduce_op,
-                                         0 if plan is not None else match.scatter_dim, match.group_name))
+                                         0 if plan is not None else match.scatter_dim, match.group_name)
+                                    + out_dtype_arg)
         fused.meta["val"] = result_2d
         m.copy_debug_meta(fused, match.first)
         out = fused
@@ -304,7 +318,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
     record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}"
                           f"{', rows-first' if plan else ''}, "
-                          f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}")
+                          f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"
+                          f"{f', reduced in {match.out_dtype}' if match.out_dtype is not None else ''}")
 
 
 def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool],
@@ -333,6 +348,8 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
                 weight = (m.val(match.terms[0].weight) if len(match.terms) == 1 else
                           torch.empty((k // world, n), dtype=a.dtype, device="meta"))
+                if match.out_dtype is not None:
+                    weight = None  # an fp32 result: the split transport (bf16 only) is no candidate
                 # A symbolic M (the graph serves every M) is asked as None: "at any M".
                 why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
                                        weight=weight)

@@ -7,6 +7,7 @@ the passes must leave alone, and fusion restricted to the tensor-parallel group 
   the right answer; a compile under other fusion settings must not be served the fused graph.
 * Bad inputs (uneven sequence shards, integer matmuls) compile, run correctly, and are logged as skips.
 * Activation checkpointing: the recomputed forward in the backward graph is fused too.
+* bf16 autocast: the backward's fp32 reduce-scatter of a bf16 matmul is fused (``out_dtype``).
 * 2x2 (dp, tp) mesh on 4 ranks: with the tp group set (``options={"tp_group": mesh["tp"]}`` or
   :func:`fluxinductor.set_tp_group`) only tp collectives are fused, the dp ones are skipped with a reason.
 """
@@ -387,6 +388,58 @@ def test_activation_checkpointing_fuses_the_recomputed_forward_too():
         _assert_ok(r, where)
         check_errors(r["errors"], "fp32", where)
         check_fused(r["stats"], {AG_MM: 3, MM_RS: 2}, where)
+
+
+def _autocast_job(rank: int, world: int) -> Dict[str, object]:
+    """A training step through an SP MLP (fp32 weights and input) under bf16 autocast, eager and compiled."""
+    import fluxinductor
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x):
+            return x + self.mlp.w2(F.gelu(self.mlp.w1(x)))
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        model = Block()
+        parallelize_module(model.mlp, mesh, {
+            "w1": ColwiseParallel(input_layouts=Shard(1)),
+            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+        x = distribute_tensor(_seeded_full((2, 8, HIDDEN), 700), mesh, [Shard(1)]).requires_grad_(True)
+        s0 = fluxinductor.rewrite_stats()
+        run = torch.compile(model, backend="flux") if compiled else model
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        out.to_local().float().pow(2).sum().backward()
+        results.append({"out": out.to_local().detach().float(), "x.grad": x.grad.to_local(),
+                        "w1.grad": model.mlp.w1.weight.grad.to_local(), "stats": stats_delta(fluxinductor.rewrite_stats(), s0),
+                        "x.grad dtype": str(x.grad.dtype)})
+    eager, flux = results
+    return {"errors": {k: error_of(flux[k], eager[k]) for k in ("out", "x.grad", "w1.grad")},
+            "stats": flux["stats"], "dtypes": (eager["x.grad dtype"], flux["x.grad dtype"])}
+
+
+def test_autocast_backward_reduce_scatter_in_fp32_is_fused():
+    """Under bf16 autocast the backward reduce-scatters the input gradient in fp32 (a bf16 mm cast up): that GEMM+RS is
+    fused with out_dtype=float32 like the forward's, within bf16 tolerance of eager autocast."""
+    for rank, r in enumerate(run_ranks(_autocast_job, 2, timeout=300)):
+        where = f"autocast rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "bf16", where)
+        check_fused(r["stats"], {AG_MM: 2, MM_RS: 2}, where)
+        assert r["stats"]["skipped"].get(MM_RS, {}) == {}, f"{where}: {r['stats']}"
+        assert r["dtypes"] == ("torch.float32", "torch.float32")
 
 
 # ---------------------------------------------------------------------------------------------------

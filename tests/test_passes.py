@@ -1041,14 +1041,39 @@ def test_symbolic_batch_and_sequence_rows_first_world1():
             assert ((g - e).norm() / e.norm()).item() < 1e-5
 
 
-def test_reduce_scatter_after_dtype_cast_skipped():
-    """Autocast backward: a bf16 mm cast to fp32 and reduced in fp32.  Fusing would reduce in bf16."""
+def test_reduce_scatter_after_bf16_to_fp32_cast_fused_with_out_dtype():
+    """Autocast backward: a bf16 mm (here with a bias) cast to fp32 and reduced in fp32.  The op takes
+    out_dtype=float32: the partials are bf16 as in the graph, the reduction and the result fp32."""
 
-    def fn(a, w):
-        y = torch.ops.prims.convert_element_type.default(aten.mm.default(a, w), torch.float32)
+    def fn(a, w, b):
+        y = torch.ops.prims.convert_element_type.default(aten.addmm.default(b, a, w), torch.float32)
         return reduce_scatter(y, 0, WORLD, group())
 
-    gm = trace(fn, torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16))
+    args = (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
+            torch.randn(4, dtype=torch.bfloat16))
+    gm = trace(fn, *args)
+    original = trace(fn, *args)
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1 and skipped("matmul_reduce_scatter") == {}
+    (op,) = nodes(gm, MM_RS)
+    assert op.args[6] == torch.float32 and op.meta["val"].dtype == torch.float32
+    assert count(gm, torch.ops.prims.convert_element_type.default) == 0
+    assert_all_vals(gm)
+    got, expected = gm(*args), original(*args)
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the decomposition computes what the graph did
+
+
+@pytest.mark.parametrize("source, target", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16),
+                                            (torch.float32, torch.bfloat16)])
+def test_reduce_scatter_after_other_dtype_casts_skipped(source, target):
+    """Only bf16 -> fp32 has a kernel; fp16 -> fp32 would run decomposed, and a downcast is not what autocast does."""
+
+    def fn(a, w):
+        y = torch.ops.prims.convert_element_type.default(aten.mm.default(a, w), target)
+        return reduce_scatter(y, 0, WORLD, group())
+
+    gm = trace(fn, torch.randn(8, 16, dtype=source), torch.randn(16, 4, dtype=source))
     run_passes(gm)
     assert fused("matmul_reduce_scatter") == 0
     assert skipped("matmul_reduce_scatter") == {"dtype cast between matmul and reduce_scatter": 1}

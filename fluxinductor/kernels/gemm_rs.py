@@ -162,6 +162,8 @@ def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Option
         return "bias is not 16-byte aligned"
     if out is not None and (out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16):
         return "out is not a 16-byte aligned row-major tensor with a row stride of a multiple of 8"
+    if out is not None and out.dtype != weight.dtype:
+        return f"the split transport writes {weight.dtype}, not {out.dtype}"
     return None
 
 
@@ -296,7 +298,7 @@ def launch(
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
-        config,
+        config, out.dtype != a.dtype,
     )
 
 
@@ -450,9 +452,11 @@ _world_sizes: Dict[str, int] = {}
 
 
 def unsupported_reason(
-    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: Optional[str]
+    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: Optional[str],
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Optional[str]:
-    """None when the fused kernel can run this call, else why not (cheap, never collective)."""
+    """None when the fused kernel can run this call, else why not (cheap, never collective).  ``out_dtype``: the
+    result's dtype when it is not the operands' (torch.float32 with bf16 operands: see :func:`matmul_reduce_scatter`)."""
     try:
         _extension()
     except RuntimeError as e:
@@ -471,6 +475,8 @@ def unsupported_reason(
         return "CUDA graph capture is not supported by the GEMM+RS kernel (per-call epoch on the host)"
     if a2d.dtype not in _DTYPES or weight.dtype != a2d.dtype:
         return f"dtypes {a2d.dtype}/{weight.dtype}: the kernel takes bf16 or fp16, both operands the same"
+    if out_dtype not in (None, a2d.dtype) and not (out_dtype == torch.float32 and a2d.dtype == torch.bfloat16):
+        return f"a {out_dtype} result of {a2d.dtype} operands (the kernel writes the operands' dtype, or fp32 from bf16)"
     if a2d.dim() != 2 or weight.dim() != 2 or a2d.shape[1] != weight.shape[0]:
         return f"shapes {tuple(a2d.shape)} @ {tuple(weight.shape)} are not a 2-D matmul"
     if reduce_op not in REDUCE_OPS:
@@ -521,7 +527,8 @@ def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tens
 
 def matmul_reduce_scatter(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *,
-    out: Optional[Tensor] = None, checked: bool = False, transport: str = "store", split_config_choice: Optional[int] = None
+    out: Optional[Tensor] = None, checked: bool = False, transport: str = "store", split_config_choice: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
 
@@ -533,9 +540,14 @@ def matmul_reduce_scatter(
     dispatcher does), so it is not asked again.  ``transport``: "store", "copy" or "split", used unless
     FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
     split transport cannot take runs with "copy" (logged).  ``split_config_choice``: the split GEMMs' configuration
-    the cost model picked for the shape (see :func:`resolve_split_config`).
+    the cost model picked for the shape (see :func:`resolve_split_config`).  ``out_dtype`` (or ``out``'s dtype):
+    torch.float32 with bf16 operands reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's
+    partial is rounded to bf16 (and crosses as bf16, half the bytes of the fp32 reduce-scatter), the sum is fp32.
+    The split transport writes the operands' dtype only: such calls take "copy".
     """
-    reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name)
+    if out is not None:
+        out_dtype = out.dtype
+    reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
     state = _state(group_name, a2d.device)
@@ -545,7 +557,7 @@ def matmul_reduce_scatter(
     n = weight.shape[1]
     world = state.world
     if out is None:
-        out = torch.empty((m // world, n), dtype=a2d.dtype, device=a2d.device)
+        out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
     mode = push_mode(transport) if world > 1 else "store"
     if mode == "split":
         reason = split_reason(world, weight, bias, out)
@@ -554,7 +566,10 @@ def matmul_reduce_scatter(
             mode = "copy"
     copy = state.copy_workspace() if mode != "store" else None
     config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
-    sig = signature(m, n, k, world, a2d.dtype, f"{mode}{config or ''}/{bands()}" if copy is not None else "store")
+    transport_sig = f"{mode}{config or ''}/{bands()}" if copy is not None else "store"
+    if out.dtype != a2d.dtype:
+        transport_sig += f"/{out.dtype}"
+    sig = signature(m, n, k, world, a2d.dtype, transport_sig)
     state.agree(sig)
     _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
     state.reserve(nbytes)
@@ -586,7 +601,7 @@ _split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
               split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0,
-              split_config_choice: Optional[int] = None) -> Tensor:
+              split_config_choice: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
 
     ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
@@ -594,7 +609,9 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`; ``split_config_choice`` as for
     :func:`matmul_reduce_scatter`.  A kernel error (a tail split's
     timed-out wait) is reported by :func:`check_gemm_only`."""
-    reason = unsupported_reason(a2d, weight, bias, "sum", None)
+    if out is not None:
+        out_dtype = out.dtype
+    reason = unsupported_reason(a2d, weight, bias, "sum", None, out_dtype)
     if reason is None and split:
         reason = split_reason(2, weight, bias, out)
         if reason is None and a2d.shape[0] < 2:
@@ -605,7 +622,9 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     m = a2d.shape[0]
     n = weight.shape[1]
     if out is None:
-        out = torch.empty((m, n), dtype=a2d.dtype, device=a2d.device)
+        out = torch.empty((m, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
+    if split and out.dtype != a2d.dtype:
+        raise ValueError(f"gemm_only cannot run: {split_reason(2, weight, bias, out)}")
     zeros = None
     if split:
         key = (a2d.device.index, a2d.dtype, n)

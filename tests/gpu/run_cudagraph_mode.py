@@ -1,6 +1,10 @@
-"""torch.compile(backend="flux", mode="reduce-overhead") on one GPU (a one-rank NCCL group): the fused ops run their
-kernels on every call while inductor captures the rest of the graph in CUDA graphs (the ops are tagged
-cudagraph_unsafe, so the graph is partitioned around them).  Prints "CUDAGRAPH MODE OK" at the end.
+"""torch.compile(backend="flux") on one GPU (a one-rank NCCL group), with FLUXINDUCTOR_DISPATCH=fused:
+
+* mode="reduce-overhead": the fused ops run their kernels on every call while inductor captures the rest of the
+  graph in CUDA graphs (the ops are tagged cudagraph_unsafe, so the graph is partitioned around them); prints
+  "CUDAGRAPH MODE OK";
+* a training step under bf16 autocast (fp32 weights and input): the backward's fp32 reduce-scatter of a bf16 matmul
+  runs the GEMM+RS kernel with an fp32 output; prints "AUTOCAST OK".
 
     FLUXINDUCTOR_DISPATCH=fused python tests/gpu/run_cudagraph_mode.py
 """
@@ -13,17 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def main():
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+hidden, ffn, tokens = 512, 1536, 1000  # 1000 rows: not a multiple of the tile
+
+
+def make_block(group):
     import torch.distributed._functional_collectives as funcol
-    from torch._dynamo.utils import counters
-
-    import fluxinductor
-
-    group = dist.group.WORLD
-    hidden, ffn, tokens = 512, 1536, 1000  # 1000 rows: not a multiple of the tile
 
     class Block(nn.Module):
         def __init__(self):
@@ -36,6 +34,15 @@ def main():
             partial = self.w2(F.gelu(self.w1(gathered)))
             return x + funcol.reduce_scatter_tensor(partial, "sum", 0, group)
 
+    return Block
+
+
+def reduce_overhead(device, group):
+    from torch._dynamo.utils import counters
+
+    import fluxinductor
+
+    Block = make_block(group)
     torch.manual_seed(0)
     reference = Block().to(device)
     model = Block().to(device, torch.bfloat16)
@@ -61,8 +68,50 @@ def main():
     assert stats["fallbacks"] == {}, stats["fallbacks"]
     assert counters["inductor"]["cudagraph_skips"] == 0, counters["inductor"]
     assert counters["inductor"]["cudagraph_partitions"] >= 2, counters["inductor"]  # captured around the ops
-    dist.destroy_process_group()
     print("CUDAGRAPH MODE OK", flush=True)
+
+
+def autocast_training(device, group):
+    import fluxinductor
+
+    Block = make_block(group)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        model = Block().to(device)  # fp32 weights
+        x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+        fluxinductor.reset_rewrite_stats()
+        run = torch.compile(model, backend="flux") if compiled else model
+        for _ in range(2):  # a second step: the compiled graphs again, with the kernels' buffers reused
+            x.grad = None
+            model.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = run(x)
+            out.float().pow(2).mean().backward()
+        results.append((out.float().detach(), x.grad.clone(), model.w1.weight.grad.clone(),
+                        fluxinductor.rewrite_stats()))
+    (o0, gx0, gw0, _), (o1, gx1, gw1, stats) = results
+    errors = {name: ((b - a).norm() / a.norm()).item() for name, a, b in
+              (("out", o0, o1), ("x.grad", gx0, gx1), ("w1.grad", gw0, gw1))}
+    print("autocast errors:", errors)
+    print("autocast stats:", stats)
+    assert gx1.dtype == torch.float32
+    assert all(e <= 2e-2 for e in errors.values()), errors
+    assert stats["fused"].get("matmul_reduce_scatter", 0) == 2, stats  # the forward's and the backward's fp32 one
+    assert stats["skipped"].get("matmul_reduce_scatter", {}) == {}, stats
+    assert stats["fallbacks"] == {}, stats["fallbacks"]  # every call ran a fused kernel
+    print("AUTOCAST OK", flush=True)
+
+
+def main():
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    group = dist.group.WORLD
+    reduce_overhead(device, group)
+    autocast_training(device, group)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""``mode="reduce-overhead"``: CUDA graphs around the fused ops, whose kernels still run (tests/gpu/run_cudagraph_mode.py
-in a fresh process: it makes a one-rank NCCL group)."""
+"""``mode="reduce-overhead"``: CUDA graphs around the fused ops, whose kernels still run; bf16 autocast: the backward's
+fp32 reduce-scatter runs the GEMM+RS kernel with an fp32 output (tests/gpu/run_cudagraph_mode.py in a fresh process:
+it makes a one-rank NCCL group)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_captures_around_the_fused_ops():
+def test_reduce_overhead_and_autocast_on_one_rank():
     env = dict(os.environ, FLUXINDUCTOR_DISPATCH="fused")
     run = subprocess.run([sys.executable, os.path.join(HERE, "run_cudagraph_mode.py")], env=env, capture_output=True,
                          text=True, timeout=300)
-    assert run.returncode == 0 and "CUDAGRAPH MODE OK" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]
+    ok = run.returncode == 0 and "CUDAGRAPH MODE OK" in run.stdout and "AUTOCAST OK" in run.stdout
+    assert ok, run.stdout[-4000:] + run.stderr[-4000:]

@@ -158,11 +158,12 @@ def _sm_budget(world, split):
 
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
-              copy_engine=False, split=False, streams=None, tail_split=None):
+              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy).
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
-    environment's).  streams: each rank's stream (default: new ones)."""
+    environment's).  streams: each rank's stream (default: new ones).  out_dtype (float32): the reduction autocast
+    makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -174,7 +175,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
     copy_engine = copy_engine or split
-    _load_kernels("split" if split else "copy" if copy_engine else "store", dtype, k_major)
+    _load_kernels("split" if split else "copy" if copy_engine else "store", dtype, k_major, out_dtype)
     copies = [gemm_rs.CopyEngineWorkspace(device, world) for _ in range(world)] if copy_engine else [None] * world
     worst = 0.0
     for call in range(1, calls + 1):
@@ -182,10 +183,13 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
         a = [torch.randn(m, k, dtype=dtype, device=device) for _ in range(world)]
         w = [make_weight(k, n, k_major, dtype, device) for _ in range(world)]
         bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
-        ref = sum(a[r].float() @ w[r].float() + (bias.float() if with_bias else 0) for r in range(world))
+        partials = [a[r].float() @ w[r].float() + (bias.float() if with_bias else 0) for r in range(world)]
+        if out_dtype is not None:
+            partials = [p.to(dtype).float() for p in partials]
+        ref = sum(partials)
         if reduce_op == "avg":
             ref = ref / world
-        outs = [torch.full((m // world, n), float("nan"), dtype=dtype, device=device) for _ in range(world)]
+        outs = [torch.full((m // world, n), float("nan"), dtype=out_dtype or dtype, device=device) for _ in range(world)]
         torch.cuda.synchronize()
         for r in range(world):
             with torch.cuda.stream(streams[r]):
@@ -207,7 +211,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
 _loaded = set()
 
 
-def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2, k_major=True):
+def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2, k_major=True, out_dtype=None):
     """Rank 0 of a `world`-rank call runs alone (its peers never enter): returns the error code it leaves behind."""
     from fluxinductor.kernels import gemm_rs
 
@@ -217,7 +221,7 @@ def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=
     error = gemm_rs.ErrorWord()
     a = torch.randn(m, k, dtype=dtype, device="cuda")
     w = make_weight(k, n, k_major, dtype, "cuda")
-    out = torch.empty((m // world, n), dtype=dtype, device="cuda")
+    out = torch.empty((m // world, n), dtype=out_dtype or dtype, device="cuda")
     gemm_rs.launch(
         a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
         sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=timeout,
@@ -228,19 +232,19 @@ def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=
     return error.read()
 
 
-def _load_kernels(transport, dtype, k_major=True):
+def _load_kernels(transport, dtype, k_major=True, out_dtype=None):
     """Run rank 0 of a call alone once per transport, dtype and weight layout (3 ranks for the split transport, so
     its relay GEMM runs too), so CUDA's lazy loading has loaded the kernels before simulated ranks wait on each
     other: a first launch while another rank's kernel spins on this GPU stalled until the handshake timed out (seen
     on H200: the first split case of each dtype failed with code 1, and test_n_ranks_one_gpu_layouts with code 3
     when it ran without the tests before it).  The lone rank's handshake times out and its kernels stop waiting
     since the call is aborted."""
-    if (transport, dtype, k_major) in _loaded:
+    if (transport, dtype, k_major, out_dtype) in _loaded:
         return
     code = _lone_rank_call(transport, dtype, timeout=50_000_000, world=3 if transport == "split" else 2,
-                           k_major=k_major)
+                           k_major=k_major, out_dtype=out_dtype)
     assert code == 1, code
-    _loaded.add((transport, dtype, k_major))
+    _loaded.add((transport, dtype, k_major, out_dtype))
 
 
 @_gpu
@@ -249,6 +253,45 @@ def _load_kernels(transport, dtype, k_major=True):
 def test_n_ranks_one_gpu(world, reduce_op):
     # 200 rows per rank: not a multiple of the 128-row tile; N=520 leaves a partial 256-column tile.
     assert _simulate(world, 200 * world, 264, 520, reduce_op=reduce_op) < 1e-2
+
+
+@_gpu
+@pytest.mark.parametrize("copy_engine", [False, True])
+@pytest.mark.parametrize("k_major", [True, False])
+@pytest.mark.parametrize("world,reduce_op", [(2, "sum"), (4, "avg")])
+def test_fp32_output_n_ranks_one_gpu(copy_engine, k_major, world, reduce_op):
+    """Autocast's fp32 reduction of bf16 partials: the result is the fp32 sum of the bf16-rounded partials.  1e-4 is
+    well under one bf16 rounding of the result (~2e-3 relative): a bf16 output or a bf16 sum would fail it."""
+    assert _simulate(world, 200 * world, 264, 520, k_major=k_major, reduce_op=reduce_op, copy_engine=copy_engine,
+                     out_dtype=torch.float32) < 1e-4
+
+
+@_gpu
+def test_fp32_output_comm_off_and_refusals():
+    from fluxinductor.kernels import gemm_rs
+
+    torch.manual_seed(3)
+    a = torch.randn(1000, 264, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(264, 520, True, torch.bfloat16, "cuda")
+    bias = torch.randn(520, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1000, 520), float("nan"), dtype=torch.float32, device="cuda")
+    gemm_rs.gemm_only(a, w, bias, out=out)
+    ref = (a.float() @ w.float() + bias.float()).to(torch.bfloat16).float()
+    assert not out.isnan().any() and relative_error(out, ref) < 1e-4
+    assert gemm_rs.gemm_only(a, w, None, out_dtype=torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="split transport writes torch.bfloat16"):
+        gemm_rs.gemm_only(a, w, None, split=True, out_dtype=torch.float32)
+    # fp16 operands have no fp32-output kernel; nor does a downcast
+    assert "fp32 from bf16" in gemm_rs.unsupported_reason(a.half(), w.half(), None, "sum", None, torch.float32)
+    assert "fp32 from bf16" in gemm_rs.unsupported_reason(a, w, None, "sum", None, torch.float16)
+    # the kernel itself refuses the split transport with an fp32 output instead of writing bf16 into it
+    buffers = [torch.zeros(gemm_rs.buffer_layout(1000, 520, 2, torch.bfloat16)[2], dtype=torch.uint8, device="cuda")
+               for _ in range(2)]
+    with pytest.raises(RuntimeError, match="fp32 output is built for bf16 operands with the store or copy"):
+        gemm_rs.launch(a, w, None, torch.empty((500, 520), device="cuda"), m=1000, world=2, rank=0,
+                       buffers=[b.data_ptr() for b in buffers], epoch=1, sig=0,
+                       error_address=gemm_rs.ErrorWord().device, copy=gemm_rs.CopyEngineWorkspace(a.device, 2),
+                       split=True)
 
 
 @_gpu

@@ -244,7 +244,10 @@ class RotatedTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persisten
 // Epilogue.
 // ---------------------------------------------------------------------------------------------------
 
-template <class Element>
+// ElementOut: the type of `out` (the own segment's reduced rows); peer slots, the outbox and the bias are Element.
+// float with bf16 operands: the partials cross as bf16 and their sum is stored in fp32, as a bf16 matmul cast to fp32
+// and then reduced (autocast) computes it.
+template <class Element, class ElementOut = Element>
 struct GemmRsEpilogueArguments {
   char* buffers[kRsMaxWorld] = {};  // every rank's symmetric buffer base (as mapped on this rank)
   int64_t flags_offset = 0;         // bytes into a buffer
@@ -255,7 +258,7 @@ struct GemmRsEpilogueArguments {
   int tiles_n = 0;
   uint32_t epoch = 0;
   Element const* bias = nullptr;    // [N] or null
-  Element* out = nullptr;           // [M/world, N]
+  ElementOut* out = nullptr;        // [M/world, N]
   int64_t ldo = 0;
   float out_scale = 1.f;
   int32_t* error = nullptr;
@@ -281,17 +284,17 @@ constexpr int default_sub_n() {
 }
 
 template <class Element_, int TileM_, int TileN_, int Threads_, bool AsyncPush_ = false,
-          int SubN_ = default_sub_n<TileN_>()>
+          int SubN_ = default_sub_n<TileN_>(), class ElementOut_ = Element_>
 class GemmRsEpilogue {
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
-  using ElementOutput = Element_;
+  using ElementOutput = ElementOut_;
   using ElementAccumulator = float;
   using ElementCompute = float;
   using ElementScalar = float;
   using ElementC = Element_;
-  using ElementD = Element_;
+  using ElementD = ElementOut_;
   using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
   using StrideD = StrideC;
   using GmemTiledCopyC = void;
@@ -317,7 +320,8 @@ class GemmRsEpilogue {
     alignas(128) Element_ tile[kTileM * kPitch];  // one column subtile
   };
   using TensorStorage = SharedStorage;
-  using Arguments = GemmRsEpilogueArguments<Element_>;
+  using Arguments = GemmRsEpilogueArguments<Element_, ElementOut_>;
+  using OutVec = cutlass::AlignedArray<ElementOut_, kVec, 16>;  // kVec outputs: one or two 16-byte stores
   using Params = Arguments;
 
   template <class ProblemShape>
@@ -390,10 +394,12 @@ class GemmRsEpilogue {
     int64_t const tile_flag = copy_engine ? int64_t(band) : int64_t(m_coord) * p_.tiles_n + int64_t(n_coord);
     int64_t const flags_per_src = int64_t(p_.tiles_m) * p_.tiles_n;
 
-    Element_* dst;
+    bool const to_out = own || !comm;  // this tile's rows are this rank's result: `out` (ElementOut_)
+    Element_* dst = nullptr;           // else: a peer's slot or the outbox (Element_)
+    ElementOut_* out = nullptr;
     int64_t ld;
-    if (own || !comm) {
-      dst = p_.out;
+    if (to_out) {
+      out = p_.out;
       ld = p_.ldo;
     } else if (copy_engine) {
       dst = p_.outbox + int64_t(segment) * slot_elems;
@@ -402,7 +408,7 @@ class GemmRsEpilogue {
       dst = reinterpret_cast<Element_*>(p_.buffers[segment] + p_.data_offset) + int64_t(p_.rank) * slot_elems;
       ld = N;
     }
-    float const scale = (own || !comm) ? p_.out_scale : 1.f;
+    float const scale = to_out ? p_.out_scale : 1.f;
     bool const vec = (N % kVec == 0) && (ld % kVec == 0);
     bool const push = comm && !own && active && !copy_engine;  // this tile goes to a peer by SM stores
     bool const bulk = kAsyncPush && push && vec;  // ... by bulk copies (16-byte multiples and alignment)
@@ -473,7 +479,7 @@ class GemmRsEpilogue {
           rs_bulk_wait_read();  // the subtile may be overwritten once every row was read
         }
       } else if (vec && peer_slots != nullptr) {
-        reduce_own_subtile(stage, peer_slots, slot_elems, N, dst, ld, row0, col0, sub0, rows, cols, scale,
+        reduce_own_subtile(stage, peer_slots, slot_elems, N, out, ld, row0, col0, sub0, rows, cols, scale,
                            thread_idx);
       } else if (own || !comm || active || copy_engine) {
         CUTLASS_PRAGMA_NO_UNROLL
@@ -486,13 +492,14 @@ class GemmRsEpilogue {
           Element_ const* src = stage + r * kPitch + (c - sub0);
           int64_t const grow = int64_t(row0 + r);
           int const gcol = col0 + c;
-          if (vec) {
+          if (vec && !to_out) {
+            *reinterpret_cast<uint4*>(dst + grow * ld + gcol) = *reinterpret_cast<uint4 const*>(src);
+          } else if (vec) {  // an own tile with the peers' parts took reduce_own_subtile above
             cutlass::Array<Element_, kVec> v = *reinterpret_cast<cutlass::Array<Element_, kVec> const*>(src);
-            if (scale != 1.f) {  // an own tile with the peers' parts took reduce_own_subtile above
-              CUTLASS_PRAGMA_UNROLL
-              for (int j = 0; j < kVec; ++j) v[j] = Element_(float(v[j]) * scale);
-            }
-            *reinterpret_cast<uint4*>(dst + grow * ld + gcol) = reinterpret_cast<uint4 const&>(v);
+            OutVec o;
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < kVec; ++j) o[j] = ElementOut_(float(v[j]) * scale);
+            store_out(out + grow * ld + gcol, o);
           } else {
             for (int j = 0; j < kVec && c + j < cols; ++j) {
               float acc = float(src[j]);
@@ -501,7 +508,11 @@ class GemmRsEpilogue {
                   if (q != p_.rank) acc += float(load_cg(peer_slots + int64_t(q) * slot_elems + grow * N + gcol + j));
                 }
               }
-              dst[grow * ld + gcol + j] = Element_(acc * scale);
+              if (to_out) {
+                out[grow * ld + gcol + j] = ElementOut_(acc * scale);
+              } else {
+                dst[grow * ld + gcol + j] = Element_(acc);  // scale is 1 for a peer's part
+              }
             }
           }
         }
@@ -537,8 +548,17 @@ class GemmRsEpilogue {
   // per 128x128 tile, each load waited for in turn).
   static constexpr int kReduceBatch = 4;
 
+  // kVec outputs at a 16-byte aligned address (out rows are multiples of kVec elements where this is used).
+  CUTLASS_DEVICE static void store_out(ElementOut_* p, OutVec const& o) {
+    static_assert(sizeof(OutVec) % 16 == 0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int w = 0; w < int(sizeof(OutVec) / 16); ++w) {
+      reinterpret_cast<uint4*>(p)[w] = reinterpret_cast<uint4 const*>(&o)[w];
+    }
+  }
+
   CUTLASS_DEVICE void reduce_own_subtile(Element_ const* stage, Element_ const* peer_slots, int64_t slot_elems,
-                                         int N, Element_* dst, int64_t ld, int row0, int col0, int sub0, int rows,
+                                         int N, ElementOut_* dst, int64_t ld, int row0, int col0, int sub0, int rows,
                                          int cols, float scale, int thread_idx) const {
     constexpr int kChunks = kTileM * kChunksPerRow;
     using Vec = cutlass::Array<Element_, kVec>;
@@ -582,10 +602,10 @@ class GemmRsEpilogue {
       CUTLASS_PRAGMA_UNROLL
       for (int b = 0; b < kReduceBatch; ++b) {
         if (offset[b] >= 0) {
-          Vec v;
+          OutVec o;
           CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kVec; ++j) v[j] = Element_(acc[b][j] * scale);
-          *reinterpret_cast<uint4*>(dst + out_offset[b]) = reinterpret_cast<uint4 const&>(v);
+          for (int j = 0; j < kVec; ++j) o[j] = ElementOut_(acc[b][j] * scale);
+          store_out(dst + out_offset[b], o);
         }
       }
     }
