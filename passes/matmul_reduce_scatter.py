@@ -33,6 +33,13 @@ becomes::
     a   = reshape(cat([a_q, a_k, a_v], 1), [B, S, K_q + K_k + K_v])
     out = fluxinductor.matmul_reduce_scatter(a, cat([W_q, W_k, W_v], 0), None, "sum", 1, group)
 
+Under bf16 autocast the backward reduces a bf16 matmul in fp32 (the input it differentiates was fp32)::
+
+    out = wait_tensor(reduce_scatter_tensor(convert_element_type(mm(a, W), float32), "sum", world, group))
+
+becomes ``fluxinductor.matmul_reduce_scatter(a, W, None, "sum", 0, group, out_dtype=float32)``: the partials stay
+bf16, as the graph rounds them, and are summed into an fp32 result.  Other casts are left alone.
+
 With scatter_dim 0 the reduce_scatter reads the matmul output directly (2-D), or through a reshape
 chain to [..., N] (e.g. [S, B, N] for sequence-first activations); the op then gets ``a`` reshaped to
 [..., K] and scatter_dim 0.  The bias is added on every rank before the reduction, exactly as

@@ -11,10 +11,16 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+import os
+import tempfile
+
+# A fresh inductor cache: a graph served from an earlier run's FX graph cache runs no pass, so nothing would be counted.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fluxinductor-one-rank-")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 hidden, ffn, tokens = 512, 1536, 1000  # 1000 rows: not a multiple of the tile
@@ -73,7 +79,17 @@ def reduce_overhead(device, group):
 
 def autocast_training(device, group):
     import fluxinductor
+    from fluxinductor.kernels import gemm_rs
 
+    # Which GEMM+RS kernels ran: (operand dtype, result dtype) per launch.
+    launched = []
+    launch = gemm_rs.launch
+
+    def counting_launch(a, weight, bias, out, **kw):
+        launched.append((a.dtype, out.dtype))
+        return launch(a, weight, bias, out, **kw)
+
+    gemm_rs.launch = counting_launch
     Block = make_block(group)
     results = []
     for compiled in (False, True):
@@ -101,6 +117,10 @@ def autocast_training(device, group):
     assert stats["fused"].get("matmul_reduce_scatter", 0) == 2, stats  # the forward's and the backward's fp32 one
     assert stats["skipped"].get("matmul_reduce_scatter", {}) == {}, stats
     assert stats["fallbacks"] == {}, stats["fallbacks"]  # every call ran a fused kernel
+    print("GEMM+RS launches (operands, result):", launched)
+    assert launched.count((torch.bfloat16, torch.float32)) == 2, launched  # the backward's, in both steps
+    assert launched.count((torch.bfloat16, torch.bfloat16)) == 2, launched  # the forward's
+    gemm_rs.launch = launch
     print("AUTOCAST OK", flush=True)
 
 
