@@ -423,7 +423,8 @@ def _autocast_job(rank: int, world: int) -> Dict[str, object]:
             out = run(x)
         out.to_local().float().pow(2).sum().backward()
         results.append({"out": out.to_local().detach().float(), "x.grad": x.grad.to_local(),
-                        "w1.grad": model.mlp.w1.weight.grad.to_local(), "stats": stats_delta(fluxinductor.rewrite_stats(), s0),
+                        "w1.grad": model.mlp.w1.weight.grad.to_local(),
+                        "stats": stats_delta(fluxinductor.rewrite_stats(), s0),
                         "x.grad dtype": str(x.grad.dtype)})
     eager, flux = results
     return {"errors": {k: error_of(flux[k], eager[k]) for k in ("out", "x.grad", "w1.grad")},

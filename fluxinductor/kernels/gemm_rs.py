@@ -456,7 +456,7 @@ def unsupported_reason(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Optional[str]:
     """None when the fused kernel can run this call, else why not (cheap, never collective).  ``out_dtype``: the
-    result's dtype when it is not the operands' (torch.float32 with bf16 operands: see :func:`matmul_reduce_scatter`)."""
+    result's dtype when it is not the operands' (float32 with bf16 operands: see :func:`matmul_reduce_scatter`)."""
     try:
         _extension()
     except RuntimeError as e:
@@ -476,7 +476,8 @@ def unsupported_reason(
     if a2d.dtype not in _DTYPES or weight.dtype != a2d.dtype:
         return f"dtypes {a2d.dtype}/{weight.dtype}: the kernel takes bf16 or fp16, both operands the same"
     if out_dtype not in (None, a2d.dtype) and not (out_dtype == torch.float32 and a2d.dtype == torch.bfloat16):
-        return f"a {out_dtype} result of {a2d.dtype} operands (the kernel writes the operands' dtype, or fp32 from bf16)"
+        return (f"a {out_dtype} result of {a2d.dtype} operands (the kernel writes the operands' dtype, or fp32 from "
+                "bf16)")
     if a2d.dim() != 2 or weight.dim() != 2 or a2d.shape[1] != weight.shape[0]:
         return f"shapes {tuple(a2d.shape)} @ {tuple(weight.shape)} are not a 2-D matmul"
     if reduce_op not in REDUCE_OPS:

@@ -189,7 +189,8 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
         ref = sum(partials)
         if reduce_op == "avg":
             ref = ref / world
-        outs = [torch.full((m // world, n), float("nan"), dtype=out_dtype or dtype, device=device) for _ in range(world)]
+        outs = [torch.full((m // world, n), float("nan"), dtype=out_dtype or dtype, device=device)
+                for _ in range(world)]
         torch.cuda.synchronize()
         for r in range(world):
             with torch.cuda.stream(streams[r]):
