@@ -292,31 +292,44 @@ def test_integer_matmul_is_skipped_and_exact():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _rows_first_job(rank: int, world: int) -> Dict[str, object]:
-    """Inference through an SP MLP block with a residual, B = 4, capturing inductor's generated code."""
-    import fluxinductor
+def _sp_block(mesh, checkpointed: bool = False) -> nn.Module:
+    """``x + w2(gelu(w1(x)))`` with the MLP sequence-parallel on ``mesh`` (x: [B, S/world, H] sharded on S); the MLP
+    under activation checkpointing when ``checkpointed``."""
     import torch.nn.functional as F
-    from torch._inductor.utils import run_and_get_code
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.utils.checkpoint import checkpoint
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.mlp = MLP()
 
-        def forward(self, x):
-            return x + self.mlp.w2(F.gelu(self.mlp.w1(x)))
+        def mlp_out(self, x):
+            return self.mlp.w2(F.gelu(self.mlp.w1(x)))
 
-    mesh = init_device_mesh("cpu", (world,))
-    torch._dynamo.reset()
-    torch.manual_seed(5)
+        def forward(self, x):
+            return x + (checkpoint(self.mlp_out, x, use_reentrant=False) if checkpointed else self.mlp_out(x))
+
     model = Block()
     parallelize_module(model.mlp, mesh, {
         "w1": ColwiseParallel(input_layouts=Shard(1)),
         "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     })
+    return model
+
+
+def _rows_first_job(rank: int, world: int) -> Dict[str, object]:
+    """Inference through an SP MLP block with a residual, B = 4, capturing inductor's generated code."""
+    import fluxinductor
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    model = _sp_block(mesh)
     x = distribute_tensor(_seeded_full((4, 8, HIDDEN), 500), mesh, [Shard(1)])
     s0 = fluxinductor.rewrite_stats()
     with torch.no_grad():
@@ -341,100 +354,49 @@ def test_sequence_dim_with_batch_runs_rows_first_without_copies():
         assert len(calls) == 3, f"{where}: {calls}"
 
 
-def _checkpoint_job(rank: int, world: int) -> Dict[str, object]:
-    """A training step through an SP MLP under activation checkpointing, eager and compiled."""
+def _training_step_job(rank: int, world: int, case: str) -> Dict[str, object]:
+    """One training step through the SP MLP block, eager then compiled: ``case`` "checkpoint" (the MLP under activation
+    checkpointing) or "autocast" (fp32 weights and input, bf16 autocast)."""
+    import contextlib
+
     import fluxinductor
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torch.utils.checkpoint import checkpoint
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = MLP()
-
-        def forward(self, x):
-            return x + checkpoint(lambda t: self.mlp.w2(F.gelu(self.mlp.w1(t))), x, use_reentrant=False)
 
     mesh = init_device_mesh("cpu", (world,))
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(5)
-        model = Block()
-        parallelize_module(model.mlp, mesh, {
-            "w1": ColwiseParallel(input_layouts=Shard(1)),
-            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        })
+        model = _sp_block(mesh, checkpointed=case == "checkpoint")
         x = distribute_tensor(_seeded_full((2, 8, HIDDEN), 600), mesh, [Shard(1)]).requires_grad_(True)
         s0 = fluxinductor.rewrite_stats()
-        out = (torch.compile(model, backend="flux") if compiled else model)(x)
-        out.to_local().pow(2).sum().backward()
-        results.append({"out": out.to_local().detach(), "w1.grad": model.mlp.w1.weight.grad.to_local(),
-                        "w2.grad": model.mlp.w2.weight.grad.to_local(), "x.grad": x.grad.to_local(),
-                        "stats": stats_delta(fluxinductor.rewrite_stats(), s0)})
+        run = torch.compile(model, backend="flux") if compiled else model
+        with torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext():
+            out = run(x)
+        out.to_local().float().pow(2).sum().backward()
+        results.append({"out": out.to_local().detach().float(), "x.grad": x.grad.to_local(),
+                        "w1.grad": model.mlp.w1.weight.grad.to_local(), "w2.grad": model.mlp.w2.weight.grad.to_local(),
+                        "stats": stats_delta(fluxinductor.rewrite_stats(), s0), "x.grad dtype": str(x.grad.dtype)})
     eager, flux = results
-    return {"errors": {k: error_of(flux[k], eager[k]) for k in ("out", "w1.grad", "w2.grad", "x.grad")},
-            "stats": flux["stats"]}
+    return {"errors": {k: error_of(flux[k], eager[k]) for k in ("out", "x.grad", "w1.grad", "w2.grad")},
+            "stats": flux["stats"], "dtypes": (eager["x.grad dtype"], flux["x.grad dtype"])}
 
 
 def test_activation_checkpointing_fuses_the_recomputed_forward_too():
     """The backward graph recomputes the checkpointed all-gather -> matmul and fuses it as well: three AG+GEMMs
     (forward, recomputed forward, the gradient's all-gather) and two GEMM+RS, with eager's numerics."""
-    for rank, r in enumerate(run_ranks(_checkpoint_job, 2, timeout=300)):
+    for rank, r in enumerate(run_ranks(_training_step_job, 2, "checkpoint", timeout=300)):
         where = f"checkpoint rank={rank}"
         _assert_ok(r, where)
         check_errors(r["errors"], "fp32", where)
         check_fused(r["stats"], {AG_MM: 3, MM_RS: 2}, where)
 
 
-def _autocast_job(rank: int, world: int) -> Dict[str, object]:
-    """A training step through an SP MLP (fp32 weights and input) under bf16 autocast, eager and compiled."""
-    import fluxinductor
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = MLP()
-
-        def forward(self, x):
-            return x + self.mlp.w2(F.gelu(self.mlp.w1(x)))
-
-    mesh = init_device_mesh("cpu", (world,))
-    results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        torch.manual_seed(5)
-        model = Block()
-        parallelize_module(model.mlp, mesh, {
-            "w1": ColwiseParallel(input_layouts=Shard(1)),
-            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        })
-        x = distribute_tensor(_seeded_full((2, 8, HIDDEN), 700), mesh, [Shard(1)]).requires_grad_(True)
-        s0 = fluxinductor.rewrite_stats()
-        run = torch.compile(model, backend="flux") if compiled else model
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = run(x)
-        out.to_local().float().pow(2).sum().backward()
-        results.append({"out": out.to_local().detach().float(), "x.grad": x.grad.to_local(),
-                        "w1.grad": model.mlp.w1.weight.grad.to_local(),
-                        "stats": stats_delta(fluxinductor.rewrite_stats(), s0),
-                        "x.grad dtype": str(x.grad.dtype)})
-    eager, flux = results
-    return {"errors": {k: error_of(flux[k], eager[k]) for k in ("out", "x.grad", "w1.grad")},
-            "stats": flux["stats"], "dtypes": (eager["x.grad dtype"], flux["x.grad dtype"])}
-
-
 def test_autocast_backward_reduce_scatter_in_fp32_is_fused():
     """Under bf16 autocast the backward reduce-scatters the input gradient in fp32 (a bf16 mm cast up): that GEMM+RS is
     fused with out_dtype=float32 like the forward's, within bf16 tolerance of eager autocast."""
-    for rank, r in enumerate(run_ranks(_autocast_job, 2, timeout=300)):
+    for rank, r in enumerate(run_ranks(_training_step_job, 2, "autocast", timeout=300)):
         where = f"autocast rank={rank}"
         _assert_ok(r, where)
         check_errors(r["errors"], "bf16", where)
