@@ -713,8 +713,8 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
-  if (args.out_float && (args.split || args.dtype != 0)) {
-    return fail("fp32 output is built for bf16 operands with the store or copy transport");
+  if (args.out_float && args.split) {
+    return fail("fp32 output is built for the store and copy transports (the split GEMMs store the operands' dtype)");
   }
   if (args.split) {
     return args.world == 1 ? run_split_nocomm(args, stream) : run_split(args, stream);
@@ -737,9 +737,13 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     return rc;
   }
 #endif
-  if (args.out_float) {
+  if (args.out_float && args.dtype == 0) {
     return args.b_k_major ? run_config<GemmRsConfig<bfloat16_t, ColumnMajor, DefaultShape, float>>(args, stream)
                           : run_config<GemmRsConfig<bfloat16_t, RowMajor, DefaultShape, float>>(args, stream);
+  }
+  if (args.out_float && args.dtype == 1) {
+    return args.b_k_major ? run_config<GemmRsConfig<half_t, ColumnMajor, DefaultShape, float>>(args, stream)
+                          : run_config<GemmRsConfig<half_t, RowMajor, DefaultShape, float>>(args, stream);
   }
   if (args.dtype == 0) {
     return args.b_k_major ? run_config<GemmRsConfig<bfloat16_t, ColumnMajor, DefaultShape>>(args, stream)

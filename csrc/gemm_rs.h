@@ -40,7 +40,7 @@ constexpr int kGemmRsMaxBands = 32;
 //   [data_offset, ...)            slots [src][M/world][N] elements: the peers' partial products
 struct GemmRsArgs {
   int dtype = 0;            // 0 = bf16, 1 = fp16 (A, B, bias and, unless out_float, out share it)
-  bool out_float = false;   // out is fp32 (bf16 operands, store or copy transport): bf16 partials, fp32 sum
+  bool out_float = false;   // out is fp32 (store or copy transport): partials in the operands' dtype, fp32 sum
   int m = 0, n = 0, k = 0;  // global M (all ranks' rows), N, this rank's K
   int world = 1, rank = 0;
   const void* a = nullptr;  // A [m, k] row-major, row stride lda (elements)

@@ -33,12 +33,12 @@ becomes::
     a   = reshape(cat([a_q, a_k, a_v], 1), [B, S, K_q + K_k + K_v])
     out = fluxinductor.matmul_reduce_scatter(a, cat([W_q, W_k, W_v], 0), None, "sum", 1, group)
 
-Under bf16 autocast the backward reduces a bf16 matmul in fp32 (the input it differentiates was fp32)::
+Under bf16 (or fp16) autocast the backward reduces a bf16 (fp16) matmul in fp32 (the input it differentiates was fp32)::
 
     out = wait_tensor(reduce_scatter_tensor(convert_element_type(mm(a, W), float32), "sum", world, group))
 
 becomes ``fluxinductor.matmul_reduce_scatter(a, W, None, "sum", 0, group, out_dtype=float32)``: the partials stay
-bf16, as the graph rounds them, and are summed into an fp32 result.  Other casts are left alone.
+in the matmul's dtype, as the graph rounds them, and are summed into an fp32 result.  Other casts are left alone.
 
 With scatter_dim 0 the reduce_scatter reads the matmul output directly (2-D), or through a reshape
 chain to [..., N] (e.g. [S, B, N] for sequence-first activations); the op then gets ``a`` reshaped to
@@ -113,11 +113,12 @@ def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases:
             raise Skip("reduce_scatter input is not a matmul", f"{node.name} broadcasts")
         children = [x, y]
     elif m.is_call(node, m.CONVERT):
-        # Autocast: a bf16 matmul reduced in fp32.  The op takes that as out_dtype (the kernel sends bf16 partials
-        # and sums them in fp32, as the graph does); other casts would change what the graph computes.
+        # Autocast: a bf16 or fp16 matmul reduced in fp32.  The op takes that as out_dtype (the kernel sends the
+        # half-precision partials and sums them in fp32, as the graph does); other casts would change what the graph
+        # computes.
         source = node.args[0]
         source_dtype = m.val(source).dtype if isinstance(source, Node) and m.val(source) is not None else None
-        if casts or source_dtype != torch.bfloat16 or node.args[1] != torch.float32:
+        if casts or source_dtype not in (torch.bfloat16, torch.float16) or node.args[1] != torch.float32:
             raise Skip("dtype cast between matmul and reduce_scatter", f"{node.name}: {source_dtype} to {node.args[1]}")
         casts.append(node)
         children = [source]
@@ -356,7 +357,7 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 weight = (m.val(match.terms[0].weight) if len(match.terms) == 1 else
                           torch.empty((k // world, n), dtype=a.dtype, device="meta"))
                 if match.out_dtype is not None:
-                    weight = None  # an fp32 result: the split transport (bf16 only) is no candidate
+                    weight = None  # an fp32 result: the split transport (the operands' dtype only) is no candidate
                 # A symbolic M (the graph serves every M) is asked as None: "at any M".
                 why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
                                        weight=weight)

@@ -7,7 +7,7 @@ the passes must leave alone, and fusion restricted to the tensor-parallel group 
   the right answer; a compile under other fusion settings must not be served the fused graph.
 * Bad inputs (uneven sequence shards, integer matmuls) compile, run correctly, and are logged as skips.
 * Activation checkpointing: the recomputed forward in the backward graph is fused too.
-* bf16 autocast: the backward's fp32 reduce-scatter of a bf16 matmul is fused (``out_dtype``).
+* bf16 and fp16 autocast: the backward's fp32 reduce-scatter of a half-precision matmul is fused (``out_dtype``).
 * 2x2 (dp, tp) mesh on 4 ranks: with the tp group set (``options={"tp_group": mesh["tp"]}`` or
   :func:`fluxinductor.set_tp_group`) only tp collectives are fused, the dp ones are skipped with a reason.
 """
@@ -356,7 +356,7 @@ def test_sequence_dim_with_batch_runs_rows_first_without_copies():
 
 def _training_step_job(rank: int, world: int, case: str) -> Dict[str, object]:
     """One training step through the SP MLP block, eager then compiled: ``case`` "checkpoint" (the MLP under activation
-    checkpointing) or "autocast" (fp32 weights and input, bf16 autocast)."""
+    checkpointing), "autocast" or "autocast_fp16" (fp32 weights and input, bf16 or fp16 autocast)."""
     import contextlib
 
     import fluxinductor
@@ -372,7 +372,8 @@ def _training_step_job(rank: int, world: int, case: str) -> Dict[str, object]:
         x = distribute_tensor(_seeded_full((2, 8, HIDDEN), 600), mesh, [Shard(1)]).requires_grad_(True)
         s0 = fluxinductor.rewrite_stats()
         run = torch.compile(model, backend="flux") if compiled else model
-        with torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext():
+        autocast = {"autocast": torch.bfloat16, "autocast_fp16": torch.float16}.get(case)
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
             out = run(x)
         out.to_local().float().pow(2).sum().backward()
         results.append({"out": out.to_local().detach().float(), "x.grad": x.grad.to_local(),
@@ -393,11 +394,12 @@ def test_activation_checkpointing_fuses_the_recomputed_forward_too():
         check_fused(r["stats"], {AG_MM: 3, MM_RS: 2}, where)
 
 
-def test_autocast_backward_reduce_scatter_in_fp32_is_fused():
-    """Under bf16 autocast the backward reduce-scatters the input gradient in fp32 (a bf16 mm cast up): that GEMM+RS is
-    fused with out_dtype=float32 like the forward's, within bf16 tolerance of eager autocast."""
-    for rank, r in enumerate(run_ranks(_training_step_job, 2, "autocast", timeout=300)):
-        where = f"autocast rank={rank}"
+@pytest.mark.parametrize("case", ["autocast", "autocast_fp16"])
+def test_autocast_backward_reduce_scatter_in_fp32_is_fused(case):
+    """Under bf16 (fp16) autocast the backward reduce-scatters the input gradient in fp32 (a bf16 (fp16) mm cast up):
+    that GEMM+RS is fused with out_dtype=float32 like the forward's, within half-precision tolerance of eager."""
+    for rank, r in enumerate(run_ranks(_training_step_job, 2, case, timeout=300)):
+        where = f"{case} rank={rank}"
         _assert_ok(r, where)
         check_errors(r["errors"], "bf16", where)
         check_fused(r["stats"], {AG_MM: 2, MM_RS: 2}, where)

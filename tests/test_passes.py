@@ -1041,16 +1041,16 @@ def test_symbolic_batch_and_sequence_rows_first_world1():
             assert ((g - e).norm() / e.norm()).item() < 1e-5
 
 
-def test_reduce_scatter_after_bf16_to_fp32_cast_fused_with_out_dtype():
-    """Autocast backward: a bf16 mm (here with a bias) cast to fp32 and reduced in fp32.  The op takes
-    out_dtype=float32: the partials are bf16 as in the graph, the reduction and the result fp32."""
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
+def test_reduce_scatter_after_half_to_fp32_cast_fused_with_out_dtype(source):
+    """Autocast backward: a bf16 (fp16) mm (here with a bias) cast to fp32 and reduced in fp32.  The op takes
+    out_dtype=float32: the partials are bf16 (fp16) as in the graph, the reduction and the result fp32."""
 
     def fn(a, w, b):
         y = torch.ops.prims.convert_element_type.default(aten.addmm.default(b, a, w), torch.float32)
         return reduce_scatter(y, 0, WORLD, group())
 
-    args = (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
-            torch.randn(4, dtype=torch.bfloat16))
+    args = (torch.randn(8, 16, dtype=source), torch.randn(16, 4, dtype=source), torch.randn(4, dtype=source))
     gm = trace(fn, *args)
     original = trace(fn, *args)
     run_passes(gm)
@@ -1064,10 +1064,11 @@ def test_reduce_scatter_after_bf16_to_fp32_cast_fused_with_out_dtype():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the decomposition computes what the graph did
 
 
-@pytest.mark.parametrize("source, target", [(torch.float16, torch.float32), (torch.bfloat16, torch.float16),
-                                            (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("source, target", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                            (torch.float32, torch.bfloat16), (torch.float32, torch.float64)])
 def test_reduce_scatter_after_other_dtype_casts_skipped(source, target):
-    """Only bf16 -> fp32 has a kernel; fp16 -> fp32 would run decomposed, and a downcast is not what autocast does."""
+    """Only a half-precision matmul reduced in fp32 has a kernel; the other casts change what is computed between
+    the matmul and the reduction and are not what autocast does."""
 
     def fn(a, w):
         y = torch.ops.prims.convert_element_type.default(aten.mm.default(a, w), target)

@@ -456,7 +456,7 @@ def unsupported_reason(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Optional[str]:
     """None when the fused kernel can run this call, else why not (cheap, never collective).  ``out_dtype``: the
-    result's dtype when it is not the operands' (float32 with bf16 operands: see :func:`matmul_reduce_scatter`)."""
+    result's dtype when it is not the operands' (float32: see :func:`matmul_reduce_scatter`)."""
     try:
         _extension()
     except RuntimeError as e:
@@ -475,9 +475,8 @@ def unsupported_reason(
         return "CUDA graph capture is not supported by the GEMM+RS kernel (per-call epoch on the host)"
     if a2d.dtype not in _DTYPES or weight.dtype != a2d.dtype:
         return f"dtypes {a2d.dtype}/{weight.dtype}: the kernel takes bf16 or fp16, both operands the same"
-    if out_dtype not in (None, a2d.dtype) and not (out_dtype == torch.float32 and a2d.dtype == torch.bfloat16):
-        return (f"a {out_dtype} result of {a2d.dtype} operands (the kernel writes the operands' dtype, or fp32 from "
-                "bf16)")
+    if out_dtype not in (None, a2d.dtype, torch.float32):
+        return f"a {out_dtype} result of {a2d.dtype} operands (the kernel writes the operands' dtype or fp32)"
     if a2d.dim() != 2 or weight.dim() != 2 or a2d.shape[1] != weight.shape[0]:
         return f"shapes {tuple(a2d.shape)} @ {tuple(weight.shape)} are not a 2-D matmul"
     if reduce_op not in REDUCE_OPS:
@@ -542,8 +541,8 @@ def matmul_reduce_scatter(
     FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
     split transport cannot take runs with "copy" (logged).  ``split_config_choice``: the split GEMMs' configuration
     the cost model picked for the shape (see :func:`resolve_split_config`).  ``out_dtype`` (or ``out``'s dtype):
-    torch.float32 with bf16 operands reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's
-    partial is rounded to bf16 (and crosses as bf16, half the bytes of the fp32 reduce-scatter), the sum is fp32.
+    torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to
+    the operands' dtype, bf16 or fp16 (and crosses in it, half the bytes of the fp32 reduce-scatter), the sum is fp32.
     The split transport writes the operands' dtype only: such calls take "copy".
     """
     if out is not None:

@@ -3,8 +3,8 @@
 * mode="reduce-overhead": the fused ops run their kernels on every call while inductor captures the rest of the
   graph in CUDA graphs (the ops are tagged cudagraph_unsafe, so the graph is partitioned around them); prints
   "CUDAGRAPH MODE OK";
-* a training step under bf16 autocast (fp32 weights and input): the backward's fp32 reduce-scatter of a bf16 matmul
-  runs the GEMM+RS kernel with an fp32 output; prints "AUTOCAST OK".
+* training steps under bf16 and under fp16 autocast (fp32 weights and input): the backward's fp32 reduce-scatter of a
+  half-precision matmul runs the GEMM+RS kernel with an fp32 output; prints "AUTOCAST OK" after both.
 
     FLUXINDUCTOR_DISPATCH=fused python tests/gpu/run_cudagraph_mode.py
 """
@@ -77,7 +77,7 @@ def reduce_overhead(device, group):
     print("CUDAGRAPH MODE OK", flush=True)
 
 
-def autocast_training(device, group):
+def autocast_training(device, group, half):
     import fluxinductor
     from fluxinductor.kernels import gemm_rs
 
@@ -102,7 +102,7 @@ def autocast_training(device, group):
         for _ in range(2):  # a second step: the compiled graphs again, with the kernels' buffers reused
             x.grad = None
             model.zero_grad()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=half):
                 out = run(x)
             out.float().pow(2).mean().backward()
         results.append((out.float().detach(), x.grad.clone(), model.w1.weight.grad.clone(),
@@ -110,18 +110,18 @@ def autocast_training(device, group):
     (o0, gx0, gw0, _), (o1, gx1, gw1, stats) = results
     errors = {name: ((b - a).norm() / a.norm()).item() for name, a, b in
               (("out", o0, o1), ("x.grad", gx0, gx1), ("w1.grad", gw0, gw1))}
-    print("autocast errors:", errors)
-    print("autocast stats:", stats)
+    print(f"{half} autocast errors:", errors)
+    print(f"{half} autocast stats:", stats)
     assert gx1.dtype == torch.float32
     assert all(e <= 2e-2 for e in errors.values()), errors
     assert stats["fused"].get("matmul_reduce_scatter", 0) == 2, stats  # the forward's and the backward's fp32 one
     assert stats["skipped"].get("matmul_reduce_scatter", {}) == {}, stats
     assert stats["fallbacks"] == {}, stats["fallbacks"]  # every call ran a fused kernel
     print("GEMM+RS launches (operands, result):", launched)
-    assert launched.count((torch.bfloat16, torch.float32)) == 2, launched  # the backward's, in both steps
-    assert launched.count((torch.bfloat16, torch.bfloat16)) == 2, launched  # the forward's
+    assert launched.count((half, torch.float32)) == 2, launched  # the backward's, in both steps
+    assert launched.count((half, half)) == 2, launched  # the forward's
+    assert len(launched) == 4, launched
     gemm_rs.launch = launch
-    print("AUTOCAST OK", flush=True)
 
 
 def main():
@@ -130,7 +130,9 @@ def main():
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     group = dist.group.WORLD
     reduce_overhead(device, group)
-    autocast_training(device, group)
+    for half in (torch.bfloat16, torch.float16):
+        autocast_training(device, group, half)
+    print("AUTOCAST OK", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
-"""``mode="reduce-overhead"``: CUDA graphs around the fused ops, whose kernels still run; bf16 autocast: the backward's
-fp32 reduce-scatter runs the GEMM+RS kernel with an fp32 output (tests/gpu/run_cudagraph_mode.py in a fresh process:
-it makes a one-rank NCCL group)."""
+"""``mode="reduce-overhead"``: CUDA graphs around the fused ops, whose kernels still run; bf16 and fp16 autocast: the
+backward's fp32 reduce-scatter runs the GEMM+RS kernel with an fp32 output (tests/gpu/run_cudagraph_mode.py in a
+fresh process: it makes a one-rank NCCL group)."""
 
 from __future__ import annotations
 

@@ -257,38 +257,42 @@ def test_n_ranks_one_gpu(world, reduce_op):
 
 
 @_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("copy_engine", [False, True])
 @pytest.mark.parametrize("k_major", [True, False])
 @pytest.mark.parametrize("world,reduce_op", [(2, "sum"), (4, "avg")])
-def test_fp32_output_n_ranks_one_gpu(copy_engine, k_major, world, reduce_op):
-    """Autocast's fp32 reduction of bf16 partials: the result is the fp32 sum of the bf16-rounded partials.  1e-4 is
-    well under one bf16 rounding of the result (~2e-3 relative): a bf16 output or a bf16 sum would fail it."""
-    assert _simulate(world, 200 * world, 264, 520, k_major=k_major, reduce_op=reduce_op, copy_engine=copy_engine,
-                     out_dtype=torch.float32) < 1e-4
+def test_fp32_output_n_ranks_one_gpu(dtype, copy_engine, k_major, world, reduce_op):
+    """Autocast's fp32 reduction of bf16 (fp16) partials: the result is the fp32 sum of the rounded partials.  The
+    tolerance is well under one rounding of the result to the operands' dtype (~1e-3 rms relative for bf16, ~1.4e-4
+    for fp16), so an output or a sum in that dtype would fail it."""
+    tol = 1e-4 if dtype == torch.bfloat16 else 5e-5
+    assert _simulate(world, 200 * world, 264, 520, dtype=dtype, k_major=k_major, reduce_op=reduce_op,
+                     copy_engine=copy_engine, out_dtype=torch.float32) < tol
 
 
 @_gpu
-def test_fp32_output_comm_off_and_refusals():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp32_output_comm_off_and_refusals(dtype):
     from fluxinductor.kernels import gemm_rs
 
     torch.manual_seed(3)
-    a = torch.randn(1000, 264, dtype=torch.bfloat16, device="cuda")
-    w = make_weight(264, 520, True, torch.bfloat16, "cuda")
-    bias = torch.randn(520, dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(1000, 264, dtype=dtype, device="cuda")
+    w = make_weight(264, 520, True, dtype, "cuda")
+    bias = torch.randn(520, dtype=dtype, device="cuda")
     out = torch.full((1000, 520), float("nan"), dtype=torch.float32, device="cuda")
     gemm_rs.gemm_only(a, w, bias, out=out)
-    ref = (a.float() @ w.float() + bias.float()).to(torch.bfloat16).float()
-    assert not out.isnan().any() and relative_error(out, ref) < 1e-4
+    ref = (a.float() @ w.float() + bias.float()).to(dtype).float()
+    assert not out.isnan().any() and relative_error(out, ref) < (1e-4 if dtype == torch.bfloat16 else 5e-5)
     assert gemm_rs.gemm_only(a, w, None, out_dtype=torch.float32).dtype == torch.float32
-    with pytest.raises(ValueError, match="split transport writes torch.bfloat16"):
+    with pytest.raises(ValueError, match=f"split transport writes {dtype}"):
         gemm_rs.gemm_only(a, w, None, split=True, out_dtype=torch.float32)
-    # fp16 operands have no fp32-output kernel; nor does a downcast
-    assert "fp32 from bf16" in gemm_rs.unsupported_reason(a.half(), w.half(), None, "sum", None, torch.float32)
-    assert "fp32 from bf16" in gemm_rs.unsupported_reason(a, w, None, "sum", None, torch.float16)
+    # no kernel writes a result in another half-precision dtype
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    assert "the operands' dtype or fp32" in gemm_rs.unsupported_reason(a, w, None, "sum", None, other)
     # the kernel itself refuses the split transport with an fp32 output instead of writing bf16 into it
     buffers = [torch.zeros(gemm_rs.buffer_layout(1000, 520, 2, torch.bfloat16)[2], dtype=torch.uint8, device="cuda")
                for _ in range(2)]
-    with pytest.raises(RuntimeError, match="fp32 output is built for bf16 operands with the store or copy"):
+    with pytest.raises(RuntimeError, match="fp32 output is built for the store and copy transports"):
         gemm_rs.launch(a, w, None, torch.empty((500, 520), device="cuda"), m=1000, world=2, rank=0,
                        buffers=[b.data_ptr() for b in buffers], epoch=1, sig=0,
                        error_address=gemm_rs.ErrorWord().device, copy=gemm_rs.CopyEngineWorkspace(a.device, 2),

@@ -245,8 +245,8 @@ class RotatedTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persisten
 // ---------------------------------------------------------------------------------------------------
 
 // ElementOut: the type of `out` (the own segment's reduced rows); peer slots, the outbox and the bias are Element.
-// float with bf16 operands: the partials cross as bf16 and their sum is stored in fp32, as a bf16 matmul cast to fp32
-// and then reduced (autocast) computes it.
+// float with bf16 or fp16 operands: the partials cross in the operands' dtype and their sum is stored in fp32, as a
+// half-precision matmul cast to fp32 and then reduced (autocast) computes it.
 template <class Element, class ElementOut = Element>
 struct GemmRsEpilogueArguments {
   char* buffers[kRsMaxWorld] = {};  // every rank's symmetric buffer base (as mapped on this rank)
