@@ -407,6 +407,39 @@ def test_autocast_backward_reduce_scatter_in_fp32_is_fused(case):
         assert r["dtypes"] == ("torch.float32", "torch.float32")
 
 
+def _inference_mode_job(rank: int, world: int) -> Dict[str, object]:
+    """The SP block run eagerly and compiled under ``torch.inference_mode()`` (serving code), then compiled again
+    with grad on (inference tensors may not be saved for backward: the second compile must not be handed them)."""
+    import fluxinductor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    model = _sp_block(mesh)
+    x = distribute_tensor(_seeded_full((2, 8, HIDDEN), 610), mesh, [Shard(1)])
+    compiled = torch.compile(model, backend="flux")
+    s0 = fluxinductor.rewrite_stats()
+    with torch.inference_mode():
+        eager, flux = model(x).to_local(), compiled(x).to_local()
+        is_inference = flux.is_inference()
+    stats = stats_delta(fluxinductor.rewrite_stats(), s0)
+    x_grad = x.detach().clone().requires_grad_(True)
+    compiled(x_grad).to_local().pow(2).sum().backward()
+    return {"errors": {"out": error_of(flux, eager)}, "stats": stats, "is_inference": is_inference,
+            "grad_ok": bool(x_grad.grad is not None and torch.isfinite(x_grad.grad.to_local()).all())}
+
+
+def test_inference_mode_fuses_and_matches_eager():
+    for rank, r in enumerate(run_ranks(_inference_mode_job, 2, timeout=300)):
+        where = f"inference_mode rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        check_fused(r["stats"], {AG_MM: 1, MM_RS: 1}, where)
+        assert r["is_inference"] and r["grad_ok"], f"{where}: {r}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # A 2x2 (dp, tp) mesh: only the tensor-parallel group's collectives are fused.
 # ---------------------------------------------------------------------------------------------------

@@ -22,6 +22,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+# torch 2.11's AOTAutograd cache keys autocast as on/off, not by its dtype: the fp16 step would be served the bf16
+# step's compiled graph, bf16 numerics and no pass run (seen on one H200; pytorch/pytorch#181564 adds the dtype).
+torch._functorch.config.enable_autograd_cache = False
+
 
 hidden, ffn, tokens = 512, 1536, 1000  # 1000 rows: not a multiple of the tile
 
