@@ -116,6 +116,15 @@ def _verdicts_on_two_ranks(rank, world):
     # the real NVML query: on a CPU machine the library is missing; on a GPU machine it finds no GPU at these bus ids
     out["no_nvml"] = peers.group_reason(dist.new_group([0, 1]).group_name, cpu,
                                         identify=lambda d: Identity(host, f"0000:0{rank}:00.0"))
+    # FLUXINDUCTOR_ASSUME_NVLINK=1 vouches for the links where NVML cannot answer, and only for the links
+    os.environ["FLUXINDUCTOR_ASSUME_NVLINK"] = "1"
+    try:
+        out["assumed"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"), lambda a, b: (None, "no NVML"))
+        out["assumed_pcie"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"), lambda a, b: (False, "status 5"))
+        out["assumed_shared"] = ask(lambda d: Identity(host, "0000:07:00.0"))
+        out["assumed_hosts"] = ask(lambda d: Identity(f"node{rank}/boot{rank}", "0000:00:00.0"))
+    finally:
+        del os.environ["FLUXINDUCTOR_ASSUME_NVLINK"]
     return out
 
 
@@ -136,6 +145,8 @@ def test_group_verdict_is_the_same_on_every_rank():
     assert r0["recreated"] == (None, 2)  # identified again
     assert r0["self"] is None  # a one-rank group has no peers to check
     assert "cannot tell whether ranks 0 and 1 are joined by NVLink" in r0["no_nvml"]
+    assert r0["assumed"] is None and r0["assumed_pcie"] is None  # NVML is not asked
+    assert "ranks 0 and 1 share the GPU" in r0["assumed_shared"] and "spans 2 hosts" in r0["assumed_hosts"]
 
 
 @pytest.fixture

@@ -15,6 +15,10 @@ through the group's c10d store (no collective on the group, so it cannot be mism
    agreement where their views differ (say, one container whose NVML cannot see a peer's GPU): a rank that runs
    the fused kernel while its peer decomposes would wait for flags that never come.
 
+Where NVML cannot answer (a container started without the driver's utility libraries has no ``libnvidia-ml``), the
+group decomposes; ``FLUXINDUCTOR_ASSUME_NVLINK=1`` vouches for the links instead (the one-host and one-GPU-per-rank
+checks still run).
+
 A rank that does not post within ``FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S`` (default 600 s: a peer may still be
 compiling) makes the check raise :class:`PeerCheckError` naming it: the ranks disagree on whether to take the fused
 path (``FLUXINDUCTOR_DISPATCH`` or the extension differs between them), and going on would hang.
@@ -142,6 +146,15 @@ class PeerCheckError(RuntimeError):
     """Some rank of the group did not reach the peer check in time."""
 
 
+def assume_nvlink() -> bool:
+    """``FLUXINDUCTOR_ASSUME_NVLINK=1``: take every pair of the group's GPUs as NVLink peers without asking NVML."""
+    return os.environ.get("FLUXINDUCTOR_ASSUME_NVLINK", "0") not in ("", "0")
+
+
+def _assumed_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
+    return True, "assumed (FLUXINDUCTOR_ASSUME_NVLINK=1)"
+
+
 def timeout_seconds() -> float:
     return float(os.environ.get("FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S", "600"))
 
@@ -181,8 +194,9 @@ def group_reason(group_name: str, device: torch.device, *,
                  nvlink: NvlinkQuery = nvml_nvlink, local_reason: Optional[str] = None) -> Optional[str]:
     """None if the GPUs of ``group_name`` can run the fused kernels together, else why not (the same answer on every
     rank).  The first call for (group, device) waits for every rank of the group to make it too; the answer is
-    remembered after that.  ``local_reason``: why this rank cannot run the fused kernels at all (no extension, not a
-    Hopper GPU), its objection for the whole group: with one rank decomposing, its peers' kernels would wait for it."""
+    remembered after that.  ``nvlink`` is not asked under ``FLUXINDUCTOR_ASSUME_NVLINK=1``.  ``local_reason``: why
+    this rank cannot run the fused kernels at all (no extension, not a Hopper GPU), its objection for the whole group:
+    with one rank decomposing, its peers' kernels would wait for it."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
@@ -205,6 +219,8 @@ def group_reason(group_name: str, device: torch.device, *,
             ident, failure = None, f"could not identify its GPU ({type(e).__name__}: {e})"
         identities = [None if i is None else Identity(*i) for i in _exchange(store, f"{prefix}/id", ident, rank, world,
                                                                                group_name)]
+        if assume_nvlink():
+            nvlink = _assumed_nvlink
         try:
             mine = failure or local_reason or judge(identities, nvlink)
         except Exception as e:  # noqa: BLE001
