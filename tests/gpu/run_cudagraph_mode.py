@@ -20,12 +20,11 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fluxinductor-on
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import torch._functorch.config  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 # torch 2.11's AOTAutograd cache keys autocast as on/off, not by its dtype: the fp16 step would be served the bf16
 # step's compiled graph, bf16 numerics and no pass run (seen on one H200; pytorch/pytorch#181564 adds the dtype).
-import torch._functorch.config  # noqa: E402
-
 torch._functorch.config.enable_autograd_cache = False
 
 
