@@ -38,7 +38,10 @@ Under bf16 (or fp16) autocast the backward reduces a bf16 (fp16) matmul in fp32 
     out = wait_tensor(reduce_scatter_tensor(convert_element_type(mm(a, W), float32), "sum", world, group))
 
 becomes ``fluxinductor.matmul_reduce_scatter(a, W, None, "sum", 0, group, out_dtype=float32)``: the partials stay
-in the matmul's dtype, as the graph rounds them, and are summed into an fp32 result.  Other casts are left alone.
+in the matmul's dtype, as the graph rounds them, and are summed into an fp32 result.  A sum whose terms are each cast
+(``convert(mm(a_q, W_q)) + convert(mm(a_k, W_k)) + ...``, the gradient of an fp32 input that autocast cast once per
+projection) is fused as one matmul over the concatenated K like any sum, so each rank's partial is rounded once where
+the graph rounded each term (closer to the exact sum).  Other casts are left alone.
 
 With scatter_dim 0 the reduce_scatter reads the matmul output directly (2-D), or through a reshape
 chain to [..., N] (e.g. [S, B, N] for sequence-first activations); the op then gets ``a`` reshaped to
@@ -115,10 +118,12 @@ def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases:
     elif m.is_call(node, m.CONVERT):
         # Autocast: a bf16 or fp16 matmul reduced in fp32.  The op takes that as out_dtype (the kernel sends the
         # half-precision partials and sums them in fp32, as the graph does); other casts would change what the graph
-        # computes.
+        # computes.  A sum may cast each term (autocast casts an fp32 input once per matmul, so the input's gradient
+        # is the fp32 sum of the upcast terms); all casts must then start from the same dtype.
         source = node.args[0]
         source_dtype = m.val(source).dtype if isinstance(source, Node) and m.val(source) is not None else None
-        if casts or source_dtype not in (torch.bfloat16, torch.float16) or node.args[1] != torch.float32:
+        if (source_dtype not in (torch.bfloat16, torch.float16) or node.args[1] != torch.float32
+                or any(m.val(c.args[0]).dtype != source_dtype for c in casts)):
             raise Skip("dtype cast between matmul and reduce_scatter", f"{node.name}: {source_dtype} to {node.args[1]}")
         casts.append(node)
         children = [source]

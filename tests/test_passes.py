@@ -1064,6 +1064,48 @@ def test_reduce_scatter_after_half_to_fp32_cast_fused_with_out_dtype(source):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the decomposition computes what the graph did
 
 
+def test_reduce_scatter_of_a_sum_of_upcast_terms_fused_with_out_dtype():
+    """Autocast casts an fp32 input once per projection, so its gradient is the fp32 sum of each bf16 matmul cast up:
+    one op over the concatenated K with out_dtype=float32.  It rounds each rank's partial once where the graph rounded
+    each term, so it matches the graph within bf16 rounding, not bit for bit."""
+
+    def fn(a1, w1, a2, w2):
+        convert = torch.ops.prims.convert_element_type.default
+        y = convert(aten.mm.default(a1, w1), torch.float32) + convert(aten.mm.default(a2, w2), torch.float32)
+        return reduce_scatter(y, 0, WORLD, group())
+
+    args = (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
+            torch.randn(8, 24, dtype=torch.bfloat16), torch.randn(24, 4, dtype=torch.bfloat16))
+    gm = trace(fn, *args)
+    original = trace(fn, *args)
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1 and skipped("matmul_reduce_scatter") == {}
+    (op,) = nodes(gm, MM_RS)
+    assert op.args[6] == torch.float32 and op.meta["val"].dtype == torch.float32
+    assert count(gm, torch.ops.prims.convert_element_type.default) == 0 and count(gm, aten.mm.default) == 0
+    assert_all_vals(gm)
+    got, expected = gm(*args), original(*args)
+    assert got.dtype == expected.dtype == torch.float32
+    # The fake group's reduce_scatter returns rank 0's rows of its input.
+    exact = (args[0].double() @ args[1].double() + args[2].double() @ args[3].double())[:8 // WORLD]
+    for result in (got, expected):  # each within a bf16 rounding of the exact sum
+        assert ((result.double() - exact).norm() / exact.norm()).item() < 4e-3
+    assert not torch.equal(got, expected)  # the graph's per-term roundings are not what the op computes
+
+
+def test_reduce_scatter_of_terms_upcast_from_different_dtypes_skipped():
+    def fn(a1, w1, a2, w2):
+        convert = torch.ops.prims.convert_element_type.default
+        y = convert(aten.mm.default(a1, w1), torch.float32) + convert(aten.mm.default(a2, w2), torch.float32)
+        return reduce_scatter(y, 0, WORLD, group())
+
+    gm = trace(fn, torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
+               torch.randn(8, 24, dtype=torch.float16), torch.randn(24, 4, dtype=torch.float16))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 0
+    assert skipped("matmul_reduce_scatter") == {"dtype cast between matmul and reduce_scatter": 1}
+
+
 @pytest.mark.parametrize("source, target", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16),
                                             (torch.float32, torch.bfloat16), (torch.float32, torch.float64)])
 def test_reduce_scatter_after_other_dtype_casts_skipped(source, target):

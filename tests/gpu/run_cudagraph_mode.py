@@ -4,7 +4,8 @@
   graph in CUDA graphs (the ops are tagged cudagraph_unsafe, so the graph is partitioned around them); prints
   "CUDAGRAPH MODE OK";
 * training steps under bf16 and under fp16 autocast (fp32 weights and input): the backward's fp32 reduce-scatter of a
-  half-precision matmul runs the GEMM+RS kernel with an fp32 output; prints "AUTOCAST OK" after both.
+  half-precision matmul (or of the sum of three, as Q/K/V's input gradient is) runs the GEMM+RS kernel with an fp32
+  output; prints "AUTOCAST OK" after all three.
 
     FLUXINDUCTOR_DISPATCH=fused python tests/gpu/run_cudagraph_mode.py
 """
@@ -31,18 +32,24 @@ torch._functorch.config.enable_autograd_cache = False
 hidden, ffn, tokens = 512, 1536, 1000  # 1000 rows: not a multiple of the tile
 
 
-def make_block(group):
+def make_block(group, projections=1):
+    """``x + rs(w2(gelu(sum_i w1_i(ag(x)))))``: with 3 projections the gathered input feeds three matmuls, as Q/K/V's
+    does, and its gradient is their sum."""
     import torch.distributed._functional_collectives as funcol
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.w1 = nn.Linear(hidden, ffn)
+            self.more = nn.ModuleList(nn.Linear(hidden, ffn) for _ in range(projections - 1))
             self.w2 = nn.Linear(ffn, hidden)
 
         def forward(self, x):
             gathered = funcol.all_gather_tensor(x, 0, group)
-            partial = self.w2(F.gelu(self.w1(gathered)))
+            h = self.w1(gathered)
+            for projection in self.more:
+                h = h + projection(gathered)
+            partial = self.w2(F.gelu(h))
             return x + funcol.reduce_scatter_tensor(partial, "sum", 0, group)
 
     return Block
@@ -82,7 +89,7 @@ def reduce_overhead(device, group):
     print("CUDAGRAPH MODE OK", flush=True)
 
 
-def autocast_training(device, group, half):
+def autocast_training(device, group, half, projections=1):
     import fluxinductor
     from fluxinductor.kernels import gemm_rs
 
@@ -95,7 +102,7 @@ def autocast_training(device, group, half):
         return launch(a, weight, bias, out, **kw)
 
     gemm_rs.launch = counting_launch
-    Block = make_block(group)
+    Block = make_block(group, projections)
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -115,8 +122,8 @@ def autocast_training(device, group, half):
     (o0, gx0, gw0, _), (o1, gx1, gw1, stats) = results
     errors = {name: ((b - a).norm() / a.norm()).item() for name, a, b in
               (("out", o0, o1), ("x.grad", gx0, gx1), ("w1.grad", gw0, gw1))}
-    print(f"{half} autocast errors:", errors)
-    print(f"{half} autocast stats:", stats)
+    print(f"{half} autocast, {projections} projection(s), errors:", errors)
+    print(f"{half} autocast, {projections} projection(s), stats:", stats)
     assert gx1.dtype == torch.float32
     assert all(e <= 2e-2 for e in errors.values()), errors
     assert stats["fused"].get("matmul_reduce_scatter", 0) == 2, stats  # the forward's and the backward's fp32 one
@@ -137,6 +144,8 @@ def main():
     reduce_overhead(device, group)
     for half in (torch.bfloat16, torch.float16):
         autocast_training(device, group, half)
+    # the input's gradient is the fp32 sum of three upcast half matmuls: one GEMM+RS over the concatenated K
+    autocast_training(device, group, torch.bfloat16, projections=3)
     print("AUTOCAST OK", flush=True)
     dist.destroy_process_group()
 
