@@ -311,6 +311,12 @@ class Ctx:
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         self.group_name = self.mesh.get_group().group_name
         self.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if self.is_cuda else torch.float32)
+        # --autocast: fp32 weights and inputs, each step under torch.autocast in this dtype (mixed-precision training)
+        self.autocast = DTYPES[args.autocast] if args.autocast else None
+        if self.autocast is not None:
+            if args.dtype not in (None, "fp32"):
+                raise SystemExit(f"--autocast runs an fp32 model; --dtype {args.dtype} contradicts it")
+            self.dtype = torch.float32
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
         self.broken: Optional[str] = None
 
@@ -492,6 +498,16 @@ def _drop_grads(model: nn.Module, x: torch.Tensor) -> None:
     x.grad = None
 
 
+def _under_autocast(fn: Callable, device_type: str, dtype: torch.dtype) -> Callable:
+    """``fn`` run under ``torch.autocast(device_type, dtype)``, its output cast to fp32 (the loss's dtype)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=dtype):
+            return fn(x).float()
+
+    return run
+
+
 def _step(fn: Callable, x: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor:
     if grad is None:
         with torch.no_grad():
@@ -551,6 +567,8 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
             # Test hook (tests/test_bench_model_cpu.py): a mode that fails on every rank before it runs.
             raise RuntimeError("injected by BENCH_MODEL_INJECT_ERROR")
         fn, mode_ctx, census = mode_setup(mode, model, ctx, local["notes"])
+        if ctx.autocast is not None:
+            fn = _under_autocast(fn, ctx.device.type, ctx.autocast)
         stack.enter_context(mode_ctx)
         _drop_grads(model, x)
         s0 = fluxinductor.rewrite_stats()
@@ -685,6 +703,7 @@ def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
         "world": ctx.world,
         "backend": ctx.backend,
         "dtype": str(ctx.dtype).replace("torch.", ""),
+        "autocast": None if ctx.autocast is None else str(ctx.autocast).replace("torch.", ""),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl": None,
@@ -728,7 +747,7 @@ def anchors_apply(data: dict) -> bool:
     """Whether this run has the anchors' setup (so ``ANCHOR_MS`` is a like-for-like reference)."""
     env, s = data["environment"], data["settings"]
     models = s["models"]
-    return (env["world"] == 2 and "H200" in env["device"] and env["dtype"] == "bfloat16"
+    return (env["world"] == 2 and "H200" in env["device"] and env["dtype"] == "bfloat16" and not env.get("autocast")
             and s["config"] == "full" and s["mlp_shard_dim"] == 0
             and models.get("mlp", CONFIGS["full"]["mlp"]) == CONFIGS["full"]["mlp"]
             and models.get("llama2", CONFIGS["full"]["llama2"]) == CONFIGS["full"]["llama2"])
@@ -777,7 +796,8 @@ def _f(x, fmt: str = "{:.3f}", width: int = 9) -> str:
 def format_table(data: dict) -> str:
     env, s = data["environment"], data["settings"]
     lines = [
-        f"bench_model: {env['device']} x{env['world']} {env['backend']} {env['dtype']} torch {env['torch']} "
+        f"bench_model: {env['device']} x{env['world']} {env['backend']} {env['dtype']}"
+        f"{' autocast ' + env['autocast'] if env.get('autocast') else ''} torch {env['torch']} "
         f"sha {env['git_sha']} config {s['config']} (median of {s['iters']} after {s['warmup']} warm-ups, "
         f"max over ranks; {s['timing']})",
     ]
@@ -812,6 +832,8 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output prefix: writes <out>.json")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
+                   help="fp32 weights and inputs, every step under torch.autocast in this dtype")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
@@ -870,7 +892,7 @@ def main(argv=None) -> int:
     models = [m for m in MODELS if m in args.models.split(",")]
     phases = [p for p in PHASES if p in args.phases.split(",")]
     modes = [m for m in RUN_ORDER if m in args.modes.split(",")]
-    tol = TOLERANCE[ctx.dtype]
+    tol = TOLERANCE[ctx.autocast or ctx.dtype]
     timing = ("cuda_events: dist.barrier + cuda.synchronize before each iteration, then "
               f"torch.cuda._sleep({ctx.sleep_cycles}) before the start event (host enqueue hidden); "
               "per-rank median, max over ranks") if ctx.is_cuda else \

@@ -136,6 +136,18 @@ def test_bench_model_cpu_llama_layer(tmp_path):
     assert flux["errors"]["grad_params"]["worst"].startswith("layers.0.")
 
 
+def test_bench_model_cpu_autocast_mlp(tmp_path):
+    # fp32 weights and inputs, bf16 autocast: the backward's fp32 reduce-scatter of a bf16 matmul is fused too.
+    data, stdout = _run(tmp_path, "autocast", ["--models", "mlp", "--phases", "fwd_bwd", "--modes", "eager,flux",
+                                               "--autocast", "bf16"])
+    assert data["environment"]["autocast"] == "bfloat16" and data["environment"]["dtype"] == "float32"
+    assert data["settings"]["tolerance_norm_rel"] == 2e-2 and "autocast bfloat16" in stdout
+    eager, flux = data["results"]
+    assert flux["error"] is None and flux["error_ok"] is True, flux["errors"]  # CPU decomposes: same arithmetic
+    _check_flux(flux, n_layers=1)
+    assert flux["rewrite_stats"]["skipped_backward"].get(MM_RS, {}) == {}, flux["rewrite_stats"]
+
+
 def test_bench_model_cli_rejects_unknown_mode(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), "--modes", "nope"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
