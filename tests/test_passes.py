@@ -1041,6 +1041,23 @@ def test_symbolic_batch_and_sequence_rows_first_world1():
             assert ((g - e).norm() / e.norm()).item() < 1e-5
 
 
+def _fused_with_fp32_result(fn, args):
+    """Trace ``fn``, run the passes and check they made one GEMM+RS op with out_dtype=float32 and no matmul or cast
+    left; returns (the rewritten graph's result, the original graph's)."""
+    gm = trace(fn, *args)
+    original = trace(fn, *args)
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1 and skipped("matmul_reduce_scatter") == {}
+    (op,) = nodes(gm, MM_RS)
+    assert op.args[6] == torch.float32 and op.meta["val"].dtype == torch.float32
+    assert count(gm, torch.ops.prims.convert_element_type.default) == 0
+    assert count(gm, aten.mm.default) == 0 and count(gm, aten.addmm.default) == 0
+    assert_all_vals(gm)
+    got, expected = gm(*args), original(*args)
+    assert got.dtype == expected.dtype == torch.float32
+    return got, expected
+
+
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
 def test_reduce_scatter_after_half_to_fp32_cast_fused_with_out_dtype(source):
     """Autocast backward: a bf16 (fp16) mm (here with a bias) cast to fp32 and reduced in fp32.  The op takes
@@ -1051,41 +1068,25 @@ def test_reduce_scatter_after_half_to_fp32_cast_fused_with_out_dtype(source):
         return reduce_scatter(y, 0, WORLD, group())
 
     args = (torch.randn(8, 16, dtype=source), torch.randn(16, 4, dtype=source), torch.randn(4, dtype=source))
-    gm = trace(fn, *args)
-    original = trace(fn, *args)
-    run_passes(gm)
-    assert fused("matmul_reduce_scatter") == 1 and skipped("matmul_reduce_scatter") == {}
-    (op,) = nodes(gm, MM_RS)
-    assert op.args[6] == torch.float32 and op.meta["val"].dtype == torch.float32
-    assert count(gm, torch.ops.prims.convert_element_type.default) == 0
-    assert_all_vals(gm)
-    got, expected = gm(*args), original(*args)
-    assert got.dtype == expected.dtype == torch.float32
+    got, expected = _fused_with_fp32_result(fn, args)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the decomposition computes what the graph did
+
+
+def _reduce_scatter_of_upcast_sum(a1, w1, a2, w2):
+    """reduce_scatter(fp32(a1 @ w1) + fp32(a2 @ w2)): autocast's gradient of an fp32 input read by two projections."""
+    convert = torch.ops.prims.convert_element_type.default
+    y = convert(aten.mm.default(a1, w1), torch.float32) + convert(aten.mm.default(a2, w2), torch.float32)
+    return reduce_scatter(y, 0, WORLD, group())
 
 
 def test_reduce_scatter_of_a_sum_of_upcast_terms_fused_with_out_dtype():
     """Autocast casts an fp32 input once per projection, so its gradient is the fp32 sum of each bf16 matmul cast up:
     one op over the concatenated K with out_dtype=float32.  It rounds each rank's partial once where the graph rounded
     each term, so it matches the graph within bf16 rounding, not bit for bit."""
-
-    def fn(a1, w1, a2, w2):
-        convert = torch.ops.prims.convert_element_type.default
-        y = convert(aten.mm.default(a1, w1), torch.float32) + convert(aten.mm.default(a2, w2), torch.float32)
-        return reduce_scatter(y, 0, WORLD, group())
-
+    fn = _reduce_scatter_of_upcast_sum
     args = (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
             torch.randn(8, 24, dtype=torch.bfloat16), torch.randn(24, 4, dtype=torch.bfloat16))
-    gm = trace(fn, *args)
-    original = trace(fn, *args)
-    run_passes(gm)
-    assert fused("matmul_reduce_scatter") == 1 and skipped("matmul_reduce_scatter") == {}
-    (op,) = nodes(gm, MM_RS)
-    assert op.args[6] == torch.float32 and op.meta["val"].dtype == torch.float32
-    assert count(gm, torch.ops.prims.convert_element_type.default) == 0 and count(gm, aten.mm.default) == 0
-    assert_all_vals(gm)
-    got, expected = gm(*args), original(*args)
-    assert got.dtype == expected.dtype == torch.float32
+    got, expected = _fused_with_fp32_result(fn, args)
     # The fake group's reduce_scatter returns rank 0's rows of its input.
     exact = (args[0].double() @ args[1].double() + args[2].double() @ args[3].double())[:8 // WORLD]
     for result in (got, expected):  # each within a bf16 rounding of the exact sum
@@ -1094,12 +1095,7 @@ def test_reduce_scatter_of_a_sum_of_upcast_terms_fused_with_out_dtype():
 
 
 def test_reduce_scatter_of_terms_upcast_from_different_dtypes_skipped():
-    def fn(a1, w1, a2, w2):
-        convert = torch.ops.prims.convert_element_type.default
-        y = convert(aten.mm.default(a1, w1), torch.float32) + convert(aten.mm.default(a2, w2), torch.float32)
-        return reduce_scatter(y, 0, WORLD, group())
-
-    gm = trace(fn, torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
+    gm = trace(_reduce_scatter_of_upcast_sum, torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
                torch.randn(8, 24, dtype=torch.float16), torch.randn(24, 4, dtype=torch.float16))
     run_passes(gm)
     assert fused("matmul_reduce_scatter") == 0
