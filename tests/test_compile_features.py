@@ -418,7 +418,8 @@ def _autocast_attention_job(rank: int, world: int) -> Dict[str, object]:
     builder = MODELS["attention_qkv"][0]
     mesh = init_device_mesh("cpu", (world,))
     torch._dynamo.reset()
-    (eager, make_input), (flux, _) = builder(mesh, torch.float32, rank, world), builder(mesh, torch.float32, rank, world)
+    eager, make_input = builder(mesh, torch.float32, rank, world)
+    flux, _ = builder(mesh, torch.float32, rank, world)
     compiled = torch.compile(flux, backend="flux")
     x_eager = make_input(700).requires_grad_(True)
     x_flux = x_eager.detach().clone().requires_grad_(True)

@@ -1095,7 +1095,8 @@ def test_reduce_scatter_of_a_sum_of_upcast_terms_fused_with_out_dtype():
 
 
 def test_reduce_scatter_of_terms_upcast_from_different_dtypes_skipped():
-    gm = trace(_reduce_scatter_of_upcast_sum, torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
+    gm = trace(_reduce_scatter_of_upcast_sum,
+               torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),
                torch.randn(8, 24, dtype=torch.float16), torch.randn(24, 4, dtype=torch.float16))
     run_passes(gm)
     assert fused("matmul_reduce_scatter") == 0
