@@ -33,7 +33,8 @@ becomes::
     a   = reshape(cat([a_q, a_k, a_v], 1), [B, S, K_q + K_k + K_v])
     out = fluxinductor.matmul_reduce_scatter(a, cat([W_q, W_k, W_v], 0), None, "sum", 1, group)
 
-Under bf16 (or fp16) autocast the backward reduces a bf16 (fp16) matmul in fp32 (the input it differentiates was fp32)::
+Under bf16 (or fp16) autocast the backward reduces a bf16 (fp16) matmul in fp32 (the input it differentiates was
+fp32)::
 
     out = wait_tensor(reduce_scatter_tensor(convert_element_type(mm(a, W), float32), "sum", world, group))
 

@@ -307,8 +307,12 @@ def run_case(
     dtype_name: str,
     mesh=None,
     compile_options: Optional[dict] = None,
+    autocast: Optional[torch.dtype] = None,
 ) -> Dict[str, object]:
-    """Compile model ``name`` with backend="flux", compare with eager; return errors and stats deltas."""
+    """Compile model ``name`` with backend="flux", compare with eager; return errors and stats deltas.  ``autocast``:
+    every call runs under ``torch.autocast("cpu", dtype=autocast)`` (the model in ``dtype_name``, fp32 for AMP)."""
+    import contextlib
+
     import fluxinductor
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -327,21 +331,25 @@ def run_case(
         x_eager.requires_grad_(True)
         x_flux.requires_grad_(True)
 
+    def amp():
+        return torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+
     result: Dict[str, object] = {}
     s0 = fluxinductor.rewrite_stats()
-    with torch.set_grad_enabled(backward):
+    with torch.set_grad_enabled(backward), amp():
         y_eager = eager_model(x_eager)
         y_flux = compiled(x_flux)
     s1 = fluxinductor.rewrite_stats()
     result["forward"] = stats_delta(s1, s0)
     result["errors"] = {"out": error_of(y_flux, y_eager)}
     if backward:
-        grad_out = _seeded_full(y_eager.shape, 200 + rank).to(dtype)
+        grad_out = _seeded_full(y_eager.shape, 200 + rank).to(y_eager.dtype)
         y_eager.backward(grad_out)
         y_flux.backward(grad_out)
         s2 = fluxinductor.rewrite_stats()
         result["backward"] = stats_delta(s2, s1)
         result["errors"]["grad_input"] = error_of(x_flux.grad, x_eager.grad)
+        result["grad_input_dtype"] = str(x_flux.grad.dtype)
         flux_params = dict(flux_model.named_parameters())
         for pname, p in eager_model.named_parameters():
             q = flux_params[pname]
@@ -351,7 +359,7 @@ def run_case(
                 result["errors"][f"grad_{pname}"] = error_of(q.grad, p.grad)
     # Second call with the same guards: no recompile, same answer (catches state left by the first).
     x_again = x_eager.detach().clone().requires_grad_(backward)
-    with torch.set_grad_enabled(backward):
+    with torch.set_grad_enabled(backward), amp():
         s3 = fluxinductor.rewrite_stats()
         y_again = compiled(x_again)
         result["second_call"] = stats_delta(fluxinductor.rewrite_stats(), s3)
