@@ -26,6 +26,23 @@ def fuse_matmul_sums() -> bool:
     return os.environ.get("FLUXINDUCTOR_FUSE_MATMUL_SUMS", "1") not in ("", "0")
 
 
+def split_all_reduce() -> str:
+    """``FLUXINDUCTOR_SPLIT_ALL_REDUCE``: ``exact`` (the default, also ``1``) splits ``all_reduce(matmul)`` into a
+    reduce-scatter fused with the matmul and an all-gather, carrying the rows sharded only through row-wise ops whose
+    other operands are weights or scalars (exactly the graph's arithmetic); ``replicated`` also slices replicated
+    activations of the same rows (the residual stream, a replicated gradient) to this rank's rows, which assumes they
+    hold the same values on every rank, as DTensor's ``Replicate`` and tensor-parallel training do; ``0`` turns the
+    split off (``fluxinductor.passes.all_reduce_split``)."""
+    value = os.environ.get("FLUXINDUCTOR_SPLIT_ALL_REDUCE", "exact").strip().lower()
+    if value in ("", "0", "off", "false"):
+        return "off"
+    if value in ("1", "exact", "on", "true"):
+        return "exact"
+    if value == "replicated":
+        return "replicated"
+    raise ValueError(f"FLUXINDUCTOR_SPLIT_ALL_REDUCE={value!r}: expected exact, replicated or 0")
+
+
 def _group_name(group: Union[str, "dist.ProcessGroup", object]) -> str:
     if isinstance(group, str):
         return group

@@ -17,6 +17,9 @@ SYMBOLIC_M_PROBES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 class FluxPassManager(CustomGraphPass):
     """Runs fluxinductor's rewrites on a post-grad FX graph, in this order:
 
+    0. ``all_reduce_split``: ``all_reduce(matmul)`` into a reduce-scatter and an all-gather placed before the
+       next reader that needs the whole tensor (plain tensor parallelism has nothing else to fuse).  Runs first so
+       that the two rewrites below fuse what it makes.
     1. ``all_gather_matmul``: ``all_gather -> mm`` (and the reshape/split/cat forms) into
        ``fluxinductor.all_gather_matmul``.  Runs first so a gathered tensor feeding several matmuls is
        fused once with all of them.
@@ -27,11 +30,13 @@ class FluxPassManager(CustomGraphPass):
     inductor's FX graph cache never returns a graph rewritten by other code or settings.
     """
 
-    def __init__(self, tp_group_names: Optional[frozenset] = None, fuse_matmul_sums: Optional[bool] = None):
+    def __init__(self, tp_group_names: Optional[frozenset] = None, fuse_matmul_sums: Optional[bool] = None,
+                 split_all_reduce: Optional[str] = None):
         from fluxinductor import config
 
         self.tp_group_names = tp_group_names
         self.fuse_matmul_sums = config.fuse_matmul_sums() if fuse_matmul_sums is None else fuse_matmul_sums
+        self.split_all_reduce = config.split_all_reduce() if split_all_reduce is None else split_all_reduce
         self.dispatch_mode = os.environ.get("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
 
     def group_allowed(self, group_name: str) -> bool:
@@ -76,8 +81,12 @@ class FluxPassManager(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul
+        from fluxinductor.passes.all_reduce_split import split_all_reduce
         from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_reduce_scatter
 
+        if self.split_all_reduce != "off":
+            split_all_reduce(graph, self.group_allowed, self.not_worth_fusing,
+                             assume_replicated=self.split_all_reduce == "replicated")
         fuse_all_gather_matmul(graph, self.group_allowed, self.not_worth_fusing)
         fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums)
         graph.lint()
@@ -108,7 +117,14 @@ class FluxPassManager(CustomGraphPass):
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         kernels = dispatch._kernels("all_gather_matmul")[0] is not None, dispatch._kernels("matmul_reduce_scatter")[0] is not None
         asynctp = dispatch._asynctp_ops() is not None  # FLUXINDUCTOR_ASYNCTP: the veto may keep more matches
+        # all_reduce_split under "replicated" writes this rank's rows into the graph (its slices): ranks sharing an FX
+        # graph cache must not share its entries.
+        import torch.distributed as dist
+
+        rank = (dist.get_rank() if self.split_all_reduce == "replicated" and dist.is_available()
+                and dist.is_initialized() else None)
         digest.update(f"tp_groups={groups};fuse_matmul_sums={self.fuse_matmul_sums};dispatch={self.dispatch_mode};"
-                      f"device={device};kernels={kernels};asynctp={asynctp}".encode())
+                      f"device={device};kernels={kernels};asynctp={asynctp};"
+                      f"split_all_reduce={self.split_all_reduce};rank={rank}".encode())
         return digest.digest()
 

@@ -1,6 +1,6 @@
 """End to end: ``torch.compile(model, backend="flux")`` against eager on 2 and 4 gloo CPU ranks.
 
-Five tensor-parallel models, each in fp32 and bf16, forward and backward:
+Six tensor-parallel models, each in fp32 and bf16, forward and backward:
 
 1. ``sp_mlp``: a sequence-parallel MLP (DTensor ``ColwiseParallel``/``RowwiseParallel`` with the
    sequence dim sharded on the way in and out).
@@ -11,6 +11,8 @@ Five tensor-parallel models, each in fp32 and bf16, forward and backward:
    (``all_gather_tensor`` / ``reduce_scatter_tensor``; one gathered input feeds two matmuls).
 5. ``c10d_mlp``: an MLP calling ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor``, which
    dynamo turns into functional collectives.  Forward only: those in-place collectives have no autograd.
+6. ``tp_block``: a Llama-style block in plain tensor parallelism (replicated activations, all-reduces), which
+   ``fluxinductor.passes.all_reduce_split`` turns into reduce-scatters and all-gathers for the other passes.
 
 Each case asserts numerics against the same model run eagerly (outputs, parameter and input gradients)
 and :func:`fluxinductor.rewrite_stats` counts: patterns fused while compiling the forward and, separately,
@@ -248,6 +250,56 @@ def build_c10d_mlp(mesh, dtype, rank: int, world: int):
     return model, lambda seed: _row_shard(seed, dtype, world, rank)
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int = HIDDEN):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+class TPBlock(nn.Module):
+    """A Llama-style block (RMSNorm, attention, RMSNorm, SwiGLU, residuals) for plain tensor parallelism: replicated
+    activations, an all-reduce after each row-parallel linear (the o and down projections)."""
+
+    def __init__(self, dim: int = HIDDEN, ffn: int = FFN, heads: int = HEADS):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.gate = nn.Linear(dim, ffn, bias=False)
+        self.up = nn.Linear(dim, ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        h = x + self.attn(self.attn_norm(x))
+        n = self.mlp_norm(h)
+        return h + self.down(F.silu(self.gate(n)) * self.up(n))
+
+
+def build_tp_block(mesh, dtype, rank: int, world: int):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(6)
+    model = TPBlock().to(dtype)
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(),  # output all-reduced
+            "gate": ColwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),  # output all-reduced
+        },
+    )
+    # The input is replicated: every rank gets the whole [B, S, H].
+    return model, lambda seed: _seeded_full((BATCH, SEQ, HIDDEN), seed).to(dtype)
+
+
 # name -> (builder, runs backward, minimum fused counts in the forward compile, in the backward compile)
 MODELS: Dict[str, Tuple[Callable, bool, Dict[str, int], Dict[str, int]]] = {
     "sp_mlp": (build_sp_mlp, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
@@ -257,7 +309,14 @@ MODELS: Dict[str, Tuple[Callable, bool, Dict[str, int], Dict[str, int]]] = {
     "attention_fused_qkv": (build_attention_fused_qkv, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
     "funcol_swiglu": (build_funcol_swiglu, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
     "c10d_mlp": (build_c10d_mlp, False, {AG_MM: 1, MM_RS: 1}, {}),
+    # Plain TP: fluxinductor.passes.all_reduce_split turns each all-reduce of a row-parallel output (forward) and of
+    # a column-parallel input gradient (backward) into a reduce-scatter fused with its matmul and an all-gather
+    # (before the residual add by default; test_compile_features checks FLUXINDUCTOR_SPLIT_ALL_REDUCE=replicated,
+    # where the all-gathers move on to the next matmuls and fuse too).
+    "tp_block": (build_tp_block, True, {MM_RS: 2}, {MM_RS: 2}),
 }
+# Models whose output is replicated (every rank holds all of it).
+REPLICATED_OUTPUTS = {"tp_block"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -343,7 +402,8 @@ def run_case(
     result["forward"] = stats_delta(s1, s0)
     result["errors"] = {"out": error_of(y_flux, y_eager)}
     if backward:
-        grad_out = _seeded_full(y_eager.shape, 200 + rank).to(y_eager.dtype)
+        # A replicated output's gradient is the same on every rank (the loss is); a sharded one's is the rank's own.
+        grad_out = _seeded_full(y_eager.shape, 200 + (0 if name in REPLICATED_OUTPUTS else rank)).to(y_eager.dtype)
         y_eager.backward(grad_out)
         y_flux.backward(grad_out)
         s2 = fluxinductor.rewrite_stats()

@@ -1,0 +1,497 @@
+"""Split ``all_reduce(matmul)`` into a reduce-scatter and a later all-gather (sequence parallelism by the compiler).
+
+Plain tensor parallelism (DTensor ``ColwiseParallel`` / ``RowwiseParallel`` with replicated activations, or an
+explicit ``all_reduce`` after a row-parallel matmul) has neither an ``all_gather -> matmul`` nor a ``matmul ->
+reduce_scatter`` for the other two passes to fuse: its graphs all-reduce every row-parallel output (and, in the
+backward, every column-parallel input gradient).  An all-reduce is a reduce-scatter followed by an all-gather.  This
+pass makes that split explicit, so the matmul-reduce-scatter pass fuses the first half into the matmul, and moves the
+all-gather as late as it can::
+
+    y  = wait_tensor(all_reduce(mm(a, W), "sum", group))      # [B, S, H], replicated
+    h  = x + y                                                # x replicated: the residual stream
+    n  = rms_norm(h)                                          # row-wise: reductions over the last dim only
+    q  = mm(reshape(n, [B*S, H]), W_q)
+
+becomes, with ``FLUXINDUCTOR_SPLIT_ALL_REDUCE=replicated`` (rank r of w; M = B*S rows, this rank's rows
+``[r*M/w, (r+1)*M/w)``)::
+
+    y_r = wait_tensor(reduce_scatter_tensor(reshape(mm(a, W), [M, H]), "sum", w, group))   # [M/w, H]
+    h_r = slice(reshape(x, [M, H]), 0, r*M/w, (r+1)*M/w) + y_r
+    n_r = rms_norm(h_r)                                       # on M/w rows
+    n   = reshape(wait_tensor(all_gather_into_tensor(n_r, w, group)), [B, S, H])
+    q   = mm(reshape(n, [B*S, H]), W_q)
+
+and the all-gather pass fuses ``all_gather -> mm`` as well.  The ops between run on 1/w of the rows.  Slicing ``x``
+assumes that it holds the same values on every rank, which the graph cannot show (an input, a gradient arriving
+from the loss): DTensor's ``Replicate`` and tensor-parallel training guarantee it, a program that adds a
+rank-dependent tensor to an all-reduced one does not.  So by default (``exact``) a full tensor is never sliced: the
+rows stay sharded only through ops whose other operands are sharded the same way or broadcast over the rows, and in
+the graph above the all-gather lands before the residual add (``h = x + all_gather(y_r)``): the reduce-scatter half
+is still fused with the matmul, and the arithmetic is exactly the graph's.
+
+Which ops keep the rows sharded (everything else reads the gathered tensor):
+
+* pointwise ops (``torch.Tag.pointwise``, not random) whose other tensor operands are sharded the same way,
+  broadcast over every leading dim (a ``[H]`` weight, a scalar), or (``replicated`` only) replicated with the same
+  leading dims, sliced to this rank's rows (a view);
+* reshapes that keep the last dim and the row count, and ``expand`` of the last dim;
+* reductions over the last dim with ``keepdim=True`` (``sum``, ``mean``, ``amax``, ``amin``, ``var_mean``);
+* ``sum`` over every row dim (a norm's weight gradient): a local sum, then an all-reduce of the small result.
+
+A sharded value read by anything else (a permute, a graph output, a matmul reading it as its second operand, an op
+this pass does not know) is all-gathered once, before its first such reader.  That all-gather is hidden when a
+reader is a matmul's first operand (through reshapes or a dtype cast: the all-gather pass fuses it); otherwise it is
+exposed.  An all-reduce moves twice the bytes of an all-gather, so the graph is rewritten only when its exposed
+all-gathers move at most ``_EXPOSED_LIMIT`` times the all-reduces' bytes (a training forward saves each all-reduce's
+result for the backward: one exposed gather per all-reduce, plus the graph's output); otherwise every all-reduce is
+left alone with the reason logged.  An all-reduce is a candidate only where the matmul-reduce-scatter pass will fuse
+the reduce-scatter it becomes (a matmul or a sum of matmuls, read by nothing else; on GPUs, a shape the cost model
+fuses), a static shape whose rows split evenly over the group, ``sum`` or ``avg``.
+
+The slices bake this process's rank into the graph; under ``replicated`` the pass manager's uuid holds the rank so
+that inductor's FX graph cache, which the ranks of a job may share, never serves one rank's graph to another.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.fx import Graph, Node
+
+from fluxinductor.log import record_fused, record_skip
+from fluxinductor.passes import _match as m
+from fluxinductor.passes._match import Skip
+
+PATTERN = "all_reduce_split"
+
+ALL_REDUCE = m.c10d.all_reduce.default
+
+# Exposed all-gather bytes allowed per all-reduce byte.  An all-reduce costs about two all-gathers of its tensor, so
+# 1.5 keeps at least a quarter of the all-reduce time off the critical path before counting the fused halves.
+_EXPOSED_LIMIT = 1.5
+
+_LAST_DIM_REDUCTIONS = (m.aten.sum.dim_IntList, m.aten.mean.dim, m.aten.amax.default, m.aten.amin.default)
+_VAR_MEAN = m.aten.var_mean.correction
+_EXPAND = m.aten.expand.default
+_ROW_SUMS = (m.aten.sum.dim_IntList, m.aten.sum.default)
+
+
+@dataclass
+class _Shard:
+    """A value now held as this rank's rows: ``node`` is [M/w, last] (a tuple of those for ``var_mean``) and stands
+    for the replicated ``shape`` (leading dims multiplying to M)."""
+
+    node: Optional[Node]  # None during the dry run
+    shape: Tuple[int, ...]
+    rows: int
+    group: str
+    world: int
+    rank: int
+
+    @property
+    def lead(self) -> Tuple[int, ...]:
+        return self.shape[:-1]
+
+
+@dataclass
+class _Source:
+    """A candidate all-reduce and what it becomes."""
+
+    wait: Node
+    all_reduce: Node
+    operand: Node
+    shape: Tuple[int, ...]
+    rows: int
+    reduce_op: str
+    group: str
+    world: int
+    rank: int
+
+
+def _group_rank(group_name: str) -> Tuple[int, int]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    return group.size(), group.rank()
+
+
+def _match_source(ar: Node, group_allowed: Callable[[str], bool],
+                  not_worth_fusing: Optional[Callable[..., Optional[str]]]) -> _Source:
+    from fluxinductor.passes.matmul_reduce_scatter import PATTERN as RS_PATTERN
+    from fluxinductor.passes.matmul_reduce_scatter import _collect_terms
+
+    if len(ar.args) != 3 or ar.kwargs:
+        raise Skip("unexpected all_reduce signature", str(ar.args))
+    operand, reduce_op, group = ar.args
+    if not group_allowed(group):
+        raise Skip("group not allowed", f"group {group!r}")
+    if reduce_op not in ("sum", "avg"):
+        raise Skip("unsupported reduce_op", str(reduce_op))
+    wait = m.only_user(ar)
+    if not m.is_call(wait, m.WAIT):
+        raise Skip("all_reduce not followed by a single wait_tensor", ar.name)
+    m.check_float(operand, "all_reduce input")
+    shape = m.static_shape(operand, "all_reduce input")
+    if len(shape) < 2:
+        raise Skip("1-D all_reduce operand", str(shape))
+    try:
+        world, rank = _group_rank(group)
+    except Exception as e:  # noqa: BLE001 - an unknown group: leave the collective as it is
+        raise Skip("cannot resolve the group", f"{group!r}: {type(e).__name__}: {e}")
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    if world < 2:
+        raise Skip("group of one rank", group)
+    if rows % world:
+        raise Skip("rows do not split over the group", f"{rows} rows, {world} ranks")
+    if set(operand.users) != {ar}:
+        raise Skip("matmul output has other users", operand.name)
+    terms, biases, chain, casts = [], [], [], []
+    _collect_terms(operand, rows, n, terms, biases, chain, casts)  # raises Skip where the reduce-scatter won't fuse
+    if len(biases) > 1:
+        raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
+    if not_worth_fusing is not None:
+        a = m.val(terms[0].a)
+        k = world * sum(m.val(t.a).shape[1] for t in terms)
+        # As the matmul-reduce-scatter pass asks: a sum's weights are concatenated into an N-major [K/world, N]
+        # tensor; an fp32 result (a cast) rules the split transport out.
+        weight = (m.val(terms[0].weight) if len(terms) == 1 else
+                  torch.empty((k // world, n), dtype=a.dtype, device="meta"))
+        if casts:
+            weight = None
+        why = not_worth_fusing(RS_PATTERN, a.device, world, rows, k, n, a.dtype, weight=weight)
+        if why is not None:
+            raise Skip("not worth fusing here", why)
+    return _Source(wait, ar, operand, shape, rows, reduce_op, group, world, rank)
+
+
+def _lead_of(shape: Tuple[int, ...], ndim: int) -> Tuple[int, ...]:
+    """The leading (row) dims of ``shape`` right-aligned to an ``ndim``-D result, padded with ones."""
+    lead = tuple(shape[:-1]) if shape else ()
+    return (1,) * (ndim - 1 - len(lead)) + lead
+
+
+class _Planner:
+    """Decides, node by node in graph order, which values stay sharded.  ``emit`` False: a dry run that only
+    classifies and counts; True: builds the sharded nodes (the same decisions, in the same order)."""
+
+    def __init__(self, graph: Graph, sources: Dict[Node, _Source], fake_mode, emit: bool, assume_replicated: bool):
+        self.graph = graph
+        self.assume_replicated = assume_replicated
+        self.sources = sources
+        self.fake_mode = fake_mode
+        self.emit = emit
+        self.sharded: Dict[Node, _Shard] = {}
+        self.gathered: Dict[Node, Node] = {}  # sharded original -> its all-gathered replacement
+        self.sliced: Dict[Tuple[Node, int, int], Node] = {}
+        self.needs_full: Dict[Node, List[Node]] = {}  # sharded original -> readers of the full tensor
+        self.row_sums = 0
+        self.dead: List[Node] = []
+
+    # -- new nodes ------------------------------------------------------------------------------------------------
+    def _call(self, target, args: tuple, kwargs: Optional[dict] = None) -> Node:
+        kwargs = kwargs or {}
+        node = self.graph.call_function(target, args, kwargs)
+
+        def fake(a):
+            return m.val(a) if isinstance(a, Node) else a
+
+        m.set_val(node, self.fake_mode, lambda: target(*torch.fx.node.map_aggregate(args, fake),
+                                                          **torch.fx.node.map_aggregate(kwargs, fake)))
+        return node
+
+    def _slice(self, full: Node, rows: int, world: int, rank: int, last: int) -> Node:
+        key = (full, rows, last)
+        if key not in self.sliced:
+            flat = full if tuple(m.val(full).shape) == (rows, last) else self._call(
+                m.aten.reshape.default, (full, [rows, last]))
+            per = rows // world
+            self.sliced[key] = self._call(m.SLICE, (flat, 0, rank * per, (rank + 1) * per))
+        return self.sliced[key]
+
+    def _gather(self, original: Node) -> Node:
+        if original not in self.gathered:
+            s = self.sharded[original]
+            ag = self._call(m.ALL_GATHER, (s.node, s.world, s.group))
+            wait = self._call(m.WAIT, (ag,))
+            self.gathered[original] = wait if len(s.shape) == 2 else self._call(
+                m.aten.reshape.default, (wait, list(s.shape)))
+        return self.gathered[original]
+
+    # -- classification -------------------------------------------------------------------------------------------
+    def _operand(self, arg, out_shape: Tuple[int, ...], ref: _Shard):
+        """How a tensor operand of a row-local op reads in the sharded op: ('shard', node), ('slice', node),
+        ('bcast', node) or None (incompatible)."""
+        if not isinstance(arg, Node):
+            return ("const", arg)
+        if arg in self.sharded:
+            s = self.sharded[arg]
+            if (s.group, s.rows, s.world) != (ref.group, ref.rows, ref.world) or _lead_of(s.shape, len(out_shape)) \
+                    != tuple(out_shape[:-1]):
+                return None
+            return ("shard", arg)
+        v = m.val(arg)
+        if v is None:
+            return None
+        shape = tuple(v.shape)
+        if not all(isinstance(d, int) for d in shape):
+            return None
+        lead = _lead_of(shape, len(out_shape))
+        if len(shape) <= 1 or all(d == 1 for d in lead):
+            return ("bcast", arg)
+        if lead == tuple(out_shape[:-1]) and self.assume_replicated:
+            return ("slice", arg)
+        return None
+
+    def _row_local(self, node: Node) -> Optional[Tuple[str, _Shard]]:
+        """('pointwise' | 'view' | 'expand' | 'reduce' | 'var_mean' | 'getitem', a sharded input) when ``node`` can
+        run on the rows of its sharded inputs, else None."""
+        ins = [a for a in node.all_input_nodes if a in self.sharded]
+        ref = self.sharded[ins[0]]
+        out = m.val(node)
+        target = node.target
+        if target is operator.getitem:
+            parent = node.args[0]
+            return ("getitem", ref) if parent in self.sharded and m.is_call(parent, _VAR_MEAN) else None
+        if not isinstance(out, torch.Tensor) and target is not _VAR_MEAN:
+            return None
+        if target is _VAR_MEAN:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            nd = len(ref.shape)
+            if (len(node.args) == 2 and node.kwargs.get("keepdim") and dims is not None and len(dims) == 1
+                    and dims[0] % nd == nd - 1 and node.args[0] in self.sharded
+                    and set(node.kwargs) <= {"keepdim", "correction"}):
+                return ("var_mean", ref)
+            return None
+        shape = tuple(out.shape)
+        if not shape or not all(isinstance(d, int) for d in shape) or math.prod(shape[:-1]) != ref.rows:
+            return None
+        schema = getattr(target, "_schema", None)
+        if schema is None or schema.is_mutable:
+            return None
+        if m.is_call(node, m.VIEW_OPS):
+            return ("view", ref) if shape[-1] == ref.shape[-1] else None
+        if m.is_call(node, _EXPAND):
+            return ("expand", ref) if tuple(shape[:-1]) == ref.lead and len(shape) == len(ref.shape) else None
+        if m.is_call(node, _LAST_DIM_REDUCTIONS):
+            dims = node.args[1] if len(node.args) > 1 else None
+            keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            nd = len(ref.shape)
+            if (node.args[0] in self.sharded and isinstance(dims, (list, tuple)) and len(dims) == 1
+                    and dims[0] % nd == nd - 1 and keepdim and set(node.kwargs) <= {"keepdim", "dtype"}):
+                return ("reduce", ref)
+            return None
+        tags = getattr(target, "tags", ())
+        if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:
+            return None
+        if set(node.kwargs) - {"memory_format", "dtype", "alpha", "rounding_mode", "approximate"}:
+            return None
+        if node.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+            return None
+        for arg in list(node.args) + list(node.kwargs.values()):
+            if isinstance(arg, (list, tuple)) and any(isinstance(a, Node) for a in arg):
+                return None
+            if isinstance(arg, Node) and self._operand(arg, shape, ref) is None:
+                return None
+        return ("pointwise", ref)
+
+    def _row_sum(self, node: Node) -> Optional[_Shard]:
+        """The sharded input of a ``sum`` over every row dim (a norm weight's gradient), else None."""
+        if not m.is_call(node, _ROW_SUMS) or not isinstance(node.args[0], Node) or node.args[0] not in self.sharded:
+            return None
+        if any(isinstance(a, Node) for a in node.args[1:]) or set(node.kwargs) - {"dtype"}:
+            return None
+        s = self.sharded[node.args[0]]
+        nd = len(s.shape)
+        dims = list(range(nd)) if m.is_call(node, m.aten.sum.default) else node.args[1]
+        if dims is None or len(dims) == 0:
+            dims = list(range(nd))
+        dims = {d % nd for d in dims}
+        if not all(d in dims for d, size in enumerate(s.lead) if size > 1):
+            return None
+        return s
+
+    # -- the walk -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node in self.sources:
+                self._source(self.sources[node])
+                continue
+            ins = [a for a in node.all_input_nodes if a in self.sharded]
+            if not ins:
+                continue
+            if node.op == "call_function":
+                kind = self._row_local(node)
+                if kind is not None:
+                    self._shard(node, *kind)
+                    continue
+                s = self._row_sum(node)
+                if s is not None:
+                    self._partial_sum(node, s)
+                    continue
+            for a in ins:
+                self.needs_full.setdefault(a, []).append(node)
+                if self.emit:
+                    with self.graph.inserting_before(node):
+                        node.replace_input_with(a, self._gather(a))
+
+    def _source(self, src: _Source) -> None:
+        shard = _Shard(None, src.shape, src.rows, src.group, src.world, src.rank)
+        if self.emit:
+            with self.graph.inserting_before(src.wait):
+                flat = src.operand if len(src.shape) == 2 else self._call(
+                    m.aten.reshape.default, (src.operand, [src.rows, src.shape[-1]]))
+                rs = self._call(m.REDUCE_SCATTER, (flat, src.reduce_op, src.world, src.group))
+                shard.node = self._call(m.WAIT, (rs,))
+            self.dead += [src.wait, src.all_reduce]
+        self.sharded[src.wait] = shard
+
+    def _shard(self, node: Node, kind: str, ref: _Shard) -> None:
+        if kind == "getitem":
+            parent = self.sharded[node.args[0]]
+            v = m.val(node)
+            shard = _Shard(None, tuple(v.shape), ref.rows, ref.group, ref.world, ref.rank)
+            if self.emit:
+                with self.graph.inserting_before(node):
+                    shard.node = self._call(operator.getitem, (parent.node, node.args[1]))
+                self.dead.append(node)
+            self.sharded[node] = shard
+            return
+        if kind == "var_mean":
+            v = m.val(node)
+            shard = _Shard(None, tuple(v[0].shape), ref.rows, ref.group, ref.world, ref.rank)
+            if self.emit:
+                with self.graph.inserting_before(node):
+                    shard.node = self._call(_VAR_MEAN, (self.sharded[node.args[0]].node, [1]),
+                                            dict(node.kwargs))
+                self.dead.append(node)
+            self.sharded[node] = shard
+            return
+        shape = tuple(m.val(node).shape)
+        shard = _Shard(None, shape, ref.rows, ref.group, ref.world, ref.rank)
+        if self.emit:
+            with self.graph.inserting_before(node):
+                shard.node = self._emit_local(node, kind, shape, ref)
+            m.copy_debug_meta(shard.node, node)
+            self.dead.append(node)
+        self.sharded[node] = shard
+
+    def _emit_local(self, node: Node, kind: str, shape: Tuple[int, ...], ref: _Shard) -> Node:
+        x = node.args[0]
+        per = ref.rows // ref.world
+        if kind == "view":
+            return self.sharded[x].node
+        if kind == "expand":
+            return self._call(_EXPAND, (self.sharded[x].node, [per, shape[-1]]))
+        if kind == "reduce":
+            return self._call(node.target, (self.sharded[x].node, [1], True), dict(node.kwargs))
+
+        def local(arg):
+            if not isinstance(arg, Node):
+                return arg
+            how, _ = self._operand(arg, shape, ref)
+            if how == "shard":
+                return self.sharded[arg].node
+            v_shape = tuple(m.val(arg).shape)
+            if how == "slice":
+                return self._slice(arg, ref.rows, ref.world, ref.rank, v_shape[-1])
+            # Broadcast over every row dim: [.., 1, last] -> [1, last]; a [last] vector or a scalar as it is.
+            if len(v_shape) > 2:
+                return self._call(m.aten.reshape.default, (arg, [1, v_shape[-1]]))
+            return arg
+
+        args = tuple(local(a) for a in node.args)
+        kwargs = {k: local(v) for k, v in node.kwargs.items()}
+        return self._call(node.target, args, kwargs)
+
+    def _partial_sum(self, node: Node, s: _Shard) -> None:
+        self.row_sums += 1
+        if not self.emit:
+            return
+        out_shape = list(m.val(node).shape)
+        nd = len(s.shape)
+        dims = list(range(nd)) if m.is_call(node, m.aten.sum.default) or not node.args[1] else \
+            [d % nd for d in node.args[1]]
+        kwargs = dict(node.kwargs)
+        with self.graph.inserting_before(node):
+            local_dims = [0, 1] if nd - 1 in dims else [0]
+            part = self._call(m.aten.sum.dim_IntList, (s.node, local_dims, True), kwargs)
+            part = self._call(m.aten.reshape.default, (part, out_shape))
+            ar = self._call(ALL_REDUCE, (part, "sum", s.group))
+            total = self._call(m.WAIT, (ar,))
+        m.copy_debug_meta(part, node)
+        node.replace_all_uses_with(total)
+        self.dead.append(node)
+
+    # -- the cost rule --------------------------------------------------------------------------------------------
+    def exposed_bytes(self) -> int:
+        total = 0
+        for original, readers in self.needs_full.items():
+            if not any(_feeds_matmul(original, r) for r in readers):
+                s = self.sharded[original]
+                total += s.rows * s.shape[-1] * _itemsize(original)
+        return total
+
+
+def _itemsize(node: Node) -> int:
+    v = m.val(node)
+    if isinstance(v, (tuple, list)):
+        v = v[0]
+    return v.element_size() if isinstance(v, torch.Tensor) else 4
+
+
+def _feeds_matmul(original: Node, reader: Node, depth: int = 0) -> bool:
+    """``reader`` (of the gathered ``original``) is a matmul reading it as its first operand, possibly through
+    reshapes and a dtype cast: the all-gather pass fuses that gather."""
+    operands = m.matmul_operands(reader)
+    if operands is not None:
+        return operands[0] is original
+    if depth < 4 and (m.is_call(reader, m.VIEW_OPS) or m.is_call(reader, m.CONVERT)) and reader.args[0] is original:
+        return any(_feeds_matmul(reader, u, depth + 1) for u in reader.users)
+    return False
+
+
+def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
+                     not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
+                     assume_replicated: bool = False) -> int:
+    """Rewrite the graph's candidate all-reduces (see the module docstring) in place; returns how many.
+    ``assume_replicated``: full tensors of the same rows may be sliced to this rank's rows (see the module
+    docstring for what that assumes)."""
+    reduces = [n for n in graph.nodes if m.is_call(n, ALL_REDUCE)]
+    if not reduces:
+        return 0
+    fake_mode = m.fake_mode_of(graph)
+    sources: Dict[Node, _Source] = {}
+    for ar in reduces:
+        try:
+            if fake_mode is None:
+                raise Skip("no fake mode in graph metadata", ar.name)
+            src = _match_source(ar, group_allowed, not_worth_fusing)
+            sources[src.wait] = src
+        except Skip as s:
+            record_skip(PATTERN, s.reason, s.detail or ar.name)
+    if not sources:
+        return 0
+    dry = _Planner(graph, sources, fake_mode, emit=False, assume_replicated=assume_replicated)
+    dry.run()
+    reduced = sum(src.rows * src.shape[-1] * _itemsize(src.operand) for src in sources.values())
+    exposed = dry.exposed_bytes()
+    if exposed > _EXPOSED_LIMIT * reduced:
+        for src in sources.values():
+            record_skip(PATTERN, "the split would expose more all-gather than it hides",
+                        f"{src.all_reduce.name}: exposed all-gathers {exposed} B against all-reduces {reduced} B")
+        return 0
+    planner = _Planner(graph, sources, fake_mode, emit=True, assume_replicated=assume_replicated)
+    planner.run()
+    m.erase_dead(graph, planner.dead)
+    leftover = [n.name for n in planner.dead if n in m.positions(graph)]
+    if leftover:  # every replaced node must be unread now; anything else is a bug in the planner
+        raise RuntimeError(f"fluxinductor all_reduce_split left nodes with readers: {leftover}")
+    for src in sources.values():
+        record_fused(PATTERN, f"{src.all_reduce.name}: {src.shape} over {src.world} ranks; "
+                              f"{len(planner.sharded)} values sharded, {len(planner.gathered)} gathered "
+                              f"({exposed} B exposed), {planner.row_sums} row sums")
+    return len(sources)
