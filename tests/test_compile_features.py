@@ -569,3 +569,61 @@ def test_2d_mesh_without_restriction_fuses_both_groups():
         # The dp all-gather -> matmul (forward) and its matmul -> reduce-scatter (backward) fuse too.
         check_fused(r["forward"], {AG_MM: 2, MM_RS: 1}, where + " forward")
         check_fused(r["backward"], {AG_MM: 1, MM_RS: 2}, where + " backward")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain tensor parallelism: the all-reduce split (fluxinductor.passes.all_reduce_split).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _all_reduce_split_job(rank: int, world: int) -> Dict[str, object]:
+    """The plain-TP Llama-style block under each FLUXINDUCTOR_SPLIT_ALL_REDUCE setting (each compile reads it)."""
+    import os
+
+    import test_compile_numerics
+
+    out: Dict[str, object] = {}
+    for mode in ("replicated", "0"):
+        os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = mode
+        out[mode] = _guarded(run_case, rank, world, "tp_block", "fp32")
+    # The default (exact) with a gradient that differs between ranks, which a replicated output never gets from a
+    # real loss: the exact split must still give each rank eager's answer, as it slices nothing.
+    os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = "exact"
+    test_compile_numerics.REPLICATED_OUTPUTS.discard("tp_block")
+    out["exact_rank_dependent_grad"] = _guarded(run_case, rank, world, "tp_block", "fp32")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _all_reduce_split_results():
+    return run_ranks(_all_reduce_split_job, 2, timeout=600)
+
+
+def test_all_reduce_split_replicated_fuses_both_halves():
+    """``replicated``: the reduce-scatters fuse with the o/down matmuls (input-gradient sums in the backward) and the
+    all-gathers move past the residual add and the norm into the next matmuls, where they fuse too."""
+    for rank, per_rank in enumerate(_all_reduce_split_results()):
+        r, where = per_rank["replicated"], f"split replicated rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        check_fused(r["forward"], {AG_MM: 1, MM_RS: 2}, where + " forward")
+        check_fused(r["backward"], {AG_MM: 1, MM_RS: 2}, where + " backward")
+        assert r["forward"]["fused"]["all_reduce_split"] == 2, r["forward"]
+
+
+def test_all_reduce_split_exact_is_exact_even_for_rank_dependent_values():
+    for rank, per_rank in enumerate(_all_reduce_split_results()):
+        r, where = per_rank["exact_rank_dependent_grad"], f"split exact rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        check_fused(r["forward"], {MM_RS: 2}, where + " forward")
+        assert r["forward"]["fused"].get(AG_MM, 0) == 0 and r["backward"]["fused"].get(AG_MM, 0) == 0
+
+
+def test_all_reduce_split_off_leaves_plain_tp_unfused():
+    for rank, per_rank in enumerate(_all_reduce_split_results()):
+        r, where = per_rank["0"], f"split off rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        for phase in ("forward", "backward"):
+            assert r[phase]["fused"] == {}, f"{where} {phase}: {r[phase]}"

@@ -1232,3 +1232,144 @@ def test_reduce_scatter_of_sum_of_matmuls_can_be_turned_off():
     assert fused("matmul_reduce_scatter") == 0
     assert skipped("matmul_reduce_scatter") == {"sum of matmuls (FLUXINDUCTOR_FUSE_MATMUL_SUMS=0)": 1}
     assert count(gm, c10d.reduce_scatter_tensor.default) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# all_reduce -> reduce_scatter + all_gather (passes/all_reduce_split.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def all_reduce(y, name, reduce_op="sum"):
+    """What funcol's all_reduce (DTensor's Partial -> Replicate) leaves in a post-grad graph."""
+    return c10d.wait_tensor.default(c10d.all_reduce.default(y, reduce_op, name))
+
+
+def rms_norm(x, weight):
+    """Post-grad RMSNorm: reductions over the last dim only."""
+    ms = aten.mean.dim(aten.pow.Tensor_Scalar(x, 2), [-1], True)
+    return aten.mul.Tensor(aten.mul.Tensor(x, aten.rsqrt.default(aten.add.Tensor(ms, 1e-6))), weight)
+
+
+def tp_residual_block(name):
+    """Plain TP: a row-parallel linear all-reduced, the residual add, a norm, the next column-parallel linear."""
+
+    def fn(x, a, w_o, g, w_q):
+        h = aten.add.Tensor(x, all_reduce(linear(a, w_o), name))
+        return linear(rms_norm(h, g), w_q), h
+
+    return fn
+
+
+def _tp_block_args():
+    return (torch.randn(2, 8, 32), torch.randn(2, 8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(24, 32))
+
+
+def split_ar(gm, assume_replicated=False, allowed=lambda name: True):
+    from fluxinductor.passes.all_reduce_split import split_all_reduce
+
+    split_all_reduce(gm.graph, allowed, assume_replicated=assume_replicated)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def test_all_reduce_split_exact_fuses_the_reduce_scatter_and_slices_nothing():
+    gm = trace(tp_residual_block(group()), *_tp_block_args())
+    assert count(gm, c10d.all_reduce.default) == 1
+    split_ar(gm)
+    assert fused("all_reduce_split") == 1
+    assert count(gm, c10d.all_reduce.default) == 0 and count(gm, aten.slice.Tensor) == 0
+    (rs,) = nodes(gm, c10d.reduce_scatter_tensor.default)
+    assert rs.args[0].meta["val"].shape == (16, 32) and rs.args[1:] == ("sum", WORLD, group())
+    # Exact: the residual x is not known to be the same on every rank, so the gather lands before the add.
+    (ag,) = nodes(gm, c10d.all_gather_into_tensor.default)
+    assert ag.args[0].meta["val"].shape == (8, 32)
+    (add,) = [n for n in nodes(gm, aten.add.Tensor) if n.meta["val"].shape == (2, 8, 32)]
+    assert back_through_views(add.args[1]).target == c10d.wait_tensor.default
+    assert_all_vals(gm)
+    run_passes(gm)
+    assert count(gm, MM_RS) == 1 and count(gm, AG_MM) == 0
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 0
+
+
+def test_all_reduce_split_replicated_moves_the_gather_to_the_next_matmul():
+    gm = trace(tp_residual_block(group()), *_tp_block_args())
+    split_ar(gm, assume_replicated=True)
+    # Rank 0 of 2 keeps rows [0, 8) of the 16: x is sliced, the norm runs on 8 rows.
+    slices = nodes(gm, aten.slice.Tensor)
+    assert [s.args[1:] for s in slices] == [(0, 0, 8)]
+    assert back_through_views(slices[0].args[0]).op == "placeholder"
+    mean = nodes(gm, aten.mean.dim)
+    assert len(mean) == 1 and mean[0].meta["val"].shape == (8, 1)
+    # Two gathers: the norm's output (into the matmul) and h (a graph output).
+    assert sorted(tuple(n.args[0].meta["val"].shape) for n in nodes(gm, c10d.all_gather_into_tensor.default)) == [
+        (8, 32), (8, 32)]
+    assert_all_vals(gm)
+    run_passes(gm)
+    assert count(gm, MM_RS) == 1 and count(gm, AG_MM) == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1  # h's: nothing but the output reads it
+
+
+def test_all_reduce_split_row_sum_becomes_a_local_sum_and_a_small_all_reduce():
+    def fn(a, w_o, g):
+        y = all_reduce(linear(a, w_o), group())
+        grad_g = aten.sum.dim_IntList(aten.mul.Tensor(y, g), [0, 1], True)  # a norm weight's gradient
+        return aten.reshape.default(grad_g, [32]), aten.mul.Tensor(y, 2.0)
+
+    gm = split_ar(trace(fn, torch.randn(2, 8, 16), torch.randn(32, 16), torch.randn(32)))
+    assert fused("all_reduce_split") == 1
+    (ar,) = nodes(gm, c10d.all_reduce.default)
+    assert ar.args[0].meta["val"].shape == (1, 1, 32)
+    (local,) = nodes(gm, aten.sum.dim_IntList)
+    assert local.args[1:] == ([0], True) and local.args[0].meta["val"].shape == (8, 32)
+
+
+def test_all_reduce_of_a_non_matmul_is_left_alone():
+    def fn(x):
+        return aten.add.Tensor(all_reduce(aten.mul.Tensor(x, 2.0), group()), 1.0)
+
+    gm = split_ar(trace(fn, torch.randn(16, 32)))
+    assert count(gm, c10d.all_reduce.default) == 1 and count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert skipped("all_reduce_split") == {"reduce_scatter input is not a matmul": 1}
+
+
+def test_all_reduce_split_rows_that_do_not_split_are_left_alone():
+    def fn(a, w):
+        return all_reduce(aten.mm.default(a, aten.permute.default(w, [1, 0])), group())
+
+    gm = split_ar(trace(fn, torch.randn(3, 16), torch.randn(32, 16)))
+    assert count(gm, c10d.all_reduce.default) == 1
+    assert skipped("all_reduce_split") == {"rows do not split over the group": 1}
+
+
+def test_all_reduce_split_that_would_expose_more_gathers_is_left_alone():
+    def fn(a, w):
+        y = all_reduce(linear(a, w), group())
+        # Three row-wise results, each a graph output: three exposed gathers of y's size.
+        return aten.mul.Tensor(y, 2.0), aten.mul.Tensor(y, 3.0), aten.mul.Tensor(y, 4.0)
+
+    gm = split_ar(trace(fn, torch.randn(2, 8, 16), torch.randn(32, 16)))
+    assert count(gm, c10d.all_reduce.default) == 1 and count(gm, c10d.all_gather_into_tensor.default) == 0
+    assert list(skipped("all_reduce_split")) == ["the split would expose more all-gather than it hides"]
+
+
+def test_all_reduce_split_respects_the_group_restriction():
+    gm = split_ar(trace(tp_residual_block(group()), *_tp_block_args()), allowed=lambda name: False)
+    assert count(gm, c10d.all_reduce.default) == 1
+    assert skipped("all_reduce_split") == {"group not allowed": 1}
+
+
+def test_split_all_reduce_setting(monkeypatch):
+    from fluxinductor import config
+    from fluxinductor.passes import FluxPassManager
+
+    for value, mode in (("", "off"), ("0", "off"), ("1", "exact"), ("exact", "exact"), ("replicated", "replicated")):
+        monkeypatch.setenv("FLUXINDUCTOR_SPLIT_ALL_REDUCE", value)
+        assert config.split_all_reduce() == mode
+    monkeypatch.delenv("FLUXINDUCTOR_SPLIT_ALL_REDUCE")
+    assert config.split_all_reduce() == "exact"
+    monkeypatch.setenv("FLUXINDUCTOR_SPLIT_ALL_REDUCE", "sometimes")
+    with pytest.raises(ValueError, match="expected exact, replicated or 0"):
+        config.split_all_reduce()
+    uuids = {FluxPassManager(split_all_reduce=mode).uuid() for mode in ("off", "exact", "replicated")}
+    assert len(uuids) == 3
