@@ -17,6 +17,9 @@ Models (``--models``), both sequence parallel with ``torch.distributed.tensor.pa
           hidden 8192, ffn 28672, 64 heads, 8 KV heads, B=1, S=4096; SequenceParallel norms,
           PrepareModuleInput (Shard(1) -> Replicate) before attention and MLP, Colwise Q/K/V/w1/w3,
           Rowwise(output Shard(1)) o/w2: the anchors' "Model level" setup.
+``--tp plain`` builds both in plain tensor parallelism instead (replicated input and activations, default Colwise
+and Rowwise, an all-reduce after each row-parallel linear; every rank draws the same input and gradient), which
+fluxinductor's all-reduce split turns into fusable reduce-scatters and all-gathers (FLUXINDUCTOR_SPLIT_ALL_REDUCE).
 Phases: ``fwd`` (under torch.no_grad) and ``fwd_bwd`` (forward, then backward of a fixed random grad).
 
 Modes (``--modes``), each after ``torch._dynamo.reset()`` with a fresh ``torch.compile``:
@@ -222,8 +225,11 @@ class Decoder(nn.Module):
         return x
 
 
-def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.dtype, shard_dim: int) -> nn.Module:
-    """The model on ``device`` in ``dtype``, parallelized over ``mesh`` (same weights on every rank)."""
+def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.dtype, shard_dim: int,
+                tp: str = "sequence") -> nn.Module:
+    """The model on ``device`` in ``dtype``, parallelized over ``mesh`` (same weights on every rank).  ``tp``:
+    "sequence" (sequence parallel: the tokens sharded between layers) or "plain" (replicated activations, each
+    row-parallel output all-reduced)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -237,6 +243,8 @@ def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.d
     with torch.device(device):
         if name == "mlp":
             model = MLP(cfg["hidden"], cfg["ffn"]).to(dtype)
+            if tp == "plain":
+                return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             plan = {
                 "up": ColwiseParallel(input_layouts=Shard(shard_dim)),  # all-gather the tokens, x @ up
                 "down": RowwiseParallel(output_layouts=Shard(shard_dim)),  # h @ down, reduce-scatter the tokens
@@ -244,6 +252,15 @@ def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.d
             return parallelize_module(model, mesh, plan)
         model = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
                         kv_heads=cfg["kv_heads"], seq=cfg["seq"]).to(dtype)
+    if tp == "plain":
+        for layer in model.layers:
+            parallelize_module(layer, mesh, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),  # all-reduced
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),  # all-reduced
+            })
+        return model
     gather_sequence = lambda: PrepareModuleInput(  # noqa: E731
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for layer in model.layers:
@@ -263,8 +280,10 @@ def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.d
     return model
 
 
-def input_shape(name: str, cfg: dict, world: int, shard_dim: int) -> Tuple[int, ...]:
-    """This rank's input shard shape."""
+def input_shape(name: str, cfg: dict, world: int, shard_dim: int, tp: str = "sequence") -> Tuple[int, ...]:
+    """This rank's input shard shape (plain TP: the whole input, the same on every rank)."""
+    if tp == "plain":
+        world = 1
     if name == "mlp":
         t = cfg["tokens"] // world
         return (t, cfg["hidden"]) if shard_dim == 0 else (cfg.get("batch", 1), t, cfg["hidden"])
@@ -845,6 +864,10 @@ def build_args(argv=None) -> argparse.Namespace:
                         "puts the sequence dim behind the batch dim, which the passes rewrite rows-first")
     p.add_argument("--mlp-shard-dim", type=int, choices=(0, 1), default=0,
                    help="mlp input layout: 0 = x [T/w, H] Shard(0) (the anchor), 1 = x [1, T/w, H] Shard(1)")
+    p.add_argument("--tp", choices=("sequence", "plain"), default="sequence",
+                   help="sequence: sequence parallel (the default); plain: replicated activations and all-reduces, "
+                        "which fluxinductor's all-reduce split (FLUXINDUCTOR_SPLIT_ALL_REDUCE) turns into fusable "
+                        "reduce-scatters and all-gathers; --mlp-shard-dim does not apply")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 5; --quick 1)")
     p.add_argument("--iters", type=int, default=None, help="timed steps per mode (default 20; --quick 3)")
     p.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -902,7 +925,7 @@ def main(argv=None) -> int:
         "complete": False,
         "environment": environment(ctx, args),
         "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
-                     "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "warmup": ctx.warmup,
+                     "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp, "warmup": ctx.warmup,
                      "iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles if ctx.is_cuda else None,
                      "sleep_ms": measure_sleep_ms(ctx), "timing": timing, "tolerance_norm_rel": tol,
                      "fx_graph_cache": False, "autograd_cache": False,
@@ -925,7 +948,7 @@ def main(argv=None) -> int:
         for model_name in models:
             cfg = configs[model_name]
             try:
-                model = build_model(model_name, cfg, ctx.mesh, ctx.device, ctx.dtype, args.mlp_shard_dim)
+                model = build_model(model_name, cfg, ctx.mesh, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp)
             except Exception as e:  # noqa: BLE001
                 msg = f"building {model_name} failed: {type(e).__name__}: {e}"
                 log(msg)
@@ -934,8 +957,9 @@ def main(argv=None) -> int:
                 if not ctx.context_ok():
                     raise ContextBroken(msg) from e
                 continue
-            shape = input_shape(model_name, cfg, ctx.world, args.mlp_shard_dim)
-            gen = torch.Generator().manual_seed(args.seed * 1000 + ctx.rank)
+            shape = input_shape(model_name, cfg, ctx.world, args.mlp_shard_dim, args.tp)
+            # Plain TP: the input and the output's gradient are replicated, so every rank draws the same ones.
+            gen = torch.Generator().manual_seed(args.seed * 1000 + (0 if args.tp == "plain" else ctx.rank))
             x = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
             grad_out = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
             for phase in phases:

@@ -485,9 +485,14 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
                         f"{src.all_reduce.name}: exposed all-gathers {exposed} B against all-reduces {reduced} B")
         return 0
     planner = _Planner(graph, sources, fake_mode, emit=True, assume_replicated=assume_replicated)
-    planner.run()
+    try:
+        planner.run()
+    except Exception as e:  # the graph is half rewritten: no correct way on but to stop, saying how to avoid it
+        raise RuntimeError(f"fluxinductor all_reduce_split failed while rewriting ({type(e).__name__}: {e}); "
+                           "FLUXINDUCTOR_SPLIT_ALL_REDUCE=0 leaves all-reduces alone") from e
     m.erase_dead(graph, planner.dead)
-    leftover = [n.name for n in planner.dead if n in m.positions(graph)]
+    pos = m.positions(graph)
+    leftover = [n.name for n in planner.dead if n in pos]
     if leftover:  # every replaced node must be unread now; anything else is a bug in the planner
         raise RuntimeError(f"fluxinductor all_reduce_split left nodes with readers: {leftover}")
     for src in sources.values():

@@ -152,3 +152,20 @@ def test_bench_model_cli_rejects_unknown_mode(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), "--modes", "nope"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "unknown mode 'nope'" in proc.stderr
+
+
+def test_bench_model_cpu_plain_tp_llama_layer(tmp_path):
+    # Plain TP (replicated activations, an all-reduce after wo and w2, and after the Q/K/V and w1/w3 input gradients):
+    # the all-reduce split fuses every all-reduce's reduce-scatter half (exact, the default), eager's numerics.
+    data, stdout = _run(tmp_path, "plain", ["--models", "llama2", "--layers", "1", "--phases", "fwd_bwd",
+                                            "--modes", "eager,flux", "--tp", "plain"])
+    _check_common(data, stdout, n_rows=2)
+    assert data["settings"]["tp"] == "plain"
+    eager, flux = data["results"]
+    _check_measured(eager)
+    _check_measured(flux)
+    rs = flux["rewrite_stats"]
+    assert rs["fused_forward"].get("all_reduce_split", 0) >= 2 and rs["fused_forward"].get(MM_RS, 0) >= 2, rs
+    assert rs["fused_backward"].get("all_reduce_split", 0) >= 2 and rs["fused_backward"].get(MM_RS, 0) >= 2, rs
+    assert rs["fused_forward"].get(AG_MM, 0) == 0  # exact: the gathers land before the residual adds
+    assert flux["rewrite_stats_per_rank_equal"] is True
