@@ -445,7 +445,8 @@ def _itemsize(node: Node) -> int:
 
 def _feeds_matmul(original: Node, reader: Node, depth: int = 0) -> bool:
     """``reader`` (of the gathered ``original``) is a matmul reading it as its first operand, possibly through
-    reshapes and a dtype cast: the all-gather pass fuses that gather."""
+    reshapes and a dtype cast: the all-gather pass fuses that gather.  On a GPU that pass may still leave it unfused
+    (a shape the cost model runs sequentially), so the exposure rule's count is a lower bound there."""
     operands = m.matmul_operands(reader)
     if operands is not None:
         return operands[0] is original

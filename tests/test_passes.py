@@ -1,4 +1,5 @@
-"""Unit tests of the graph passes (passes/all_gather_matmul.py, passes/matmul_reduce_scatter.py).
+"""Unit tests of the graph passes (passes/all_gather_matmul.py, passes/matmul_reduce_scatter.py,
+passes/all_reduce_split.py).
 
 As PyTorch's test/distributed/tensor/parallel/test_micro_pipeline_tp.py does, graphs are traced with
 ``make_fx(tracing_mode="fake")`` on a fake process group of 2 ranks, so no communication happens.  The
