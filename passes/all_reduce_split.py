@@ -121,8 +121,7 @@ def _group_rank(group_name: str) -> Tuple[int, int]:
 
 def _match_source(ar: Node, group_allowed: Callable[[str], bool],
                   not_worth_fusing: Optional[Callable[..., Optional[str]]]) -> _Source:
-    from fluxinductor.passes.matmul_reduce_scatter import PATTERN as RS_PATTERN
-    from fluxinductor.passes.matmul_reduce_scatter import _collect_terms
+    from fluxinductor.passes.matmul_reduce_scatter import _collect_terms, check_worth_fusing
 
     if len(ar.args) != 3 or ar.kwargs:
         raise Skip("unexpected all_reduce signature", str(ar.args))
@@ -154,17 +153,7 @@ def _match_source(ar: Node, group_allowed: Callable[[str], bool],
     if len(biases) > 1:
         raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
     if not_worth_fusing is not None:
-        a = m.val(terms[0].a)
-        k = world * sum(m.val(t.a).shape[1] for t in terms)
-        # As the matmul-reduce-scatter pass asks: a sum's weights are concatenated into an N-major [K/world, N]
-        # tensor; an fp32 result (a cast) rules the split transport out.
-        weight = (m.val(terms[0].weight) if len(terms) == 1 else
-                  torch.empty((k // world, n), dtype=a.dtype, device="meta"))
-        if casts:
-            weight = None
-        why = not_worth_fusing(RS_PATTERN, a.device, world, rows, k, n, a.dtype, weight=weight)
-        if why is not None:
-            raise Skip("not worth fusing here", why)
+        check_worth_fusing(not_worth_fusing, terms, world, rows, n, upcast=bool(casts))
     return _Source(wait, ar, operand, shape, rows, reduce_op, group, world, rank)
 
 
@@ -298,8 +287,9 @@ class _Planner:
                 return None
         return ("pointwise", ref)
 
-    def _row_sum(self, node: Node) -> Optional[_Shard]:
-        """The sharded input of a ``sum`` over every row dim (a norm weight's gradient), else None."""
+    def _row_sum(self, node: Node) -> Optional[Tuple[_Shard, set]]:
+        """The sharded input of a ``sum`` over every row dim (a norm weight's gradient) and the summed dims, else
+        None."""
         if not m.is_call(node, _ROW_SUMS) or not isinstance(node.args[0], Node) or node.args[0] not in self.sharded:
             return None
         if any(isinstance(a, Node) for a in node.args[1:]) or set(node.kwargs) - {"dtype"}:
@@ -312,7 +302,7 @@ class _Planner:
         dims = {d % nd for d in dims}
         if not all(d in dims for d, size in enumerate(s.lead) if size > 1):
             return None
-        return s
+        return s, dims
 
     # -- the walk -------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -328,9 +318,9 @@ class _Planner:
                 if kind is not None:
                     self._shard(node, *kind)
                     continue
-                s = self._row_sum(node)
-                if s is not None:
-                    self._partial_sum(node, s)
+                row_sum = self._row_sum(node)
+                if row_sum is not None:
+                    self._partial_sum(node, *row_sum)
                     continue
             for a in ins:
                 self.needs_full.setdefault(a, []).append(node)
@@ -350,27 +340,8 @@ class _Planner:
         self.sharded[src.wait] = shard
 
     def _shard(self, node: Node, kind: str, ref: _Shard) -> None:
-        if kind == "getitem":
-            parent = self.sharded[node.args[0]]
-            v = m.val(node)
-            shard = _Shard(None, tuple(v.shape), ref.rows, ref.group, ref.world, ref.rank)
-            if self.emit:
-                with self.graph.inserting_before(node):
-                    shard.node = self._call(operator.getitem, (parent.node, node.args[1]))
-                self.dead.append(node)
-            self.sharded[node] = shard
-            return
-        if kind == "var_mean":
-            v = m.val(node)
-            shard = _Shard(None, tuple(v[0].shape), ref.rows, ref.group, ref.world, ref.rank)
-            if self.emit:
-                with self.graph.inserting_before(node):
-                    shard.node = self._call(_VAR_MEAN, (self.sharded[node.args[0]].node, [1]),
-                                            dict(node.kwargs))
-                self.dead.append(node)
-            self.sharded[node] = shard
-            return
-        shape = tuple(m.val(node).shape)
+        v = m.val(node)
+        shape = tuple((v[0] if kind == "var_mean" else v).shape)  # var_mean: (var, mean), both [..., 1]
         shard = _Shard(None, shape, ref.rows, ref.group, ref.world, ref.rank)
         if self.emit:
             with self.graph.inserting_before(node):
@@ -382,6 +353,10 @@ class _Planner:
     def _emit_local(self, node: Node, kind: str, shape: Tuple[int, ...], ref: _Shard) -> Node:
         x = node.args[0]
         per = ref.rows // ref.world
+        if kind == "getitem":
+            return self._call(operator.getitem, (self.sharded[x].node, node.args[1]))
+        if kind == "var_mean":
+            return self._call(_VAR_MEAN, (self.sharded[x].node, [1]), dict(node.kwargs))
         if kind == "view":
             return self.sharded[x].node
         if kind == "expand":
@@ -407,18 +382,14 @@ class _Planner:
         kwargs = {k: local(v) for k, v in node.kwargs.items()}
         return self._call(node.target, args, kwargs)
 
-    def _partial_sum(self, node: Node, s: _Shard) -> None:
+    def _partial_sum(self, node: Node, s: _Shard, dims: set) -> None:
         self.row_sums += 1
         if not self.emit:
             return
         out_shape = list(m.val(node).shape)
-        nd = len(s.shape)
-        dims = list(range(nd)) if m.is_call(node, m.aten.sum.default) or not node.args[1] else \
-            [d % nd for d in node.args[1]]
-        kwargs = dict(node.kwargs)
         with self.graph.inserting_before(node):
-            local_dims = [0, 1] if nd - 1 in dims else [0]
-            part = self._call(m.aten.sum.dim_IntList, (s.node, local_dims, True), kwargs)
+            local_dims = [0, 1] if len(s.shape) - 1 in dims else [0]
+            part = self._call(m.aten.sum.dim_IntList, (s.node, local_dims, True), dict(node.kwargs))
             part = self._call(m.aten.reshape.default, (part, out_shape))
             ar = self._call(ALL_REDUCE, (part, "sum", s.group))
             total = self._call(m.WAIT, (ar,))

@@ -336,6 +336,24 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
                           f"{f', reduced in {match.out_dtype}' if match.out_dtype is not None else ''}")
 
 
+def check_worth_fusing(not_worth_fusing: Callable[..., Optional[str]], terms: List[_Term], world: int, rows: m.Size,
+                       n: int, upcast: bool) -> None:
+    """Asks ``not_worth_fusing`` about the fused op for ``terms`` (the global GEMM shape; a symbolic M is asked as
+    None, "at any M", as the graph serves every M); raises :class:`Skip` where it vetoes.  ``upcast``: the op would
+    produce an fp32 result from half-precision operands."""
+    a = m.val(terms[0].a)
+    k = world * sum(m.val(t.a).shape[1] for t in terms)
+    # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
+    weight = (m.val(terms[0].weight) if len(terms) == 1 else
+              torch.empty((k // world, n), dtype=a.dtype, device="meta"))
+    if upcast:
+        weight = None  # an fp32 result: the split transport (the operands' dtype only) is no candidate
+    why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
+                           weight=weight)
+    if why is not None:
+        raise Skip("not worth fusing here", why)
+
+
 def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool],
                                not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
                                fuse_sums: bool = True) -> None:
@@ -355,20 +373,8 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
             if not_worth_fusing is not None:
-                a = m.val(match.terms[0].a)
-                world = rs.args[2]
-                k = world * sum(m.val(t.a).shape[1] for t in match.terms)
-                n = match.partial_shape[-1]
-                # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
-                weight = (m.val(match.terms[0].weight) if len(match.terms) == 1 else
-                          torch.empty((k // world, n), dtype=a.dtype, device="meta"))
-                if match.out_dtype is not None:
-                    weight = None  # an fp32 result: the split transport (the operands' dtype only) is no candidate
-                # A symbolic M (the graph serves every M) is asked as None: "at any M".
-                why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
-                                       weight=weight)
-                if why is not None:
-                    raise Skip("not worth fusing here", why)
+                check_worth_fusing(not_worth_fusing, match.terms, rs.args[2], rows, match.partial_shape[-1],
+                                   upcast=match.out_dtype is not None)
             _rewrite(graph, match, fake_mode)
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or rs.name)
