@@ -41,10 +41,11 @@ Which ops keep the rows sharded (everything else reads the gathered tensor):
 A sharded value read by anything else (a permute, a graph output, a matmul reading it as its second operand, an op
 this pass does not know) is all-gathered once, before its first such reader.  That all-gather is hidden when a
 reader is a matmul's first operand (through reshapes or a dtype cast: the all-gather pass fuses it); otherwise it is
-exposed.  An all-reduce moves twice the bytes of an all-gather, so the graph is rewritten only when its exposed
-all-gathers move at most ``_EXPOSED_LIMIT`` times the all-reduces' bytes (a training forward saves each all-reduce's
-result for the backward: one exposed gather per all-reduce, plus the graph's output); otherwise every all-reduce is
-left alone with the reason logged.  An all-reduce is a candidate only where the matmul-reduce-scatter pass will fuse
+exposed.  Sharding on can gather several tensors where one would do (a LayerNorm's backward reads the gradient and
+saved activations the graph cannot slice), so an all-reduce whose rows would expose more gathered bytes that way than
+a gather right after its reduce-scatter is *confined*: every reader gets the gathered tensor at once (see
+``_choose_plan``).  Confined, an all-reduce leaves one exposed all-gather, about half its traffic, so every candidate
+is rewritten.  An all-reduce is a candidate only where the matmul-reduce-scatter pass will fuse
 the reduce-scatter it becomes (a matmul or a sum of matmuls, read by nothing else; on GPUs, a shape the cost model
 fuses), a static shape whose rows split evenly over the group, ``sum`` or ``avg``.
 
@@ -57,7 +58,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 from torch.fx import Graph, Node
@@ -70,9 +71,11 @@ PATTERN = "all_reduce_split"
 
 ALL_REDUCE = m.c10d.all_reduce.default
 
-# Exposed all-gather bytes allowed per all-reduce byte.  An all-reduce costs about two all-gathers of its tensor, so
-# 1.5 keeps at least a quarter of the all-reduce time off the critical path before counting the fused halves.
-_EXPOSED_LIMIT = 1.5
+# What a byte of row-wise work saved is worth in exposed all-gather bytes.  An elementwise op reads and writes each
+# byte of its result (~4 TB/s of HBM on an H200); an all-gather brings in (w-1)/w of each byte over NVLink (~0.4 TB/s
+# a direction): ~0.4 for an op on its own, about 0.4/k for a chain of k ops inductor fuses into one kernel (a norm:
+# k ~ 5), so a cautious 1/16.
+_ROW_WORK_CREDIT = 1 / 16
 
 _LAST_DIM_REDUCTIONS = (m.aten.sum.dim_IntList, m.aten.mean.dim, m.aten.amax.default, m.aten.amin.default)
 _VAR_MEAN = m.aten.var_mean.correction
@@ -167,9 +170,14 @@ class _Planner:
     """Decides, node by node in graph order, which values stay sharded.  ``emit`` False: a dry run that only
     classifies and counts; True: builds the sharded nodes (the same decisions, in the same order)."""
 
-    def __init__(self, graph: Graph, sources: Dict[Node, _Source], fake_mode, emit: bool, assume_replicated: bool):
+    def __init__(self, graph: Graph, sources: Dict[Node, _Source], fake_mode, emit: bool, assume_replicated: bool,
+                 confined: FrozenSet[Node] = frozenset(),
+                 not_worth_fusing: Optional[Callable[..., Optional[str]]] = None):
         self.graph = graph
+        self.not_worth_fusing = not_worth_fusing
         self.assume_replicated = assume_replicated
+        self.confined = confined  # sources whose readers all get the gathered tensor (the rows go no further)
+        self.origins: Dict[Node, FrozenSet[Node]] = {}  # sharded original -> the sources it is computed from
         self.sources = sources
         self.fake_mode = fake_mode
         self.emit = emit
@@ -178,6 +186,7 @@ class _Planner:
         self.sliced: Dict[Tuple[Node, int, int], Node] = {}
         self.needs_full: Dict[Node, List[Node]] = {}  # sharded original -> readers of the full tensor
         self.row_sums = 0
+        self.rows_saved: Dict[Node, int] = {}  # sharded original -> bytes of its full result no longer computed
         self.dead: List[Node] = []
 
     # -- new nodes ------------------------------------------------------------------------------------------------
@@ -185,8 +194,8 @@ class _Planner:
         kwargs = kwargs or {}
         node = self.graph.call_function(target, args, kwargs)
 
-        def fake(a):
-            return m.val(a) if isinstance(a, Node) else a
+        def fake(a):  # meta['val'] as it is: a tuple for var_mean
+            return a.meta["val"] if isinstance(a, Node) else a
 
         m.set_val(node, self.fake_mode, lambda: target(*torch.fx.node.map_aggregate(args, fake),
                                                           **torch.fx.node.map_aggregate(kwargs, fake)))
@@ -313,7 +322,7 @@ class _Planner:
             ins = [a for a in node.all_input_nodes if a in self.sharded]
             if not ins:
                 continue
-            if node.op == "call_function":
+            if node.op == "call_function" and not any(a in self.confined for a in ins):
                 kind = self._row_local(node)
                 if kind is not None:
                     self._shard(node, *kind)
@@ -338,10 +347,11 @@ class _Planner:
                 shard.node = self._call(m.WAIT, (rs,))
             self.dead += [src.wait, src.all_reduce]
         self.sharded[src.wait] = shard
+        self.origins[src.wait] = frozenset((src.wait,))
 
     def _shard(self, node: Node, kind: str, ref: _Shard) -> None:
-        v = m.val(node)
-        shape = tuple((v[0] if kind == "var_mean" else v).shape)  # var_mean: (var, mean), both [..., 1]
+        v = node.meta["val"]  # var_mean: (var, mean), both [..., 1] (m.val gives tensors only)
+        shape = tuple((v[0] if kind == "var_mean" else v).shape)
         shard = _Shard(None, shape, ref.rows, ref.group, ref.world, ref.rank)
         if self.emit:
             with self.graph.inserting_before(node):
@@ -349,6 +359,9 @@ class _Planner:
             m.copy_debug_meta(shard.node, node)
             self.dead.append(node)
         self.sharded[node] = shard
+        self.origins[node] = frozenset().union(*(self.origins[a] for a in node.all_input_nodes if a in self.sharded))
+        if kind in ("pointwise", "expand", "reduce"):
+            self.rows_saved[node] = ref.rows * shape[-1] * _itemsize(node) * (ref.world - 1) // ref.world
 
     def _emit_local(self, node: Node, kind: str, shape: Tuple[int, ...], ref: _Shard) -> Node:
         x = node.args[0]
@@ -398,13 +411,41 @@ class _Planner:
         self.dead.append(node)
 
     # -- the cost rule --------------------------------------------------------------------------------------------
-    def exposed_bytes(self) -> int:
-        total = 0
+    def cost(self) -> Tuple[int, float, Dict[Node, float]]:
+        """The bytes of the all-gathers no matmul hides, and the plan's cost: those bytes less ``_ROW_WORK_CREDIT`` of
+        the row-wise work it saves, in all and per source (for what is computed from that source alone)."""
+        exposed, total, by_source = 0, 0.0, {}
+
+        def charge(original: Node, amount: float) -> None:
+            nonlocal total
+            total += amount
+            if len(self.origins[original]) == 1:
+                (src,) = self.origins[original]
+                by_source[src] = by_source.get(src, 0.0) + amount
+
         for original, readers in self.needs_full.items():
-            if not any(_feeds_matmul(original, r) for r in readers):
+            if not self._gather_is_hidden(original, readers):
                 s = self.sharded[original]
-                total += s.rows * s.shape[-1] * _itemsize(original)
-        return total
+                size = s.rows * s.shape[-1] * _itemsize(original)
+                exposed += size
+                charge(original, size)
+        for original, saved in self.rows_saved.items():
+            charge(original, -_ROW_WORK_CREDIT * saved)
+        return exposed, total, by_source
+
+    def _gather_is_hidden(self, original: Node, readers: List[Node]) -> bool:
+        """A matmul reads the gathered ``original`` as its first operand and the all-gather pass will fuse them (on a
+        GPU, the cost model does not veto that all_gather_matmul)."""
+        matmuls = [mm for r in readers for mm in _matmuls_fed(original, r)]
+        if not matmuls:
+            return False
+        if self.not_worth_fusing is None:
+            return True
+        from fluxinductor.passes.all_gather_matmul import PATTERN as AG_PATTERN
+
+        s, v = self.sharded[original], m.val(original)
+        n = s.world * sum(m.val(mm).shape[-1] for mm in matmuls)
+        return self.not_worth_fusing(AG_PATTERN, v.device, s.world, s.rows, s.shape[-1], n, v.dtype) is None
 
 
 def _itemsize(node: Node) -> int:
@@ -414,16 +455,45 @@ def _itemsize(node: Node) -> int:
     return v.element_size() if isinstance(v, torch.Tensor) else 4
 
 
-def _feeds_matmul(original: Node, reader: Node, depth: int = 0) -> bool:
-    """``reader`` (of the gathered ``original``) is a matmul reading it as its first operand, possibly through
-    reshapes and a dtype cast: the all-gather pass fuses that gather.  On a GPU that pass may still leave it unfused
-    (a shape the cost model runs sequentially), so the exposure rule's count is a lower bound there."""
+def _matmuls_fed(original: Node, reader: Node, depth: int = 0) -> List[Node]:
+    """The matmuls reading the gathered ``original`` as their first operand through ``reader`` (itself one, or
+    reshapes and a dtype cast leading to them): the all-gather pass can fuse that gather with them."""
     operands = m.matmul_operands(reader)
     if operands is not None:
-        return operands[0] is original
+        return [reader] if operands[0] is original else []
     if depth < 4 and (m.is_call(reader, m.VIEW_OPS) or m.is_call(reader, m.CONVERT)) and reader.args[0] is original:
-        return any(_feeds_matmul(reader, u, depth + 1) for u in reader.users)
-    return False
+        return [mm for u in reader.users for mm in _matmuls_fed(reader, u, depth + 1)]
+    return []
+
+
+def _choose_plan(graph: Graph, sources: Dict[Node, _Source], fake_mode, assume_replicated: bool,
+                 not_worth_fusing: Optional[Callable[..., Optional[str]]]) -> Tuple[FrozenSet[Node], int]:
+    """Which sources to confine (their all-gather right after the reduce-scatter), and the exposed bytes then.
+
+    Sharding a source's rows on through row-wise ops saves (w-1)/w of their work but may gather several tensors where
+    one would do (a LayerNorm's backward reads the gradient and saved activations a graph cannot slice), and an exposed
+    NVLink byte costs more than an HBM byte saved.  A plan's cost is its exposed all-gather bytes less
+    ``_ROW_WORK_CREDIT`` times the bytes its row-wise ops no longer compute (so a norm's small statistics, gathered
+    for the backward, do not outweigh running the norm on 1/w of the rows).  Each source is confined where the far
+    plan costs more for what is computed from it alone than the confined plan does (what is computed from several
+    sources is left out of that count), and the plan actually taken is the cheapest of those (far, per-source, all
+    confined), the farther on a tie.  Confining every source exposes at most one gather per all-reduce, half the all-reduce's
+    traffic, so some plan always takes communication off the critical path."""
+    def dry_run(confined: FrozenSet[Node]) -> Tuple[int, float, Dict[Node, float]]:
+        planner = _Planner(graph, sources, fake_mode, emit=False, assume_replicated=assume_replicated,
+                           confined=confined, not_worth_fusing=not_worth_fusing)
+        planner.run()
+        return planner.cost()
+
+    everything = frozenset(sources)
+    far, near = dry_run(frozenset()), dry_run(everything)
+    mixed = frozenset(s for s in sources if far[2].get(s, 0.0) > near[2].get(s, 0.0))
+    plans = [(far[1], 0, far[0], frozenset()), (near[1], 2, near[0], everything)]
+    if mixed and mixed != everything:
+        exposed, cost, _ = dry_run(mixed)
+        plans.append((cost, 1, exposed, mixed))
+    _, _, exposed, confined = min(plans, key=lambda p: p[:2])
+    return confined, exposed
 
 
 def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
@@ -447,16 +517,8 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
             record_skip(PATTERN, s.reason, s.detail or ar.name)
     if not sources:
         return 0
-    dry = _Planner(graph, sources, fake_mode, emit=False, assume_replicated=assume_replicated)
-    dry.run()
-    reduced = sum(src.rows * src.shape[-1] * _itemsize(src.operand) for src in sources.values())
-    exposed = dry.exposed_bytes()
-    if exposed > _EXPOSED_LIMIT * reduced:
-        for src in sources.values():
-            record_skip(PATTERN, "the split would expose more all-gather than it hides",
-                        f"{src.all_reduce.name}: exposed all-gathers {exposed} B against all-reduces {reduced} B")
-        return 0
-    planner = _Planner(graph, sources, fake_mode, emit=True, assume_replicated=assume_replicated)
+    confined, exposed = _choose_plan(graph, sources, fake_mode, assume_replicated, not_worth_fusing)
+    planner = _Planner(graph, sources, fake_mode, emit=True, assume_replicated=assume_replicated, confined=confined)
     try:
         planner.run()
     except Exception as e:  # the graph is half rewritten: no correct way on but to stop, saying how to avoid it
@@ -468,7 +530,8 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
     if leftover:  # every replaced node must be unread now; anything else is a bug in the planner
         raise RuntimeError(f"fluxinductor all_reduce_split left nodes with readers: {leftover}")
     for src in sources.values():
-        record_fused(PATTERN, f"{src.all_reduce.name}: {src.shape} over {src.world} ranks; "
+        record_fused(PATTERN, f"{src.all_reduce.name}: {src.shape} over {src.world} ranks"
+                              f"{', gathered at once' if src.wait in confined else ''}; graph: "
                               f"{len(planner.sharded)} values sharded, {len(planner.gathered)} gathered "
                               f"({exposed} B exposed), {planner.row_sums} row sums")
     return len(sources)

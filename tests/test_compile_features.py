@@ -586,6 +586,10 @@ def _all_reduce_split_job(rank: int, world: int) -> Dict[str, object]:
     for mode in ("replicated", "0"):
         os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = mode
         out[mode] = _guarded(run_case, rank, world, "tp_block", "fp32")
+    # Inference through LayerNorms (var_mean): nothing saved for a backward, so the rows stay sharded through the
+    # residual add and the next block's norm.
+    os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = "replicated"
+    out["replicated_layer_norm"] = _guarded(run_case, rank, world, "megatron_mlp_infer", "fp32")
     # The default (exact) with a gradient that differs between ranks, which a replicated output never gets from a
     # real loss: the exact split must still give each rank eager's answer, as it slices nothing.
     os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = "exact"
@@ -608,6 +612,17 @@ def test_all_reduce_split_replicated_fuses_both_halves():
         check_errors(r["errors"], "fp32", where)
         check_fused(r["forward"], {AG_MM: 1, MM_RS: 2}, where + " forward")
         check_fused(r["backward"], {AG_MM: 1, MM_RS: 2}, where + " backward")
+        assert r["forward"]["fused"]["all_reduce_split"] == 2, r["forward"]
+
+
+def test_all_reduce_split_replicated_shards_layer_norms_in_inference():
+    """Two Megatron-style blocks: the first block's all-reduce stays sharded through the residual add and the second
+    block's LayerNorm, whose all-gather then fuses into its column-parallel matmul; the last output is gathered."""
+    for rank, per_rank in enumerate(_all_reduce_split_results()):
+        r, where = per_rank["replicated_layer_norm"], f"split replicated LayerNorm rank={rank}"
+        _assert_ok(r, where)
+        check_errors(r["errors"], "fp32", where)
+        check_fused(r["forward"], {AG_MM: 1, MM_RS: 2}, where + " forward")
         assert r["forward"]["fused"]["all_reduce_split"] == 2, r["forward"]
 
 

@@ -1,6 +1,6 @@
 """End to end: ``torch.compile(model, backend="flux")`` against eager on 2 and 4 gloo CPU ranks.
 
-Six tensor-parallel models, each in fp32 and bf16, forward and backward:
+Seven tensor-parallel models, each in fp32 and bf16, forward and backward:
 
 1. ``sp_mlp``: a sequence-parallel MLP (DTensor ``ColwiseParallel``/``RowwiseParallel`` with the
    sequence dim sharded on the way in and out).
@@ -13,6 +13,9 @@ Six tensor-parallel models, each in fp32 and bf16, forward and backward:
    dynamo turns into functional collectives.  Forward only: those in-place collectives have no autograd.
 6. ``tp_block``: a Llama-style block in plain tensor parallelism (replicated activations, all-reduces), which
    ``fluxinductor.passes.all_reduce_split`` turns into reduce-scatters and all-gathers for the other passes.
+7. ``megatron_mlp``: two pre-LayerNorm MLP blocks written as Megatron-LM writes tensor parallelism by hand: local
+   weight shards and the two conjugate ``autograd.Function`` s that call the in-place ``dist.all_reduce``
+   (identity forward / all-reduce backward before the column-parallel linear, the reverse after the row-parallel one).
 
 Each case asserts numerics against the same model run eagerly (outputs, parameter and input gradients)
 and :func:`fluxinductor.rewrite_stats` counts: patterns fused while compiling the forward and, separately,
@@ -22,7 +25,6 @@ size runs every case (compile time dominates; spawning per case would double the
 
 from __future__ import annotations
 
-import copy
 import functools
 import traceback
 from typing import Callable, Dict, List, Optional, Tuple
@@ -300,6 +302,63 @@ def build_tp_block(mesh, dtype, rank: int, world: int):
     return model, lambda seed: _seeded_full((BATCH, SEQ, HIDDEN), seed).to(dtype)
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; the input gradient is summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's ``g``: the row-parallel partial sums are all-reduced; the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class MegatronMLPBlock(nn.Module):
+    """x + g(gelu(f(layer_norm(x)) @ W1_r^T + b1_r) @ W2_r^T) + b2, on this rank's weight shards."""
+
+    def __init__(self, world: int, rank: int, seed: int, hidden: int = HIDDEN, ffn: int = FFN):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        with torch.no_grad():  # a norm that is not the identity, so its backward is really checked
+            self.norm.weight.copy_(1.0 + 0.1 * _seeded_full((hidden,), seed))
+            self.norm.bias.copy_(0.1 * _seeded_full((hidden,), seed + 1))
+        self.w1 = nn.Parameter(_seeded_full((ffn, hidden), seed + 2).chunk(world, dim=0)[rank] * hidden**-0.5)
+        self.b1 = nn.Parameter(_seeded_full((ffn,), seed + 3).chunk(world)[rank])
+        self.w2 = nn.Parameter(_seeded_full((hidden, ffn), seed + 4).chunk(world, dim=1)[rank] * ffn**-0.5)
+        self.b2 = nn.Parameter(_seeded_full((hidden,), seed + 5))
+
+    def forward(self, x):
+        h = F.gelu(F.linear(_CopyToTensorParallel.apply(self.norm(x)), self.w1, self.b1))
+        return x + _ReduceFromTensorParallel.apply(F.linear(h, self.w2)) + self.b2
+
+
+def build_megatron_mlp(mesh, dtype, rank: int, world: int):
+    model = nn.Sequential(MegatronMLPBlock(world, rank, 70), MegatronMLPBlock(world, rank, 80)).to(dtype)
+    # The input is replicated: every rank gets the whole [B, S, H].
+    return model, lambda seed: _seeded_full((BATCH, SEQ, HIDDEN), seed).to(dtype)
+
+
 # name -> (builder, runs backward, minimum fused counts in the forward compile, in the backward compile)
 MODELS: Dict[str, Tuple[Callable, bool, Dict[str, int], Dict[str, int]]] = {
     "sp_mlp": (build_sp_mlp, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
@@ -314,9 +373,15 @@ MODELS: Dict[str, Tuple[Callable, bool, Dict[str, int], Dict[str, int]]] = {
     # (before the residual add by default; test_compile_features checks FLUXINDUCTOR_SPLIT_ALL_REDUCE=replicated,
     # where the all-gathers move on to the next matmuls and fuse too).
     "tp_block": (build_tp_block, True, {MM_RS: 2}, {MM_RS: 2}),
+    # The same split for hand-written TP: forward, each block's g all-reduce; backward, each block's f all-reduce of
+    # the LayerNorm output's gradient (its all-gather right after the reduce-scatter: sharding on through the
+    # LayerNorm backward would gather more than the all-reduce moves).
+    "megatron_mlp": (build_megatron_mlp, True, {MM_RS: 2}, {MM_RS: 2}),
+    # Inference (no graph outputs saved for a backward); test_compile_features runs it under replicated too.
+    "megatron_mlp_infer": (build_megatron_mlp, False, {MM_RS: 2}, {}),
 }
 # Models whose output is replicated (every rank holds all of it).
-REPLICATED_OUTPUTS = {"tp_block"}
+REPLICATED_OUTPUTS = {"tp_block", "megatron_mlp", "megatron_mlp_infer"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1311,6 +1311,28 @@ def test_all_reduce_split_replicated_moves_the_gather_to_the_next_matmul():
     assert count(gm, c10d.all_gather_into_tensor.default) == 1  # h's: nothing but the output reads it
 
 
+def test_all_reduce_split_counts_a_gather_the_cost_model_keeps_unfused_as_exposed():
+    """Replicated, the norm's output gathered into the next matmul is hidden only if the all-gather pass fuses them:
+    with the cost model vetoing all_gather_matmul the far plan exposes two gathers (n and h), so the all-reduce is
+    confined (one gather, nothing sliced)."""
+    from fluxinductor.passes.all_reduce_split import split_all_reduce
+
+    asked = []
+
+    def veto_all_gather_matmul(op, device, world, m, k, n, dtype, weight=None):
+        asked.append((op, world, m, k, n))
+        return "sequential here" if op == "all_gather_matmul" else None
+
+    gm = trace(tp_residual_block(group()), *_tp_block_args())
+    split_all_reduce(gm.graph, lambda name: True, veto_all_gather_matmul, assume_replicated=True)
+    gm.graph.lint()
+    assert fused("all_reduce_split") == 1
+    assert ("all_gather_matmul", WORLD, 16, 32, 48) in asked  # the global GEMM: 16 rows, K=32, N=2*24
+    assert count(gm, aten.slice.Tensor) == 0
+    (ag,) = nodes(gm, c10d.all_gather_into_tensor.default)
+    assert ag.args[0].args[0].target == c10d.reduce_scatter_tensor.default
+
+
 def test_all_reduce_split_row_sum_becomes_a_local_sum_and_a_small_all_reduce():
     def fn(a, w_o, g):
         y = all_reduce(linear(a, w_o), group())
@@ -1343,15 +1365,63 @@ def test_all_reduce_split_rows_that_do_not_split_are_left_alone():
     assert skipped("all_reduce_split") == {"rows do not split over the group": 1}
 
 
-def test_all_reduce_split_that_would_expose_more_gathers_is_left_alone():
+def test_all_reduce_split_gathers_at_once_where_sharding_on_would_gather_more():
     def fn(a, w):
         y = all_reduce(linear(a, w), group())
-        # Three row-wise results, each a graph output: three exposed gathers of y's size.
+        # Three row-wise results, each a graph output: sharding on would gather three tensors of y's size.
         return aten.mul.Tensor(y, 2.0), aten.mul.Tensor(y, 3.0), aten.mul.Tensor(y, 4.0)
 
     gm = split_ar(trace(fn, torch.randn(2, 8, 16), torch.randn(32, 16)))
-    assert count(gm, c10d.all_reduce.default) == 1 and count(gm, c10d.all_gather_into_tensor.default) == 0
-    assert list(skipped("all_reduce_split")) == ["the split would expose more all-gather than it hides"]
+    assert fused("all_reduce_split") == 1 and count(gm, c10d.all_reduce.default) == 0
+    # Confined: one gather, right after the reduce-scatter; the three muls read the whole tensor.
+    (ag,) = nodes(gm, c10d.all_gather_into_tensor.default)
+    assert ag.args[0].target == c10d.wait_tensor.default
+    assert ag.args[0].args[0].target == c10d.reduce_scatter_tensor.default
+    assert [tuple(n.meta["val"].shape) for n in nodes(gm, aten.mul.Tensor)] == [(2, 8, 32)] * 3
+    assert_all_vals(gm)
+    run_passes(gm)
+    assert count(gm, MM_RS) == 1
+
+
+def test_all_reduce_split_confines_each_all_reduce_on_its_own():
+    def fn(a, w, b, v):
+        y = all_reduce(linear(a, w), group())
+        z = all_reduce(linear(b, v), group())
+        # y: two row-wise outputs (sharding on gathers twice, confined once); z: one (the same either way, so its
+        # row-wise op runs on this rank's rows).
+        return aten.mul.Tensor(y, 2.0), aten.mul.Tensor(y, 3.0), aten.mul.Tensor(z, 4.0)
+
+    args = (torch.randn(2, 8, 16), torch.randn(32, 16), torch.randn(2, 8, 16), torch.randn(24, 16))
+    gm = split_ar(trace(fn, *args))
+    assert fused("all_reduce_split") == 2
+    gathered = sorted(tuple(n.args[0].meta["val"].shape) for n in nodes(gm, c10d.all_gather_into_tensor.default))
+    assert gathered == [(8, 24), (8, 32)]
+    (z_ag,) = [n for n in nodes(gm, c10d.all_gather_into_tensor.default) if n.args[0].meta["val"].shape == (8, 24)]
+    assert z_ag.args[0].target == aten.mul.Tensor  # z's rows went on through the mul
+    assert sorted(tuple(n.meta["val"].shape) for n in nodes(gm, aten.mul.Tensor)) == [(2, 8, 32), (2, 8, 32), (8, 24)]
+    assert_all_vals(gm)
+
+
+def test_all_reduce_split_layer_norm_runs_on_this_ranks_rows_when_replicated():
+    """``var_mean`` (a post-grad LayerNorm) and its getitems keep the rows sharded; its tuple-valued meta is read."""
+
+    def fn(x, a, w_o, g, b, w_q):
+        h = aten.add.Tensor(x, all_reduce(linear(a, w_o), group()))
+        var, mean = aten.var_mean.correction(h, [2], correction=0, keepdim=True)
+        n = aten.mul.Tensor(aten.sub.Tensor(h, mean), aten.rsqrt.default(aten.add.Tensor(var, 1e-5)))
+        return linear(aten.add.Tensor(aten.mul.Tensor(n, g), b), w_q)
+
+    args = (torch.randn(2, 8, 32), torch.randn(2, 8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(32),
+            torch.randn(24, 32))
+    gm = split_ar(trace(fn, *args), assume_replicated=True)
+    assert fused("all_reduce_split") == 1
+    (vm,) = nodes(gm, aten.var_mean.correction)
+    assert vm.args[0].meta["val"].shape == (8, 32) and [t.shape for t in vm.meta["val"]] == [(8, 1), (8, 1)]
+    (ag,) = nodes(gm, c10d.all_gather_into_tensor.default)
+    assert ag.args[0].meta["val"].shape == (8, 32)
+    assert_all_vals(gm)
+    run_passes(gm)
+    assert count(gm, MM_RS) == 1 and count(gm, AG_MM) == 1
 
 
 def test_all_reduce_split_respects_the_group_restriction():
