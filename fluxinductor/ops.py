@@ -1,7 +1,7 @@
 """The fused custom ops the passes put into graphs.
 
-``torch.ops.fluxinductor.all_gather_matmul`` and ``torch.ops.fluxinductor.matmul_reduce_scatter`` mean
-exactly what the unfused graph meant.  At run time :mod:`fluxinductor.dispatch` may run a fused kernel;
+``torch.ops.fluxinductor.all_gather_matmul``, ``torch.ops.fluxinductor.matmul_reduce_scatter`` and
+``torch.ops.fluxinductor.matmul_all_reduce`` mean exactly what the unfused graph meant.  At run time :mod:`fluxinductor.dispatch` may run a fused kernel;
 when it declines (CPU tensors, no extension, unsupported dtype or shape, a shape where the cost model
 says fusion loses) the op runs the reference decomposition below over the process group, so a rewritten
 graph runs anywhere: gloo on CPU, NCCL on GPUs.
@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fluxinductor import dispatch
+from fluxinductor.log import record_fallback
 
 REDUCE_OPS = ("sum", "avg")
 
@@ -95,6 +96,24 @@ def all_gather_matmul_reference(
     return [_linear(gathered, w, b) for w, b in zip(weights, biases)], gathered
 
 
+def all_reduce(partial: Tensor, reduce_op: str, group: dist.ProcessGroup) -> Tensor:
+    """Sum (or average) ``partial`` over the group."""
+    out = partial.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out / group.size() if reduce_op == "avg" else out
+
+
+def matmul_all_reduce_reference(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """all_reduce((a @ weight + bias).to(out_dtype), reduce_op); the bias is added on every rank."""
+    partial = _linear(a, weight, bias)
+    if out_dtype is not None:
+        partial = partial.to(out_dtype)
+    return all_reduce(partial, reduce_op, _group(group_name))
+
+
 def matmul_reduce_scatter_reference(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
     out_dtype: Optional[torch.dtype] = None,
@@ -126,6 +145,13 @@ def _check_all_gather_matmul(shard: Tensor, weights, biases, gather_dim: int) ->
             raise ValueError(f"weight of shape {tuple(w.shape)} does not match shard {tuple(shard.shape)}")
         if b is not None and _known_ne(b.shape[-1], w.shape[1]):
             raise ValueError(f"bias of shape {tuple(b.shape)} does not match weight {tuple(w.shape)}")
+
+
+def _check_matmul_all_reduce(a: Tensor, weight: Tensor, reduce_op: str) -> None:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+    if a.dim() < 2 or weight.dim() != 2 or _known_ne(a.shape[-1], weight.shape[0]):
+        raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(weight.shape)}")
 
 
 def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int, world: int) -> None:
@@ -223,3 +249,42 @@ def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
     scatter_dim = scatter_dim % len(shape)
     shape[scatter_dim] //= world
     return a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+@torch.library.custom_op(
+    "fluxinductor::matmul_all_reduce",
+    mutates_args=(),
+    tags=_TAGS,
+    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, str group_name, ScalarType? out_dtype=None) -> Tensor",
+)
+def matmul_all_reduce(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """``all_reduce((a @ weight + bias).to(out_dtype), reduce_op)`` over the group: a row-parallel matmul in plain
+    tensor parallelism whose row count the graph does not know (dynamic shapes; ``passes/all_reduce_split.py``).
+
+    a: [..., K], weight: [K, N], bias: [N] or None (added on every rank, as the graph did); returns [..., N].  Where
+    the rows split evenly over the group and :func:`fluxinductor.dispatch.matmul_reduce_scatter` takes the call (a
+    fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
+    otherwise as the matmul and the all-reduce, the graph's own decomposition.
+    """
+    _check_matmul_all_reduce(a, weight, reduce_op)
+    group = _group(group_name)
+    world = group.size()
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    if rows % world:
+        record_fallback("matmul_all_reduce", f"{rows} rows do not split over {world} ranks")
+    else:
+        part = dispatch.matmul_reduce_scatter(a.reshape(rows, a.shape[-1]), weight, bias, reduce_op, 0, group_name,
+                                              out_dtype)
+        if part is not None:
+            # part: this rank's [rows / world, N] of the reduced result -> every rank's, [..., N]
+            return all_gather(part, 0, group).reshape(*a.shape[:-1], weight.shape[1])
+    return matmul_all_reduce_reference(a, weight, bias, reduce_op, group_name, out_dtype)
+
+
+@matmul_all_reduce.register_fake
+def _(a, weight, bias, reduce_op, group_name, out_dtype=None):
+    _check_matmul_all_reduce(a, weight, reduce_op)
+    return a.new_empty(list(a.shape[:-1]) + [weight.shape[1]], dtype=out_dtype or a.dtype)

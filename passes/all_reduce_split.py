@@ -49,6 +49,12 @@ is rewritten.  An all-reduce is a candidate only where the matmul-reduce-scatter
 the reduce-scatter it becomes (a matmul or a sum of matmuls, read by nothing else; on GPUs, a shape the cost model
 fuses), a static shape whose rows split evenly over the group, ``sum`` or ``avg``.
 
+Under dynamic shapes the row count is symbolic: the graph cannot know that it splits over the group, so nothing is
+sharded; each candidate all-reduce becomes one ``fluxinductor.matmul_all_reduce(a, W, b, reduce_op, group)`` op, which
+at run time takes the fused reduce-scatter and an all-gather of its result where the rows split and the dispatcher
+fuses the call, and the matmul and the all-reduce otherwise (the matmul-reduce-scatter pass's matcher, so sums of
+matmuls, biases and autocast's upcast are taken as there).
+
 The slices bake this process's rank into the graph; under ``replicated`` the pass manager's uuid holds the rank so
 that inductor's FX graph cache, which the ranks of a job may share, never serves one rank's graph to another.
 """
@@ -496,9 +502,32 @@ def _choose_plan(graph: Graph, sources: Dict[Node, _Source], fake_mode, assume_r
     return confined, exposed
 
 
+def _rows_are_symbolic(ar: Node) -> bool:
+    v = m.val(ar.args[0]) if ar.args and isinstance(ar.args[0], Node) else None
+    return v is not None and v.dim() >= 2 and not all(isinstance(d, int) for d in v.shape[:-1])
+
+
+def _fuse_symbolic_rows(ar: Node, group_allowed: Callable[[str], bool],
+                        not_worth_fusing: Optional[Callable[..., Optional[str]]], fuse_sums: bool) -> str:
+    """An all-reduce whose rows are symbolic: one ``fluxinductor.matmul_all_reduce`` (see the module docstring)."""
+    from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_all_reduce
+
+    operand, group = ar.args[0], ar.args[2] if len(ar.args) > 2 else None
+    try:
+        world, _ = _group_rank(group)
+    except Exception as e:  # noqa: BLE001 - an unknown group: leave the collective as it is
+        raise Skip("cannot resolve the group", f"{group!r}: {type(e).__name__}: {e}")
+    if world < 2:
+        raise Skip("group of one rank", str(group))
+    shape = m.val(operand).shape
+    if m.known_not_divisible(m.numel(shape[:-1]), world):
+        raise Skip("rows do not split over the group", f"{tuple(shape)}, {world} ranks")
+    return fuse_matmul_all_reduce(ar, group_allowed, not_worth_fusing, fuse_sums)
+
+
 def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
                      not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
-                     assume_replicated: bool = False) -> int:
+                     assume_replicated: bool = False, fuse_sums: bool = True) -> int:
     """Rewrite the graph's candidate all-reduces (see the module docstring) in place; returns how many.
     ``assume_replicated``: full tensors of the same rows may be sliced to this rank's rows (see the module
     docstring for what that assumes)."""
@@ -507,16 +536,23 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
         return 0
     fake_mode = m.fake_mode_of(graph)
     sources: Dict[Node, _Source] = {}
+    symbolic = 0
     for ar in reduces:
         try:
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", ar.name)
+            if _rows_are_symbolic(ar):
+                name = ar.name
+                record_fused(PATTERN, f"{name}: symbolic rows, matmul_all_reduce: "
+                                      f"{_fuse_symbolic_rows(ar, group_allowed, not_worth_fusing, fuse_sums)}")
+                symbolic += 1
+                continue
             src = _match_source(ar, group_allowed, not_worth_fusing)
             sources[src.wait] = src
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or ar.name)
     if not sources:
-        return 0
+        return symbolic
     confined, exposed = _choose_plan(graph, sources, fake_mode, assume_replicated, not_worth_fusing)
     planner = _Planner(graph, sources, fake_mode, emit=True, assume_replicated=assume_replicated, confined=confined)
     try:
@@ -534,4 +570,4 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
                               f"{', gathered at once' if src.wait in confined else ''}; graph: "
                               f"{len(planner.sharded)} values sharded, {len(planner.gathered)} gathered "
                               f"({exposed} B exposed), {planner.row_sums} row sums")
-    return len(sources)
+    return len(sources) + symbolic

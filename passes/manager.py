@@ -86,7 +86,7 @@ class FluxPassManager(CustomGraphPass):
 
         if self.split_all_reduce != "off":
             split_all_reduce(graph, self.group_allowed, self.not_worth_fusing,
-                             assume_replicated=self.split_all_reduce == "replicated")
+                             assume_replicated=self.split_all_reduce == "replicated", fuse_sums=self.fuse_matmul_sums)
         fuse_all_gather_matmul(graph, self.group_allowed, self.not_worth_fusing)
         fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums)
         graph.lint()

@@ -78,14 +78,14 @@ class _Term:
 
 @dataclass
 class _ReduceScatterMatch:
-    """One reduce-scatter of a matmul (or of a sum of matmuls), normalized:
+    """One reduce-scatter (or all-reduce) of a matmul (or of a sum of matmuls), normalized:
     ``out = reduce_scatter(reshape(sum_i a_i @ w_i + bias, partial_shape), reduce_op, scatter_dim)``."""
 
     wait: Node
     terms: List[_Term]
     bias: Optional[Node]  # [N]
     reduce_op: str
-    scatter_dim: int
+    scatter_dim: Optional[int]  # None: an all_reduce (nothing scattered)
     group_name: str
     partial_shape: tuple  # the N-D tensor being reduced, [..., N]; scatter_dim indexes it
     between: List[Node]  # matmuls, adds, reshapes, chunk nodes, cat, reduce_scatter, wait: erased once dead
@@ -197,9 +197,17 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
     if m.known_not_divisible(inp_shape[0], group_size):
         raise Skip("scatter dim does not split over the group", f"input {inp_shape}, {group_size} ranks")
 
+    return _match_terms(wait, partial, partial_shape, dtype, reduce_op, scatter_dim, group_name, between, fuse_sums)
+
+
+def _match_terms(wait: Node, partial: Node, partial_shape: tuple, dtype: torch.dtype, reduce_op: str,
+                 scatter_dim: Optional[int], group_name: str, between: List[Node],
+                 fuse_sums: bool) -> _ReduceScatterMatch:
+    """The match of a collective (``between``: from it to its wait) reducing ``partial`` (read by it alone), once
+    ``partial`` is shown to be a matmul or a sum of them."""
     n = partial_shape[-1]
     if not isinstance(n, int):
-        raise Skip("symbolic shape", f"N of reduce_scatter operand {partial.name}: {partial_shape}")
+        raise Skip("symbolic shape", f"N of reduced operand {partial.name}: {partial_shape}")
     rows = m.numel(partial_shape[:-1])
     terms: List[_Term] = []
     biases: List[Node] = []
@@ -223,7 +231,7 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
         m.check_weight_and_bias(term.weight, None, m.val(term.a).shape[1], dtype, term.a.name)
     if bias is not None:
         m.check_weight_and_bias(terms[0].weight, bias, m.val(terms[0].a).shape[1], dtype, bias.name)
-    pos = m.positions(rs.graph)
+    pos = m.positions(wait.graph)
     first = min(chain, key=pos.__getitem__)
     # Under dynamic shapes with two symbolic sizes the operand's reshape to [..., K] reuses the sizes of the
     # graph's own reshape to [..., N].
@@ -236,6 +244,48 @@ def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_s
                 break
     return _ReduceScatterMatch(wait, terms, bias, reduce_op, scatter_dim, group_name, partial_shape,
                                between + chain, first, lead_args, out_dtype)
+
+
+def _match_all_reduce(ar: Node, group_allowed: Callable[[str], bool], fuse_sums: bool) -> _ReduceScatterMatch:
+    if len(ar.args) != 3 or ar.kwargs:
+        raise Skip("unexpected all_reduce signature", str(ar.args))
+    inp, reduce_op, group_name = ar.args
+    if not group_allowed(group_name):
+        raise Skip("group not allowed", f"group {group_name!r}")
+    if reduce_op not in ("sum", "avg"):
+        raise Skip("unsupported reduce_op", str(reduce_op))
+    wait = m.only_user(ar)
+    if not m.is_call(wait, m.WAIT):
+        raise Skip("all_reduce not followed by a single wait_tensor", ar.name)
+    dtype = m.check_float(inp, "all_reduce input")
+    shape = m.shape_of(inp, "all_reduce input")
+    if len(shape) < 2:
+        raise Skip("1-D all_reduce operand", str(shape))
+    if set(inp.users) != {ar}:
+        raise Skip("matmul output has other users", inp.name)
+    return _match_terms(wait, inp, shape, dtype, reduce_op, None, group_name, [ar, wait], fuse_sums)
+
+
+def fuse_matmul_all_reduce(ar: Node, group_allowed: Callable[[str], bool],
+                           not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
+                           fuse_sums: bool = True) -> str:
+    """Rewrite ``wait(all_reduce(matmul or a sum of them))`` into ``fluxinductor.matmul_all_reduce`` (which runs a
+    fused reduce-scatter and an all-gather where the rows split over the group at run time); returns a description.
+    Raises :class:`Skip` (the graph untouched) where it does not apply."""
+    match = _match_all_reduce(ar, group_allowed, fuse_sums)
+    if not_worth_fusing is not None:
+        world = _resolve_world(match.group_name)
+        check_worth_fusing(not_worth_fusing, match.terms, world, m.numel(match.partial_shape[:-1]),
+                           match.partial_shape[-1], upcast=match.out_dtype is not None)
+    _rewrite(ar.graph, match, m.fake_mode_of(ar.graph))
+    return (f"{len(match.terms)} matmul(s), reduce_op={match.reduce_op}, bias={match.bias is not None}, "
+            f"rows {match.partial_shape[:-1]}")
+
+
+def _resolve_world(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
 
 
 def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple, arg: Optional[list]) -> Node:
@@ -251,7 +301,8 @@ def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple, arg: Optional[list])
 def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     from fluxinductor import ops  # noqa: F401  (registers torch.ops.fluxinductor)
 
-    op = torch.ops.fluxinductor.matmul_reduce_scatter.default
+    all_reduce = match.scatter_dim is None
+    op = (torch.ops.fluxinductor.matmul_all_reduce if all_reduce else torch.ops.fluxinductor.matmul_reduce_scatter).default
     lead = tuple(match.partial_shape[:-1])
     ks = [m.val(t.a).shape[1] for t in match.terms]
     a_nd_shape = lead + (sum(ks),)
@@ -277,7 +328,10 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     # rows-first operand on dim 0 and the permutes around it are left to inductor (see m.rows_first).
     out_shape = m.val(match.wait).shape
     n = match.partial_shape[-1]
-    plan = m.rows_first(out_shape, match.scatter_dim)
+    plan = None if all_reduce else m.rows_first(out_shape, match.scatter_dim)
+    # (reduce_op, scatter_dim, group_name) of matmul_reduce_scatter; (reduce_op, group_name) of matmul_all_reduce
+    collective_args = ((match.reduce_op, match.group_name) if all_reduce else
+                       (match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name))
     out_dtype_arg = () if match.out_dtype is None else (match.out_dtype,)  # the schema's default otherwise
     try:
         with fake_mode:
@@ -292,8 +346,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
             if plan is not None:
                 lead = [-1] + [a_val.shape[d] for d in plan[2]]  # [S / world, rest...] of the result
                 a_val = a_val.permute(plan[0]).reshape(-1, sum(ks))
-            result_2d = op(a_val, w_val, None if match.bias is None else m.val(match.bias),
-                           match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name,
+            result_2d = op(a_val, w_val, None if match.bias is None else m.val(match.bias), *collective_args,
                            *out_dtype_arg)
             # The result as the graph reads it (a view of the rows-first result).
             result = result_2d if plan is None else result_2d.reshape(lead + [n]).permute(plan[1])
@@ -316,9 +369,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
             a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, plan[0])
             a_arg = m.call_contiguous(graph, fake_mode, a_arg)
             a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
-        fused = graph.call_function(op, (a_arg, w_arg, match.bias, match.reduce_op,
-                                         0 if plan is not None else match.scatter_dim, match.group_name)
-                                    + out_dtype_arg)
+        fused = graph.call_function(op, (a_arg, w_arg, match.bias) + collective_args + out_dtype_arg)
         fused.meta["val"] = result_2d
         m.copy_debug_meta(fused, match.first)
         out = fused
@@ -330,6 +381,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     # The matmuls' [M, K] operand views go too when the op reads their N-D source instead: a dead view would
     # count as a second reader and make inductor store the producer's result where it could be fused.
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
+    if all_reduce:
+        return  # fuse_matmul_all_reduce's caller records it
     record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}"
                           f"{', rows-first' if plan else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"

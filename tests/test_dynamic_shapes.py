@@ -121,3 +121,93 @@ def test_symbolic_length_fuses_and_matches_eager(name, dynamic):
                 assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
             elif i > symbolic_step:
                 assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain tensor parallelism under dynamic shapes: the all-reduce split's matmul_all_reduce.
+# ---------------------------------------------------------------------------------------------------
+
+# (model, dynamic=): a training model symbolic from the start, an inference one symbolic from its recompile.
+PLAIN_CASES: List[Tuple[str, object]] = [("megatron_mlp", True), ("megatron_mlp_infer", None)]
+# Sequence lengths of a [1, S, H] input: 8 and 6 rows split over 2 ranks, 5 and 3 do not (the op then runs the
+# matmul and the all-reduce).
+PLAIN_LENGTHS = (8, 6, 5, 3)
+
+
+def _plain_run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
+    import fluxinductor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    builder, backward, _, _ = MODELS[name]
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    eager_model, make_input = builder(mesh, torch.float32, rank, world)
+    flux_model, _ = builder(mesh, torch.float32, rank, world)
+    compiled = torch.compile(flux_model, backend="flux", dynamic=dynamic)
+    full = torch.cat([make_input(100), make_input(101)], dim=1)  # [2, 16, H], the same on every rank
+    steps = []
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for length in PLAIN_LENGTHS:
+            x_eager = full[:1, :length].clone().requires_grad_(backward)
+            x_flux = x_eager.detach().clone().requires_grad_(backward)
+            s0 = fluxinductor.rewrite_stats()
+            with torch.set_grad_enabled(backward):
+                y_eager, y_flux = eager_model(x_eager), compiled(x_flux)
+            errors = {"out": error_of(y_flux, y_eager)}
+            if backward:
+                # The output is replicated: the same gradient on every rank, as a loss computed alike gives.
+                grad_out = torch.randn(y_eager.shape, generator=torch.Generator().manual_seed(7 + length))
+                y_eager.backward(grad_out)
+                y_flux.backward(grad_out)
+                errors["grad_input"] = error_of(x_flux.grad, x_eager.grad)
+                flux_params = dict(flux_model.named_parameters())
+                for pname, p in eager_model.named_parameters():
+                    errors[f"grad_{pname}"] = error_of(flux_params[pname].grad, p.grad)
+                    p.grad = None
+                    flux_params[pname].grad = None
+            steps.append({"length": length, "errors": errors,
+                          "stats": stats_delta(fluxinductor.rewrite_stats(), s0)})
+    return {"steps": steps}
+
+
+def _plain_job(rank: int, world: int, cases) -> Dict[Tuple[str, object], object]:
+    out = {}
+    for name, dynamic in cases:
+        try:
+            out[(name, dynamic)] = _plain_run(rank, world, name, dynamic)
+        except Exception:  # noqa: BLE001 - reported per case
+            out[(name, dynamic)] = {"error": traceback.format_exc()}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_results():
+    return run_ranks(_plain_job, 2, PLAIN_CASES, timeout=900)
+
+
+@pytest.mark.parametrize("name,dynamic", PLAIN_CASES, ids=[f"{n}-dynamic={d}" for n, d in PLAIN_CASES])
+def test_symbolic_rows_all_reduce_runs_fused_where_rows_split(name, dynamic):
+    """Each row-parallel all-reduce (and, training, each input-gradient one) becomes one matmul_all_reduce: the
+    reduce-scatter path ran at even row counts, the matmul and the all-reduce at odd ones, eager's numbers at all."""
+    _, backward, _, _ = MODELS[name]
+    symbolic_step = 0 if dynamic else 1
+    for rank, per_rank in enumerate(_plain_results()):
+        r = per_rank[(name, dynamic)]
+        assert "error" not in r, f"{name} rank {rank} raised:\n{r.get('error')}"
+        for i, step in enumerate(r["steps"]):
+            where = f"{name} dynamic={dynamic} rank={rank} length {step['length']}"
+            check_errors(step["errors"], "fp32", where)
+            stats = step["stats"]
+            if step["length"] % 2 == 0:
+                # On CPU the op's reduce-scatter path is a counted fallback of the dispatcher's matmul_reduce_scatter.
+                assert stats["calls"].get(MM_RS, 0) >= 1, f"{where}: the reduce-scatter path did not run; {stats}"
+            elif i >= symbolic_step:
+                assert stats["calls"].get("matmul_all_reduce", 0) >= 1, f"{where}: no odd-rows fallback; {stats}"
+                assert stats["calls"].get(MM_RS, 0) == 0, f"{where}: {stats}"
+            if i == symbolic_step:
+                expected = 4 if backward else 2
+                got = stats["fused"].get("all_reduce_split", 0)
+                assert got >= expected, f"{where}: {got} all-reduces rewritten, expected >= {expected}; {stats}"
+                assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
+            elif i > symbolic_step:
+                assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"

@@ -45,6 +45,16 @@ MATMUL_REDUCE_SCATTER_CASES = [
     ("3d_avg_dim1_bf16", (2, 12, 16), 8, True, "avg", 1, "bf16"),
 ]
 
+# (case id, partial operand shape per rank [..., K], N, bias, reduce_op, dtype); rows 5 and 2*3 = 6 do not split over
+# 4 ranks (5 not over 2 either): those calls take the matmul and the all-reduce.
+MATMUL_ALL_REDUCE_CASES = [
+    ("2d_sum", (12, 5), 7, False, "sum", "fp32"),
+    ("2d_avg_bias", (12, 5), 7, True, "avg", "fp32"),
+    ("2d_odd_rows_bias", (5, 8), 6, True, "sum", "fp32"),
+    ("3d_sum_bias", (2, 3, 8), 6, True, "sum", "fp32"),
+    ("3d_avg_bf16", (2, 4, 16), 8, True, "avg", "bf16"),
+]
+
 
 def _randn(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -138,6 +148,47 @@ def _matmul_reduce_scatter_case(rank: int, world: int, case) -> Dict[str, object
     }
 
 
+def _matmul_all_reduce_case(rank: int, world: int, case, reduce_scatter_path: bool) -> Dict[str, object]:
+    """``reduce_scatter_path``: the dispatcher's matmul_reduce_scatter is replaced by the reference reduce-scatter, as
+    if a fused kernel took every call whose rows split, so the op's reduce-scatter + all-gather path runs on CPU."""
+    import torch.distributed as dist
+
+    from fluxinductor import dispatch, ops
+
+    name, a_shape, n, has_bias, reduce_op, dtype_name = case
+    dtype = DTYPES[dtype_name]
+    seed = _seed_of(name) + 11
+    K = a_shape[-1]
+    a_all = [_randn(a_shape, seed + r, dtype) for r in range(world)]
+    w_all = [_randn((K, n), seed + 100 + r, dtype) for r in range(world)]
+    b_all = [_randn((n,), seed + 200 + r, dtype) if has_bias else None for r in range(world)]
+    taken = []
+
+    def fused_reduce_scatter(a, weight, bias, op, scatter_dim, group_name, out_dtype=None):
+        taken.append(tuple(a.shape))
+        return ops.matmul_reduce_scatter_reference(a, weight, bias, op, scatter_dim, group_name, out_dtype)
+
+    original = dispatch.matmul_reduce_scatter
+    if reduce_scatter_path:
+        dispatch.matmul_reduce_scatter = fused_reduce_scatter
+    try:
+        out = torch.ops.fluxinductor.matmul_all_reduce(a_all[rank], w_all[rank], b_all[rank], reduce_op,
+                                                       dist.group.WORLD.group_name)
+    finally:
+        dispatch.matmul_reduce_scatter = original
+    total = sum(a.float() @ w.float() + (b.float() if b is not None else 0.0) for a, w, b in zip(a_all, w_all, b_all))
+    ref = total / world if reduce_op == "avg" else total
+    rows = total.numel() // n
+    return {
+        "shape": tuple(out.shape),
+        "ref_shape": tuple(ref.shape),
+        "dtype_ok": out.dtype == dtype,
+        "rel_err": _rel_err(out, ref) if out.shape == ref.shape else float("inf"),
+        "took_reduce_scatter": bool(taken),
+        "rows_split": rows % world == 0,
+    }
+
+
 def _expect_error(fn, exc_type, match: str) -> Optional[str]:
     """None if ``fn()`` raised ``exc_type`` whose message contains ``match``; else what happened."""
     try:
@@ -157,6 +208,7 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
     group = dist.group.WORLD.group_name
     agm = torch.ops.fluxinductor.all_gather_matmul
     mrs = torch.ops.fluxinductor.matmul_reduce_scatter
+    mar = torch.ops.fluxinductor.matmul_all_reduce
 
     def shard():
         # Made inside each check, so under FakeTensorMode it is a fake tensor too.
@@ -173,6 +225,8 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
         "bad_reduce_op": lambda: mrs(_randn((4, 8), 1), _randn((8, 4), 2), None, "max", 0, group),
         # 5 rows do not split over 2 or 4 ranks.
         "non_dividing_scatter": lambda: mrs(_randn((5, 8), 1), _randn((8, 4), 2), None, "sum", 0, group),
+        "mar_mismatched_k": lambda: mar(_randn((4, 8), 1), _randn((6, 5), 2), None, "sum", group),
+        "mar_bad_reduce_op": lambda: mar(_randn((4, 8), 1), _randn((8, 4), 2), None, "max", group),
     }
     expected = {
         "mismatched_k": "does not match",
@@ -184,6 +238,8 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
         "mrs_mismatched_k": "cannot multiply",
         "bad_reduce_op": "reduce_op",
         "non_dividing_scatter": "does not split",
+        "mar_mismatched_k": "cannot multiply",
+        "mar_bad_reduce_op": "reduce_op",
     }
     out: Dict[str, Optional[str]] = {}
     for name, fn in checks.items():
@@ -220,6 +276,14 @@ def _opcheck(rank: int, world: int) -> Dict[str, str]:
             torch.ops.fluxinductor.matmul_reduce_scatter.default,
             (_randn((2, 2 * world, 8), 1), _randn((8, 6), 2), None, "avg", 1, group),
         ),
+        "matmul_all_reduce_2d": (
+            torch.ops.fluxinductor.matmul_all_reduce.default,
+            (_randn((4 * world, 8), 1), _randn((8, 6), 2), _randn((6,), 3), "sum", group),
+        ),
+        "matmul_all_reduce_3d_avg": (
+            torch.ops.fluxinductor.matmul_all_reduce.default,
+            (_randn((2, 3, 8), 1), _randn((8, 6), 2), None, "avg", group),
+        ),
     }
     failures: Dict[str, str] = {}
     for name, (op, args) in samples.items():
@@ -234,11 +298,14 @@ def _ops_job(rank: int, world: int) -> Dict[str, object]:
     import fluxinductor  # noqa: F401  (registers the ops)
 
     torch.manual_seed(0)
-    result: Dict[str, object] = {"agm": {}, "mrs": {}}
+    result: Dict[str, object] = {"agm": {}, "mrs": {}, "mar": {}}
     for case in ALL_GATHER_MATMUL_CASES:
         result["agm"][case[0]] = _all_gather_matmul_case(rank, world, case)
     for case in MATMUL_REDUCE_SCATTER_CASES:
         result["mrs"][case[0]] = _matmul_reduce_scatter_case(rank, world, case)
+    for case in MATMUL_ALL_REDUCE_CASES:
+        for rs_path in (False, True):
+            result["mar"][(case[0], rs_path)] = _matmul_all_reduce_case(rank, world, case, rs_path)
     result["bad"] = _bad_input_checks(rank, world)
     result["opcheck"] = _opcheck(rank, world)
     return result
@@ -286,6 +353,21 @@ def test_matmul_reduce_scatter_matches_reference(world, case):
         assert r["rel_err"] <= tol, f"rank {rank}: relative error {r['rel_err']:.3g} > {tol}"
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("reduce_scatter_path", [False, True], ids=["dispatch", "fused_reduce_scatter"])
+@pytest.mark.parametrize("case", MATMUL_ALL_REDUCE_CASES, ids=[c[0] for c in MATMUL_ALL_REDUCE_CASES])
+def test_matmul_all_reduce_matches_reference(world, case, reduce_scatter_path):
+    name, dtype_name = case[0], case[-1]
+    tol = FP32_TOL if dtype_name == "fp32" else BF16_TOL
+    for rank, per_rank in enumerate(_ops_results(world)):
+        r = per_rank["mar"][(name, reduce_scatter_path)]
+        assert r["shape"] == r["ref_shape"], f"rank {rank}"
+        assert r["dtype_ok"], f"rank {rank}: output dtype differs from the input dtype"
+        assert r["rel_err"] <= tol, f"rank {rank}: relative error {r['rel_err']:.3g} > {tol}"
+        # The reduce-scatter path is asked only where the rows split over the group.
+        assert r["took_reduce_scatter"] == (reduce_scatter_path and r["rows_split"]), f"rank {rank}: {r}"
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck(world):
     for rank, per_rank in enumerate(_ops_results(world)):
@@ -302,6 +384,8 @@ BAD_INPUTS = [
     "mrs_mismatched_k",
     "bad_reduce_op",
     "non_dividing_scatter",
+    "mar_mismatched_k",
+    "mar_bad_reduce_op",
 ]
 
 

@@ -1444,3 +1444,33 @@ def test_split_all_reduce_setting(monkeypatch):
         config.split_all_reduce()
     uuids = {FluxPassManager(split_all_reduce=mode).uuid() for mode in ("off", "exact", "replicated")}
     assert len(uuids) == 3
+
+
+def test_all_reduce_split_symbolic_rows_become_one_matmul_all_reduce():
+    """Dynamic shapes: the rows may not split over the group, so nothing is sharded; the all-reduce of a biased
+    row-parallel linear becomes one matmul_all_reduce, which decides at run time."""
+    def fn(a, w, b):
+        return aten.add.Tensor(all_reduce(aten.addmm.default(b, aten.reshape.default(a, [-1, 16]),
+                                                             aten.permute.default(w, [1, 0])), group()), 1.0)
+
+    gm = _trace_dynamic(fn, (torch.randn(6, 16), torch.randn(32, 16), torch.randn(32)), 0)
+    assert not isinstance(nodes(gm, c10d.all_reduce.default)[0].args[0].meta["val"].shape[0], int)
+    shape_env = m_val(gm).shape_env
+    guards_before = len(shape_env.guards)
+    split_ar(gm)
+    assert len(shape_env.guards) == guards_before  # nothing assumed about the rows
+    assert fused("all_reduce_split") == 1
+    (op,) = nodes(gm, torch.ops.fluxinductor.matmul_all_reduce.default)
+    assert op.args[3:] == ("sum", group()) and op.args[2].op == "placeholder"  # the bias
+    assert count(gm, c10d.all_reduce.default) == 0 and count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert count(gm, aten.addmm.default) == 0
+    assert_all_vals(gm)
+
+
+def test_all_reduce_split_symbolic_rows_not_a_matmul_are_left_alone():
+    def fn(x):
+        return all_reduce(aten.mul.Tensor(x, 2.0), group())
+
+    gm = split_ar(_trace_dynamic(fn, (torch.randn(6, 16),), 0))
+    assert count(gm, c10d.all_reduce.default) == 1
+    assert skipped("all_reduce_split") == {"reduce_scatter input is not a matmul": 1}
