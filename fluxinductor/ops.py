@@ -1,10 +1,10 @@
 """The fused custom ops the passes put into graphs.
 
 ``torch.ops.fluxinductor.all_gather_matmul``, ``torch.ops.fluxinductor.matmul_reduce_scatter`` and
-``torch.ops.fluxinductor.matmul_all_reduce`` mean exactly what the unfused graph meant.  At run time :mod:`fluxinductor.dispatch` may run a fused kernel;
-when it declines (CPU tensors, no extension, unsupported dtype or shape, a shape where the cost model
-says fusion loses) the op runs the reference decomposition below over the process group, so a rewritten
-graph runs anywhere: gloo on CPU, NCCL on GPUs.
+``torch.ops.fluxinductor.matmul_all_reduce`` mean exactly what the unfused graph meant.  At run time
+:mod:`fluxinductor.dispatch` may run a fused kernel; when it declines (CPU tensors, no extension, unsupported dtype
+or shape, a shape where the cost model says fusion loses) the op runs the reference decomposition below over the
+process group, so a rewritten graph runs anywhere: gloo on CPU, NCCL on GPUs.
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
     "fluxinductor::matmul_all_reduce",
     mutates_args=(),
     tags=_TAGS,
-    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, str group_name, ScalarType? out_dtype=None) -> Tensor",
+    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, str group_name, "
+    "ScalarType? out_dtype=None) -> Tensor",
 )
 def matmul_all_reduce(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,

@@ -77,10 +77,11 @@ PATTERN = "all_reduce_split"
 
 ALL_REDUCE = m.c10d.all_reduce.default
 
-# What a byte of row-wise work saved is worth in exposed all-gather bytes.  An elementwise op reads and writes each
-# byte of its result (~4 TB/s of HBM on an H200); an all-gather brings in (w-1)/w of each byte over NVLink (~0.4 TB/s
-# a direction): ~0.4 for an op on its own, about 0.4/k for a chain of k ops inductor fuses into one kernel (a norm:
-# k ~ 5), so a cautious 1/16.
+# What a byte of row-wise work saved is worth in exposed all-gather bytes.  Measured on one H200
+# (benchmarks/probe_row_work.py, results/row_work/): a compiled residual add + RMSNorm in bf16 on half of 4096-8192
+# rows saves 62-88 us, 0.049-0.071 of the time NCCL's all-gather takes (173 GB/s bus bandwidth on 2xH200,
+# shared/anchors) for the bytes the planner credits there; inductor fuses such chains into a kernel or two, so an op
+# on its own would be worth more.
 _ROW_WORK_CREDIT = 1 / 16
 
 _LAST_DIM_REDUCTIONS = (m.aten.sum.dim_IntList, m.aten.mean.dim, m.aten.amax.default, m.aten.amin.default)
@@ -129,41 +130,23 @@ def _group_rank(group_name: str) -> Tuple[int, int]:
 
 
 def _match_source(ar: Node, group_allowed: Callable[[str], bool],
-                  not_worth_fusing: Optional[Callable[..., Optional[str]]]) -> _Source:
-    from fluxinductor.passes.matmul_reduce_scatter import _collect_terms, check_worth_fusing
+                  not_worth_fusing: Optional[Callable[..., Optional[str]]], fuse_sums: bool) -> _Source:
+    from fluxinductor.passes.matmul_reduce_scatter import check_worth_fusing, match_all_reduce
 
-    if len(ar.args) != 3 or ar.kwargs:
-        raise Skip("unexpected all_reduce signature", str(ar.args))
-    operand, reduce_op, group = ar.args
-    if not group_allowed(group):
-        raise Skip("group not allowed", f"group {group!r}")
-    if reduce_op not in ("sum", "avg"):
-        raise Skip("unsupported reduce_op", str(reduce_op))
-    wait = m.only_user(ar)
-    if not m.is_call(wait, m.WAIT):
-        raise Skip("all_reduce not followed by a single wait_tensor", ar.name)
-    m.check_float(operand, "all_reduce input")
-    shape = m.static_shape(operand, "all_reduce input")
-    if len(shape) < 2:
-        raise Skip("1-D all_reduce operand", str(shape))
+    match = match_all_reduce(ar, group_allowed, fuse_sums)  # raises Skip where the reduce-scatter won't fuse
+    shape = m.static_shape(ar.args[0], "all_reduce input")
     try:
-        world, rank = _group_rank(group)
+        world, rank = _group_rank(match.group_name)
     except Exception as e:  # noqa: BLE001 - an unknown group: leave the collective as it is
-        raise Skip("cannot resolve the group", f"{group!r}: {type(e).__name__}: {e}")
+        raise Skip("cannot resolve the group", f"{match.group_name!r}: {type(e).__name__}: {e}")
     rows, n = math.prod(shape[:-1]), shape[-1]
     if world < 2:
-        raise Skip("group of one rank", group)
+        raise Skip("group of one rank", match.group_name)
     if rows % world:
         raise Skip("rows do not split over the group", f"{rows} rows, {world} ranks")
-    if set(operand.users) != {ar}:
-        raise Skip("matmul output has other users", operand.name)
-    terms, biases, chain, casts = [], [], [], []
-    _collect_terms(operand, rows, n, terms, biases, chain, casts)  # raises Skip where the reduce-scatter won't fuse
-    if len(biases) > 1:
-        raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
     if not_worth_fusing is not None:
-        check_worth_fusing(not_worth_fusing, terms, world, rows, n, upcast=bool(casts))
-    return _Source(wait, ar, operand, shape, rows, reduce_op, group, world, rank)
+        check_worth_fusing(not_worth_fusing, match.terms, world, rows, n, upcast=match.out_dtype is not None)
+    return _Source(match.wait, ar, ar.args[0], shape, rows, match.reduce_op, match.group_name, world, rank)
 
 
 def _lead_of(shape: Tuple[int, ...], ndim: int) -> Tuple[int, ...]:
@@ -483,8 +466,8 @@ def _choose_plan(graph: Graph, sources: Dict[Node, _Source], fake_mode, assume_r
     for the backward, do not outweigh running the norm on 1/w of the rows).  Each source is confined where the far
     plan costs more for what is computed from it alone than the confined plan does (what is computed from several
     sources is left out of that count), and the plan actually taken is the cheapest of those (far, per-source, all
-    confined), the farther on a tie.  Confining every source exposes at most one gather per all-reduce, half the all-reduce's
-    traffic, so some plan always takes communication off the critical path."""
+    confined), the farther on a tie.  Confining every source exposes at most one gather per all-reduce, half the
+    all-reduce's traffic, so some plan always takes communication off the critical path."""
     def dry_run(confined: FrozenSet[Node]) -> Tuple[int, float, Dict[Node, float]]:
         planner = _Planner(graph, sources, fake_mode, emit=False, assume_replicated=assume_replicated,
                            confined=confined, not_worth_fusing=not_worth_fusing)
@@ -522,7 +505,7 @@ def _fuse_symbolic_rows(ar: Node, group_allowed: Callable[[str], bool],
     shape = m.val(operand).shape
     if m.known_not_divisible(m.numel(shape[:-1]), world):
         raise Skip("rows do not split over the group", f"{tuple(shape)}, {world} ranks")
-    return fuse_matmul_all_reduce(ar, group_allowed, not_worth_fusing, fuse_sums)
+    return fuse_matmul_all_reduce(ar, world, group_allowed, not_worth_fusing, fuse_sums)
 
 
 def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
@@ -542,12 +525,11 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", ar.name)
             if _rows_are_symbolic(ar):
-                name = ar.name
-                record_fused(PATTERN, f"{name}: symbolic rows, matmul_all_reduce: "
-                                      f"{_fuse_symbolic_rows(ar, group_allowed, not_worth_fusing, fuse_sums)}")
+                how = _fuse_symbolic_rows(ar, group_allowed, not_worth_fusing, fuse_sums)
+                record_fused(PATTERN, f"{ar.name}: symbolic rows, matmul_all_reduce: {how}")
                 symbolic += 1
                 continue
-            src = _match_source(ar, group_allowed, not_worth_fusing)
+            src = _match_source(ar, group_allowed, not_worth_fusing, fuse_sums)
             sources[src.wait] = src
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or ar.name)

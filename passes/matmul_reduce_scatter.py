@@ -151,19 +151,25 @@ def _collect_terms(node: Node, rows: m.Size, n: int, terms: List[_Term], biases:
         _collect_terms(child, rows, n, terms, biases, chain, casts)
 
 
-def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_sums: bool) -> _ReduceScatterMatch:
-    if len(rs.args) < 4:
-        raise Skip("unexpected reduce_scatter signature", str(rs.args))
-    inp, reduce_op, group_size, group_name = rs.args[:4]
+def _check_collective(node: Node, reduce_op, group_name, group_allowed: Callable[[str], bool], what: str) -> Node:
+    """Checks a reducing collective's group and op; returns its single ``wait_tensor``."""
     if not group_allowed(group_name):
         raise Skip("group not allowed", f"group {group_name!r}")
     if reduce_op not in ("sum", "avg"):
         raise Skip("unsupported reduce_op", str(reduce_op))
+    wait = m.only_user(node)
+    if not m.is_call(wait, m.WAIT):
+        raise Skip(f"{what} not followed by a single wait_tensor", node.name)
+    return wait
+
+
+def _match_reduce_scatter(rs: Node, group_allowed: Callable[[str], bool], fuse_sums: bool) -> _ReduceScatterMatch:
+    if len(rs.args) < 4:
+        raise Skip("unexpected reduce_scatter signature", str(rs.args))
+    inp, reduce_op, group_size, group_name = rs.args[:4]
     if not isinstance(group_size, int) or group_size < 1:
         raise Skip("symbolic group size", str(group_size))
-    wait = m.only_user(rs)
-    if not m.is_call(wait, m.WAIT):
-        raise Skip("reduce_scatter not followed by a single wait_tensor", rs.name)
+    wait = _check_collective(rs, reduce_op, group_name, group_allowed, "reduce_scatter")
     dtype = m.check_float(inp, "reduce_scatter input")
     inp_shape = m.shape_of(inp, "reduce_scatter input")
 
@@ -246,17 +252,13 @@ def _match_terms(wait: Node, partial: Node, partial_shape: tuple, dtype: torch.d
                                between + chain, first, lead_args, out_dtype)
 
 
-def _match_all_reduce(ar: Node, group_allowed: Callable[[str], bool], fuse_sums: bool) -> _ReduceScatterMatch:
+def match_all_reduce(ar: Node, group_allowed: Callable[[str], bool], fuse_sums: bool = True) -> _ReduceScatterMatch:
+    """``wait(all_reduce(x))`` with ``x`` what this pass fuses into a reduce-scatter (a matmul or a sum of them, read
+    by the collective alone), as a match with ``scatter_dim`` None.  Raises :class:`Skip` otherwise."""
     if len(ar.args) != 3 or ar.kwargs:
         raise Skip("unexpected all_reduce signature", str(ar.args))
     inp, reduce_op, group_name = ar.args
-    if not group_allowed(group_name):
-        raise Skip("group not allowed", f"group {group_name!r}")
-    if reduce_op not in ("sum", "avg"):
-        raise Skip("unsupported reduce_op", str(reduce_op))
-    wait = m.only_user(ar)
-    if not m.is_call(wait, m.WAIT):
-        raise Skip("all_reduce not followed by a single wait_tensor", ar.name)
+    wait = _check_collective(ar, reduce_op, group_name, group_allowed, "all_reduce")
     dtype = m.check_float(inp, "all_reduce input")
     shape = m.shape_of(inp, "all_reduce input")
     if len(shape) < 2:
@@ -266,26 +268,19 @@ def _match_all_reduce(ar: Node, group_allowed: Callable[[str], bool], fuse_sums:
     return _match_terms(wait, inp, shape, dtype, reduce_op, None, group_name, [ar, wait], fuse_sums)
 
 
-def fuse_matmul_all_reduce(ar: Node, group_allowed: Callable[[str], bool],
+def fuse_matmul_all_reduce(ar: Node, world: int, group_allowed: Callable[[str], bool],
                            not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
                            fuse_sums: bool = True) -> str:
     """Rewrite ``wait(all_reduce(matmul or a sum of them))`` into ``fluxinductor.matmul_all_reduce`` (which runs a
     fused reduce-scatter and an all-gather where the rows split over the group at run time); returns a description.
     Raises :class:`Skip` (the graph untouched) where it does not apply."""
-    match = _match_all_reduce(ar, group_allowed, fuse_sums)
+    match = match_all_reduce(ar, group_allowed, fuse_sums)
     if not_worth_fusing is not None:
-        world = _resolve_world(match.group_name)
         check_worth_fusing(not_worth_fusing, match.terms, world, m.numel(match.partial_shape[:-1]),
                            match.partial_shape[-1], upcast=match.out_dtype is not None)
     _rewrite(ar.graph, match, m.fake_mode_of(ar.graph))
     return (f"{len(match.terms)} matmul(s), reduce_op={match.reduce_op}, bias={match.bias is not None}, "
             f"rows {match.partial_shape[:-1]}")
-
-
-def _resolve_world(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
 
 
 def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple, arg: Optional[list]) -> Node:
@@ -302,7 +297,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     from fluxinductor import ops  # noqa: F401  (registers torch.ops.fluxinductor)
 
     all_reduce = match.scatter_dim is None
-    op = (torch.ops.fluxinductor.matmul_all_reduce if all_reduce else torch.ops.fluxinductor.matmul_reduce_scatter).default
+    registered = torch.ops.fluxinductor
+    op = (registered.matmul_all_reduce if all_reduce else registered.matmul_reduce_scatter).default
     lead = tuple(match.partial_shape[:-1])
     ks = [m.val(t.a).shape[1] for t in match.terms]
     a_nd_shape = lead + (sum(ks),)

@@ -60,16 +60,23 @@ def _run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
 
 def _step(eager_model, compiled, flux_model, make_input, length: int, backward: bool, rank: int) -> dict:
     """One input length: the compiled model against eager, forward (and backward), and the stats it added."""
+    x_eager = _input(make_input, length, backward)
+    grad_seed = 7 + rank + length
+    return {"shape": tuple(x_eager.shape), **_compare(eager_model, compiled, flux_model, x_eager, backward, grad_seed)}
+
+
+def _compare(eager_model, compiled, flux_model, x_eager, backward: bool, grad_seed: int) -> dict:
+    """The compiled model against eager on ``x_eager``, forward (and backward with a gradient from ``grad_seed``):
+    errors and the stats the call added."""
     import fluxinductor
 
-    x_eager = _input(make_input, length, backward)
     x_flux = x_eager.detach().clone().requires_grad_(backward)
     s0 = fluxinductor.rewrite_stats()
     with torch.set_grad_enabled(backward):
         y_eager, y_flux = eager_model(x_eager), compiled(x_flux)
     errors = {"out": error_of(y_flux, y_eager)}
     if backward:
-        grad_out = torch.randn(y_eager.shape, generator=torch.Generator().manual_seed(7 + rank + length))
+        grad_out = torch.randn(y_eager.shape, generator=torch.Generator().manual_seed(grad_seed))
         y_eager.backward(grad_out)
         y_flux.backward(grad_out)
         errors["grad_input"] = error_of(x_flux.grad, x_eager.grad)
@@ -78,14 +85,14 @@ def _step(eager_model, compiled, flux_model, make_input, length: int, backward: 
             errors[f"grad_{pname}"] = error_of(flux_params[pname].grad, p.grad)
             p.grad = None
             flux_params[pname].grad = None
-    return {"shape": tuple(x_eager.shape), "errors": errors, "stats": stats_delta(fluxinductor.rewrite_stats(), s0)}
+    return {"errors": errors, "stats": stats_delta(fluxinductor.rewrite_stats(), s0)}
 
 
-def _job(rank: int, world: int, cases) -> Dict[Tuple[str, object], object]:
+def _job(rank: int, world: int, cases, run=_run) -> Dict[Tuple[str, object], object]:
     out = {}
     for name, dynamic in cases:
         try:
-            out[(name, dynamic)] = _run(rank, world, name, dynamic)
+            out[(name, dynamic)] = run(rank, world, name, dynamic)
         except Exception:  # noqa: BLE001 - reported per case
             out[(name, dynamic)] = {"error": traceback.format_exc()}
     return out
@@ -135,7 +142,6 @@ PLAIN_LENGTHS = (8, 6, 5, 3)
 
 
 def _plain_run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
-    import fluxinductor
     from torch.distributed.device_mesh import init_device_mesh
 
     builder, backward, _, _ = MODELS[name]
@@ -148,41 +154,16 @@ def _plain_run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
     steps = []
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for length in PLAIN_LENGTHS:
+            # The output is replicated: the same gradient on every rank, as a loss computed alike gives.
             x_eager = full[:1, :length].clone().requires_grad_(backward)
-            x_flux = x_eager.detach().clone().requires_grad_(backward)
-            s0 = fluxinductor.rewrite_stats()
-            with torch.set_grad_enabled(backward):
-                y_eager, y_flux = eager_model(x_eager), compiled(x_flux)
-            errors = {"out": error_of(y_flux, y_eager)}
-            if backward:
-                # The output is replicated: the same gradient on every rank, as a loss computed alike gives.
-                grad_out = torch.randn(y_eager.shape, generator=torch.Generator().manual_seed(7 + length))
-                y_eager.backward(grad_out)
-                y_flux.backward(grad_out)
-                errors["grad_input"] = error_of(x_flux.grad, x_eager.grad)
-                flux_params = dict(flux_model.named_parameters())
-                for pname, p in eager_model.named_parameters():
-                    errors[f"grad_{pname}"] = error_of(flux_params[pname].grad, p.grad)
-                    p.grad = None
-                    flux_params[pname].grad = None
-            steps.append({"length": length, "errors": errors,
-                          "stats": stats_delta(fluxinductor.rewrite_stats(), s0)})
+            steps.append({"length": length,
+                          **_compare(eager_model, compiled, flux_model, x_eager, backward, 7 + length)})
     return {"steps": steps}
-
-
-def _plain_job(rank: int, world: int, cases) -> Dict[Tuple[str, object], object]:
-    out = {}
-    for name, dynamic in cases:
-        try:
-            out[(name, dynamic)] = _plain_run(rank, world, name, dynamic)
-        except Exception:  # noqa: BLE001 - reported per case
-            out[(name, dynamic)] = {"error": traceback.format_exc()}
-    return out
 
 
 @functools.lru_cache(maxsize=None)
 def _plain_results():
-    return run_ranks(_plain_job, 2, PLAIN_CASES, timeout=900)
+    return run_ranks(_job, 2, PLAIN_CASES, _plain_run, timeout=900)
 
 
 @pytest.mark.parametrize("name,dynamic", PLAIN_CASES, ids=[f"{n}-dynamic={d}" for n, d in PLAIN_CASES])

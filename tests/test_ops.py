@@ -117,17 +117,21 @@ def _all_gather_matmul_case(rank: int, world: int, case) -> Dict[str, object]:
     return result
 
 
+def _partials(a_shape, n: int, has_bias: bool, seed: int, dtype, world: int):
+    """Every rank's partial operand [..., K], weight shard [K, n] and bias [n] (or None): the op adds each rank's."""
+    k = a_shape[-1]
+    a_all = [_randn(a_shape, seed + r, dtype) for r in range(world)]
+    w_all = [_randn((k, n), seed + 100 + r, dtype) for r in range(world)]
+    b_all = [_randn((n,), seed + 200 + r, dtype) if has_bias else None for r in range(world)]
+    return a_all, w_all, b_all
+
+
 def _matmul_reduce_scatter_case(rank: int, world: int, case) -> Dict[str, object]:
     import torch.distributed as dist
 
     name, a_shape, n, has_bias, reduce_op, scatter_dim, dtype_name = case
     dtype = DTYPES[dtype_name]
-    seed = _seed_of(name) + 7
-    K = a_shape[-1]
-    # Every rank has its own partial operand, weight shard and bias (the op adds each rank's bias).
-    a_all = [_randn(a_shape, seed + r, dtype) for r in range(world)]
-    w_all = [_randn((K, n), seed + 100 + r, dtype) for r in range(world)]
-    b_all = [_randn((n,), seed + 200 + r, dtype) if has_bias else None for r in range(world)]
+    a_all, w_all, b_all = _partials(a_shape, n, has_bias, _seed_of(name) + 7, dtype, world)
 
     out = torch.ops.fluxinductor.matmul_reduce_scatter(
         a_all[rank], w_all[rank], b_all[rank], reduce_op, scatter_dim, dist.group.WORLD.group_name
@@ -157,11 +161,7 @@ def _matmul_all_reduce_case(rank: int, world: int, case, reduce_scatter_path: bo
 
     name, a_shape, n, has_bias, reduce_op, dtype_name = case
     dtype = DTYPES[dtype_name]
-    seed = _seed_of(name) + 11
-    K = a_shape[-1]
-    a_all = [_randn(a_shape, seed + r, dtype) for r in range(world)]
-    w_all = [_randn((K, n), seed + 100 + r, dtype) for r in range(world)]
-    b_all = [_randn((n,), seed + 200 + r, dtype) if has_bias else None for r in range(world)]
+    a_all, w_all, b_all = _partials(a_shape, n, has_bias, _seed_of(name) + 11, dtype, world)
     taken = []
 
     def fused_reduce_scatter(a, weight, bias, op, scatter_dim, group_name, out_dtype=None):
