@@ -40,7 +40,8 @@ def _input(make_input, length: int, backward: bool) -> torch.Tensor:
     return x.requires_grad_(backward)
 
 
-def _run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
+def _build(rank: int, world: int, name: str, dynamic):
+    """(runs backward, the eager model, its input maker, the model compiled, the compiled callable)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     builder, backward, _, _ = MODELS[name]
@@ -48,13 +49,24 @@ def _run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
     torch._dynamo.reset()
     eager_model, make_input = builder(mesh, torch.float32, rank, world)
     flux_model, _ = builder(mesh, torch.float32, rank, world)
-    compiled = torch.compile(flux_model, backend="flux", dynamic=dynamic)
-    steps = []
-    # A compile served from inductor's caches runs no pass and counts nothing (the same graph was compiled by
-    # an earlier case of this process): compile every case afresh.
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        for length in LENGTHS:
-            steps.append(_step(eager_model, compiled, flux_model, make_input, length, backward, rank))
+    return backward, eager_model, make_input, flux_model, torch.compile(flux_model, backend="flux", dynamic=dynamic)
+
+
+def _uncached():
+    """A compile served from inductor's caches runs no pass and counts nothing (the same graph was compiled by an
+    earlier case of this process): compile every case afresh."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def _run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
+    backward, eager_model, make_input, flux_model, compiled = _build(rank, world, name, dynamic)
+    with _uncached():
+        steps = [_step(eager_model, compiled, flux_model, make_input, length, backward, rank) for length in LENGTHS]
     return {"steps": steps}
 
 
@@ -142,17 +154,10 @@ PLAIN_LENGTHS = (8, 6, 5, 3)
 
 
 def _plain_run(rank: int, world: int, name: str, dynamic) -> Dict[str, object]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    builder, backward, _, _ = MODELS[name]
-    mesh = init_device_mesh("cpu", (world,))
-    torch._dynamo.reset()
-    eager_model, make_input = builder(mesh, torch.float32, rank, world)
-    flux_model, _ = builder(mesh, torch.float32, rank, world)
-    compiled = torch.compile(flux_model, backend="flux", dynamic=dynamic)
+    backward, eager_model, make_input, flux_model, compiled = _build(rank, world, name, dynamic)
     full = torch.cat([make_input(100), make_input(101)], dim=1)  # [2, 16, H], the same on every rank
     steps = []
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+    with _uncached():
         for length in PLAIN_LENGTHS:
             # The output is replicated: the same gradient on every rank, as a loss computed alike gives.
             x_eager = full[:1, :length].clone().requires_grad_(backward)
