@@ -84,6 +84,12 @@ def _linear(a: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return out if bias is None else out + bias
 
 
+def _partial(a: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
+    """This rank's term of a reduced matmul: ``(a @ weight + bias)``, cast to ``out_dtype`` where given."""
+    partial = _linear(a, weight, bias)
+    return partial if out_dtype is None else partial.to(out_dtype)
+
+
 def all_gather_matmul_reference(
     shard: Tensor,
     weights: Sequence[Tensor],
@@ -108,10 +114,7 @@ def matmul_all_reduce_reference(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """all_reduce((a @ weight + bias).to(out_dtype), reduce_op); the bias is added on every rank."""
-    partial = _linear(a, weight, bias)
-    if out_dtype is not None:
-        partial = partial.to(out_dtype)
-    return all_reduce(partial, reduce_op, _group(group_name))
+    return all_reduce(_partial(a, weight, bias, out_dtype), reduce_op, _group(group_name))
 
 
 def matmul_reduce_scatter_reference(
@@ -119,10 +122,7 @@ def matmul_reduce_scatter_reference(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """reduce_scatter((a @ weight + bias).to(out_dtype), reduce_op, scatter_dim); the bias is added on every rank."""
-    partial = _linear(a, weight, bias)
-    if out_dtype is not None:
-        partial = partial.to(out_dtype)
-    return reduce_scatter(partial, reduce_op, scatter_dim, _group(group_name))
+    return reduce_scatter(_partial(a, weight, bias, out_dtype), reduce_op, scatter_dim, _group(group_name))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,10 +155,7 @@ def _check_matmul_all_reduce(a: Tensor, weight: Tensor, reduce_op: str) -> None:
 
 
 def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int, world: int) -> None:
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
-    if a.dim() < 2 or weight.dim() != 2 or _known_ne(a.shape[-1], weight.shape[0]):
-        raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(weight.shape)}")
+    _check_matmul_all_reduce(a, weight, reduce_op)
     scatter_dim = _check_dim(scatter_dim, a.dim(), "scatter_dim")
     size = weight.shape[1] if scatter_dim == a.dim() - 1 else a.shape[scatter_dim]
     if _known_ne(size % world, 0):

@@ -130,22 +130,26 @@ def _group_rank(group_name: str) -> Tuple[int, int]:
 
 
 def _match_source(ar: Node, group_allowed: Callable[[str], bool],
-                  not_worth_fusing: Optional[Callable[..., Optional[str]]], fuse_sums: bool) -> _Source:
+                  not_worth_fusing: Optional[Callable[..., Optional[str]]], fuse_sums: bool):
+    """The candidate all-reduce ``ar`` as a :class:`_Source` where its rows are static, else (symbolic rows) the
+    reduce-scatter pass's match for ``matmul_all_reduce``.  Raises :class:`Skip` where it is no candidate."""
     from fluxinductor.passes.matmul_reduce_scatter import check_worth_fusing, match_all_reduce
 
     match = match_all_reduce(ar, group_allowed, fuse_sums)  # raises Skip where the reduce-scatter won't fuse
-    shape = m.static_shape(ar.args[0], "all_reduce input")
+    shape = tuple(match.partial_shape)
     try:
         world, rank = _group_rank(match.group_name)
     except Exception as e:  # noqa: BLE001 - an unknown group: leave the collective as it is
         raise Skip("cannot resolve the group", f"{match.group_name!r}: {type(e).__name__}: {e}")
-    rows, n = math.prod(shape[:-1]), shape[-1]
+    rows, n = m.numel(shape[:-1]), shape[-1]
     if world < 2:
         raise Skip("group of one rank", match.group_name)
-    if rows % world:
-        raise Skip("rows do not split over the group", f"{rows} rows, {world} ranks")
+    if m.known_not_divisible(rows, world):
+        raise Skip("rows do not split over the group", f"{shape}, {world} ranks")
     if not_worth_fusing is not None:
         check_worth_fusing(not_worth_fusing, match.terms, world, rows, n, upcast=match.out_dtype is not None)
+    if not all(isinstance(d, int) for d in shape):
+        return match
     return _Source(match.wait, ar, ar.args[0], shape, rows, match.reduce_op, match.group_name, world, rank)
 
 
@@ -485,35 +489,14 @@ def _choose_plan(graph: Graph, sources: Dict[Node, _Source], fake_mode, assume_r
     return confined, exposed
 
 
-def _rows_are_symbolic(ar: Node) -> bool:
-    v = m.val(ar.args[0]) if ar.args and isinstance(ar.args[0], Node) else None
-    return v is not None and v.dim() >= 2 and not all(isinstance(d, int) for d in v.shape[:-1])
-
-
-def _fuse_symbolic_rows(ar: Node, group_allowed: Callable[[str], bool],
-                        not_worth_fusing: Optional[Callable[..., Optional[str]]], fuse_sums: bool) -> str:
-    """An all-reduce whose rows are symbolic: one ``fluxinductor.matmul_all_reduce`` (see the module docstring)."""
-    from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_all_reduce
-
-    operand, group = ar.args[0], ar.args[2] if len(ar.args) > 2 else None
-    try:
-        world, _ = _group_rank(group)
-    except Exception as e:  # noqa: BLE001 - an unknown group: leave the collective as it is
-        raise Skip("cannot resolve the group", f"{group!r}: {type(e).__name__}: {e}")
-    if world < 2:
-        raise Skip("group of one rank", str(group))
-    shape = m.val(operand).shape
-    if m.known_not_divisible(m.numel(shape[:-1]), world):
-        raise Skip("rows do not split over the group", f"{tuple(shape)}, {world} ranks")
-    return fuse_matmul_all_reduce(ar, world, group_allowed, not_worth_fusing, fuse_sums)
-
-
 def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
                      not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
                      assume_replicated: bool = False, fuse_sums: bool = True) -> int:
     """Rewrite the graph's candidate all-reduces (see the module docstring) in place; returns how many.
     ``assume_replicated``: full tensors of the same rows may be sliced to this rank's rows (see the module
     docstring for what that assumes)."""
+    from fluxinductor.passes.matmul_reduce_scatter import rewrite_matmul_all_reduce
+
     reduces = [n for n in graph.nodes if m.is_call(n, ALL_REDUCE)]
     if not reduces:
         return 0
@@ -524,13 +507,12 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
         try:
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", ar.name)
-            if _rows_are_symbolic(ar):
-                how = _fuse_symbolic_rows(ar, group_allowed, not_worth_fusing, fuse_sums)
-                record_fused(PATTERN, f"{ar.name}: symbolic rows, matmul_all_reduce: {how}")
-                symbolic += 1
-                continue
             src = _match_source(ar, group_allowed, not_worth_fusing, fuse_sums)
-            sources[src.wait] = src
+            if isinstance(src, _Source):
+                sources[src.wait] = src
+                continue
+            record_fused(PATTERN, f"{ar.name}: symbolic rows, matmul_all_reduce: {rewrite_matmul_all_reduce(src)}")
+            symbolic += 1
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or ar.name)
     if not sources:

@@ -21,8 +21,8 @@ class FluxPassManager(CustomGraphPass):
        next reader that needs the whole tensor (plain tensor parallelism has nothing else to fuse).  Runs first so
        that the two rewrites below fuse what it makes.
     1. ``all_gather_matmul``: ``all_gather -> mm`` (and the reshape/split/cat forms) into
-       ``fluxinductor.all_gather_matmul``.  Runs first so a gathered tensor feeding several matmuls is
-       fused once with all of them.
+       ``fluxinductor.all_gather_matmul``.  Runs before the reduce-scatter pass so a gathered tensor feeding
+       several matmuls is fused once with all of them.
     2. ``matmul_reduce_scatter``: ``mm -> reduce_scatter`` into ``fluxinductor.matmul_reduce_scatter``.
 
     ``tp_group_names`` (a snapshot taken when the model is compiled) restricts both to those process

@@ -268,17 +268,12 @@ def match_all_reduce(ar: Node, group_allowed: Callable[[str], bool], fuse_sums: 
     return _match_terms(wait, inp, shape, dtype, reduce_op, None, group_name, [ar, wait], fuse_sums)
 
 
-def fuse_matmul_all_reduce(ar: Node, world: int, group_allowed: Callable[[str], bool],
-                           not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
-                           fuse_sums: bool = True) -> str:
-    """Rewrite ``wait(all_reduce(matmul or a sum of them))`` into ``fluxinductor.matmul_all_reduce`` (which runs a
-    fused reduce-scatter and an all-gather where the rows split over the group at run time); returns a description.
-    Raises :class:`Skip` (the graph untouched) where it does not apply."""
-    match = match_all_reduce(ar, group_allowed, fuse_sums)
-    if not_worth_fusing is not None:
-        check_worth_fusing(not_worth_fusing, match.terms, world, m.numel(match.partial_shape[:-1]),
-                           match.partial_shape[-1], upcast=match.out_dtype is not None)
-    _rewrite(ar.graph, match, m.fake_mode_of(ar.graph))
+def rewrite_matmul_all_reduce(match: _ReduceScatterMatch) -> str:
+    """Replace a :func:`match_all_reduce` match with one ``fluxinductor.matmul_all_reduce`` (which runs a fused
+    reduce-scatter and an all-gather where the rows split over the group at run time); returns a description.
+    Raises :class:`Skip` (the graph untouched) where the op refuses the shapes or a mutation intervenes."""
+    graph = match.wait.graph
+    _rewrite(graph, match, m.fake_mode_of(graph))
     return (f"{len(match.terms)} matmul(s), reduce_op={match.reduce_op}, bias={match.bias is not None}, "
             f"rows {match.partial_shape[:-1]}")
 
@@ -378,7 +373,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     # count as a second reader and make inductor store the producer's result where it could be fused.
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
     if all_reduce:
-        return  # fuse_matmul_all_reduce's caller records it
+        return  # rewrite_matmul_all_reduce's caller records it
     record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}"
                           f"{', rows-first' if plan else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"
