@@ -32,6 +32,9 @@ __global__ void arrive_and_wait_kernel(ArrivalParams p) {
     wait.timeout_ns = p.timeout_ns;
     wait.error_word = p.error_word;
     arrived = !poll_for_epoch(wait, p.arrivals + q, p.need, kErrorArrivalTimeout);
+    if (arrived && p.reset) {
+      asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(const_cast<uint32_t*>(p.arrivals + q)), "r"(0u) : "memory");
+    }
   }
   unsigned const missing = __ballot_sync(0xffffffffu, !arrived);
   if (missing != 0) {

@@ -54,6 +54,7 @@ struct AllGatherGemmParams {
   Variant variant = Variant::kCooperative128x256Cluster2x1;
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
+  bool trap_on_timeout = false;   // and then trap (calls inside CUDA graphs: no host code runs to raise the code)
   // Tail split (cooperative variants; ag_gemm_scheduler.cuh): a partial last wave of tiles split along K into up to
   // split_max_parts parts, run in up to split_waves waves.  split_partials: device scratch of at least
   // tail_split_scratch_floats(sm_count, split_waves) floats, split_flags: as many uint32 flags as
@@ -87,7 +88,9 @@ int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves);
 // The per-call arrival (csrc/ag_barrier.cu), the AG+GEMM's barrier.  Rank r reaching call e writes e into its arrival
 // word on every peer (r's earlier work on this stream, its GEMMs of calls < e included, is done by then), waits until
 // every peer's arrival word here is at least `need`, then sets *passed = epoch, which the copy stream waits for before
-// it writes into peers' buffers.  A push needs need = e - 1 (peer q reached call e - 1, so its GEMM of call e - 2, the
+// it writes into peers' buffers.  With `reset` (calls captured in CUDA graphs, whose epoch is one constant) it then
+// sets each of this rank's words back to 0: a peer writes its next arrival only after its GEMM of this call, which
+// waited for this rank's chunks, pushed after this kernel, so the reset cannot erase it.  A push needs need = e - 1 (peer q reached call e - 1, so its GEMM of call e - 2, the
 // last reader of the buffer this call writes into, is done), a pull need = e (every slot written).  The kernel lets a
 // programmatic dependent (the GEMM, `pdl`) start at once.  A wait past timeout_ns writes kErrorArrivalTimeout to
 // *error_word and traps, as torch's symmetric-memory barrier does: the copy stream must not write into a peer that may
@@ -102,6 +105,7 @@ struct ArrivalParams {
   int rank = 0, world = 1;
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;                       // host-mapped, or nullptr
+  bool reset = false;                              // set this rank's words back to 0 once they were seen
 };
 Error arrive_and_wait(ArrivalParams const& params, void* stream);
 

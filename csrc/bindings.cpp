@@ -32,7 +32,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
                                              int64_t error_word, int variant, int64_t split_partials,
                                              int64_t split_flags, uint32_t split_epoch, int split_max_parts,
                                              int split_waves, int64_t a_local = 0, int64_t lda_local = 0,
-                                             bool pdl = false) {
+                                             bool pdl = false, bool trap_on_timeout = false) {
   agg::AllGatherGemmParams p;
   if (dtype != int(agg::DType::kBFloat16) && dtype != int(agg::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -58,6 +58,7 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   p.a_local = reinterpret_cast<const void*>(a_local);
   p.lda_local = lda_local;
   p.pdl = pdl;
+  p.trap_on_timeout = trap_on_timeout;
   return p;
 }
 
@@ -70,7 +71,8 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
       py::arg("sm_count") = 0, py::arg("timeout_ns") = 5000000000LL, py::arg("error_word") = 0,         \
       py::arg("variant") = 0, py::arg("split_partials") = 0, py::arg("split_flags") = 0,                    \
       py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1, py::arg("split_waves") = 1,               \
-      py::arg("a_local") = 0, py::arg("lda_local") = 0, py::arg("pdl") = false
+      py::arg("a_local") = 0, py::arg("lda_local") = 0, py::arg("pdl") = false,                              \
+      py::arg("trap_on_timeout") = false
 
 void export_ag_gemm(py::module_& m) {
   m.def(
@@ -80,12 +82,12 @@ void export_ag_gemm(py::module_& m) {
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
          int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
-         int64_t lda_local, bool pdl, int64_t stream) {
+         int64_t lda_local, bool pdl, bool trap_on_timeout, int64_t stream) {
         check_ok(agg::all_gather_gemm(
             make_ag_gemm_params(dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank,
                                 world, shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns,
                                 error_word, variant, split_partials, split_flags, split_epoch, split_max_parts,
-                                split_waves, a_local, lda_local, pdl),
+                                split_waves, a_local, lda_local, pdl, trap_on_timeout),
             reinterpret_cast<void*>(stream)));
       },
       "out[M, N] = A[M, K] @ B[K, N] (+ bias) on `stream`, waiting per tile for the flags of the rows it reads",
@@ -97,11 +99,11 @@ void export_ag_gemm(py::module_& m) {
          int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
          int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
          int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
-         int64_t lda_local, bool pdl) {
+         int64_t lda_local, bool pdl, bool trap_on_timeout) {
         return std::string(agg::all_gather_gemm_unsupported(make_ag_gemm_params(
             dtype, a, mm, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
             chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant, split_partials,
-            split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local, pdl)).message);
+            split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local, pdl, trap_on_timeout)).message);
       },
       "why ag_gemm_run cannot run these arguments, or an empty string", FLUXINDUCTOR_AG_GEMM_ARGS);
   m.def(
@@ -122,7 +124,7 @@ void export_ag_gemm(py::module_& m) {
   m.def(
       "ag_arrive_and_wait",
       [](const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch, uint32_t need,
-         int rank, long long timeout_ns, int64_t error_word, int64_t stream) {
+         int rank, long long timeout_ns, int64_t error_word, int64_t stream, bool reset) {
         agg::ArrivalParams p;
         if (peer_arrivals.empty() || peer_arrivals.size() > size_t(agg::kMaxArrivalWorld)) {
           throw std::invalid_argument("peer_arrivals: one address per rank, at most " +
@@ -136,13 +138,15 @@ void export_ag_gemm(py::module_& m) {
         p.passed = reinterpret_cast<uint32_t*>(passed);
         p.epoch = epoch; p.need = need; p.rank = rank; p.timeout_ns = timeout_ns;
         p.error_word = reinterpret_cast<int*>(error_word);
+        p.reset = reset;
         check_ok(agg::arrive_and_wait(p, reinterpret_cast<void*>(stream)));
       },
       "the AG+GEMM's per-call arrival on `stream` (ag_gemm.h arrive_and_wait): write `epoch` into every peer's "
       "arrival word for this rank (peer_arrivals[q]; the entry for `rank` is unused), wait until each of this rank's "
-      "words (arrivals[q]) is at least `need`, then set *passed = epoch; traps after timeout_ns",
+      "words (arrivals[q]) is at least `need`, then set *passed = epoch (and with `reset` this rank's words back to 0); "
+      "traps after timeout_ns",
       py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
-      py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"));
+      py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"), py::arg("reset") = false);
   m.def(
       "ag_memcpy_async",
       [](int64_t dst, int64_t src, int64_t bytes, int64_t stream) {
@@ -221,7 +225,7 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
          int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
          int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl, int64_t tail_split_partials,
          int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts, int tail_split_waves,
-         int split_config, bool out_float) {
+         int split_config, bool out_float, bool capture) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.out_float = out_float;
@@ -257,6 +261,7 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
   args.tail_split_parts = tail_split_parts;
   args.tail_split_waves = tail_split_waves;
   args.split_config = split_config;
+  args.capture = capture;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
@@ -273,7 +278,7 @@ void export_gemm_rs(py::module_& m) {
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
         py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,
-        py::arg("out_float") = false);
+        py::arg("out_float") = false, py::arg("capture") = false);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", [] {
     return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),

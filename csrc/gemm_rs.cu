@@ -203,6 +203,7 @@ int launch_hello(GemmRsArgs const& args, cudaStream_t stream) {
   hello.signature = args.signature;
   hello.error = args.error;
   hello.timeout_ns = args.timeout_ns;
+  hello.capture = args.capture;
   gemm_rs_hello_kernel<<<1, 32, 0, stream>>>(hello);
   cudaError_t launch = cudaGetLastError();
   if (launch != cudaSuccess) {
@@ -284,6 +285,7 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   epi.out_scale = args.out_scale;
   epi.error = args.error;
   epi.timeout_ns = args.timeout_ns;
+  epi.trap_on_timeout = args.capture;
   epi.local_status =
       args.world > 1 ? reinterpret_cast<uint32_t*>(static_cast<char*>(args.buffers[args.rank]) + kRsStatusOffset)
                      : nullptr;
@@ -710,6 +712,10 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
         (args.counters == nullptr || args.epoch_word == nullptr || args.copy_stream == nullptr ||
          args.copy_stream == stream_ptr)) {
       return fail("copy-engine mode needs counters, an epoch word and a copy stream other than the kernel's");
+    }
+    if (args.capture && (args.outbox != nullptr || args.split)) {
+      return fail("a captured call runs the stores transport only (the copy stream's counters and epoch word are "
+                  "per-call host state)");
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)

@@ -43,6 +43,15 @@ def split_all_reduce() -> str:
     raise ValueError(f"FLUXINDUCTOR_SPLIT_ALL_REDUCE={value!r}: expected exact, replicated or 0")
 
 
+def capture_kernels() -> bool:
+    """``FLUXINDUCTOR_CUDA_GRAPHS=1``: the fused kernels run inside CUDA graphs (``mode="reduce-overhead"``, or
+    ``torch.cuda.graph`` around a compiled model) instead of between captured partitions.  Read when fluxinductor's
+    ops are registered (the ops' ``cudagraph_unsafe`` tag, which makes inductor partition the graph around them,
+    follows it) and at every call under capture.  Off by default until a two-GPU run has checked the captured
+    protocol across processes (the kernels' logic is checked with every rank on one GPU)."""
+    return os.environ.get("FLUXINDUCTOR_CUDA_GRAPHS", "0").strip() not in ("", "0")
+
+
 def _group_name(group: Union[str, "dist.ProcessGroup", object]) -> str:
     if isinstance(group, str):
         return group
@@ -82,4 +91,4 @@ def group_allowed(group_name: str) -> bool:
 def cache_key() -> str:
     """The settings the passes read, as a string for the pass manager's uuid."""
     names = "*" if _tp_group_names is None else ",".join(sorted(_tp_group_names))
-    return f"disabled={disabled()};tp_groups={names}"
+    return f"disabled={disabled()};tp_groups={names};cuda_graphs={capture_kernels()}"

@@ -69,11 +69,13 @@ def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
     a collective on the group's first call (:func:`fluxinductor.kernels.peers.group_reason`).
 
     Asked before the call's own checks, so that whether a rank joins that collective depends only on what every rank
-    shares (the dispatch mode, CUDA operands), and skipped during CUDA graph capture, which its host copies would
-    break (the kernels refuse capture anyway)."""
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    from fluxinductor.kernels import peers
+    shares (the dispatch mode, CUDA operands).  Under CUDA graph capture only a remembered answer counts (a capture
+    takes no collective step; an eager call before it asked)."""
+    from fluxinductor.kernels import peers, symm
+
+    if symm.capturing():
+        known, why = peers.remembered_group_reason(group_name, device)
+        return why if known else "CUDA graph capture before an eager call checked the group's GPUs"
 
     return peers.group_reason(group_name, device, local_reason=_local_reason(device.index))
 
@@ -118,8 +120,13 @@ def _device_name(index: int) -> str:
 def overlapped_paths(op: str, fused_eligible: bool = True, split_eligible: bool = True) -> Tuple[str, ...]:
     """The cost model's paths this process can run for ``op``: the fused kernel where it is eligible (GEMM+RS
     with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one, offered only where
-    ``split_eligible``: ``gemm_rs.split_reason`` found nothing against the call), async-TP (opt-in)."""
+    ``split_eligible``: ``gemm_rs.split_reason`` found nothing against the call), async-TP (opt-in).  Under CUDA graph
+    capture only the fused kernel with NVLink stores, the one transport a graph can replay."""
+    from fluxinductor.kernels.symm import capturing
+
     rs = op == "matmul_reduce_scatter"
+    if capturing():
+        return ("fused",) if fused_eligible else ()
     split = ("fused_split",) if split_eligible else ()
     fused = (("fused", "fused_copy") + split if rs else ("fused",)) if fused_eligible else ()
     return fused + (("asynctp",) if _asynctp_ops() is not None else ())

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fluxinductor import dispatch
+from fluxinductor import config, dispatch
 from fluxinductor.log import record_fallback
 
 REDUCE_OPS = ("sum", "avg")
@@ -167,9 +167,11 @@ def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scat
 # ---------------------------------------------------------------------------------------------------
 
 
-# The fused kernels cannot be captured in a CUDA graph (the call's epoch and the copy engine's flags are set from the
-# host); inductor's CUDA graphs (mode="reduce-overhead") run ops with this tag eagerly between captured partitions.
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# Unless FLUXINDUCTOR_CUDA_GRAPHS=1 (fluxinductor.config.capture_kernels), the fused kernels are not run under CUDA
+# graph capture (the ops decompose there), and inductor's CUDA graphs (mode="reduce-overhead") run ops with this tag
+# eagerly between captured partitions, so that the kernels still run.  With it, the ops are captured like any other.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") and not config.capture_kernels() \
+    else ()
 
 
 @torch.library.custom_op(

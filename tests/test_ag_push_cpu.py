@@ -121,6 +121,7 @@ class _Workspace:
         self.buffers = [torch.full((world * rows, k), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
         self.flags = torch.zeros(2, world * 16, dtype=torch.int32)
         self.epoch_word = torch.zeros(1, dtype=torch.int32)
+        self.captured = False  # no call of this workspace was captured in a CUDA graph
 
     def reserve(self, nbytes):
         pass

@@ -192,7 +192,15 @@ def test_dispatcher_asks_before_the_call_checks(fake_kernels, monkeypatch):
 
 
 def test_no_check_while_capturing_a_cuda_graph(monkeypatch):
-    """The check's collective copies to the host, which would break a capture (the kernels refuse capture anyway)."""
+    """A capture takes no collective step: under capture the dispatcher only uses an answer an eager call got, and
+    without one the call decomposes (an eager call of the group before the capture asks)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(peers, "group_reason", lambda *args, **kw: pytest.fail("checked during capture"))
-    assert dispatch._peers_reason("g", torch.device("cuda", 0)) is None
+    remembered = {}
+    monkeypatch.setattr(peers, "remembered_group_reason", lambda group, device: remembered[group])
+    remembered.update(ok=(True, None), pcie=(True, "no NVLink"), new=(False, None))
+    device = torch.device("cuda", 0)
+    assert dispatch._peers_reason("ok", device) is None
+    assert dispatch._peers_reason("pcie", device) == "no NVLink"
+    assert "before an eager call checked" in dispatch._peers_reason("new", device)

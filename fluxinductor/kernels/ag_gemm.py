@@ -39,6 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from fluxinductor import config
 from fluxinductor.kernels import symm
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 from fluxinductor.kernels.tail_split import waves as tail_split_waves
@@ -220,9 +221,6 @@ def _operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Opt
         return f"dtype {a2d.dtype} (the kernel supports bfloat16 and float16)"
     if a2d.dim() != 2 or not a2d.is_contiguous():
         return "the activation must be a contiguous 2-D tensor"
-    if torch.cuda.is_current_stream_capturing():
-        # The call epoch is a host counter: a replayed graph would wait for a stale epoch and race the pulls.
-        return "CUDA graph capture is in progress (the fused kernel's call epochs live on the host)"
     if len(weights) == 0 or len(weights) != len(biases):
         return "need one bias entry (or None) per weight"
     for weight, bias in zip(weights, biases):
@@ -260,6 +258,29 @@ def unsupported_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Seque
         why = _kernel_reason(m, k, k, 256, weight, bias, 256, weight.shape[1])
         if why is not None:
             return why
+    if symm.capturing():
+        return capture_reason(shard2d, weights, group_name)
+    return None
+
+
+def capture_reason(shard2d: Tensor, weights: Sequence[Tensor], group_name: str) -> Optional[str]:
+    """Why a call under CUDA graph capture cannot run the fused kernels (None: it can, see :func:`captured_push_call`).
+
+    A capture may not take a collective step, so an eager call of the same shape must have set up the group's
+    workspace first (CUDA graph trees and ``torch.cuda.graph`` users warm up eagerly before capturing); every rank
+    sees the same calls, so every rank gives the same answer."""
+    if not config.capture_kernels():
+        return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
+    if _group_size(group_name) == 1:
+        return None  # nothing to gather: the call is its GEMMs
+    if not ARRIVAL:
+        return "CUDA graph capture with torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0)"
+    if not use_push(shard2d, weights):
+        return "CUDA graph capture of a pull (shard rows not a multiple of the kernel's tile M)"
+    ws = symm.existing_workspace(group_name, shard2d.device)
+    nbytes = ws.world * shard2d.numel() * shard2d.element_size() if ws is not None else 0
+    if ws is None or not ws.ready_for(nbytes, _layout_key(shard2d, True)):
+        return "CUDA graph capture before an eager call of this shape set up the group's buffers"
     return None
 
 
@@ -289,7 +310,8 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
                 timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
-                tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False) -> Tensor:
+                tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False,
+                trap_on_timeout: bool = False) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
@@ -298,6 +320,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     ``a_local`` ([shard_rows, K], with ``flags``; shard_rows a multiple of the tile's M): this rank's rows are read
     from it instead of from ``a``.  ``pdl``: launch as a programmatic dependent of the kernel before it on ``stream``
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
+    ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).
     ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
@@ -321,7 +344,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
         sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
         stream=stream.cuda_stream, a_local=0 if a_local is None else a_local.data_ptr(),
-        lda_local=0 if a_local is None else a_local.stride(0), pdl=pdl,
+        lda_local=0 if a_local is None else a_local.stride(0), pdl=pdl, trap_on_timeout=trap_on_timeout,
         **_tail_split_kwargs(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
     return out
 
@@ -480,12 +503,22 @@ def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _group_size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def _layout_key(shard2d: Tensor, push: bool) -> tuple:
+    return shard2d.shape[0], shard2d.shape[1], shard2d.dtype, int(push) + 2 * int(ARRIVAL)
+
+
 def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool) -> None:
     """Once per (rows, K, dtype, push, barrier): make sure every rank calls with the same layout and moves shards the
     same way (a pulling rank would read a pushing peer's slot, which that peer never fills; a rank on the arrival and
     one on torch's barrier never meet): else raise, not hang or compute with stale rows."""
-    moves = int(push) + 2 * int(ARRIVAL)
-    key = (shard2d.shape[0], shard2d.shape[1], shard2d.dtype, moves)
+    key = _layout_key(shard2d, push)
+    moves = key[3]
     if key in ws.checked_layouts:
         return
     import torch.distributed as dist
@@ -516,6 +549,15 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
     device = shard2d.device
     check_errors(device)
+    if symm.capturing():
+        reason = capture_reason(shard2d, weights, group_name)  # cheap, and it must hold: nothing below is collective
+        if reason is not None:
+            raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
+        if _group_size(group_name) == 1:
+            outputs = [launch_gemm(shard2d, w, b, shard2d.new_empty((shard2d.shape[0], w.shape[1])))
+                       for w, b in zip(weights, biases)]
+            return outputs, shard2d.clone() if return_gathered else shard2d.new_empty(0)
+        return _captured_call(symm.existing_workspace(group_name, device), shard2d, weights, biases, return_gathered)
     ws = symm.workspace(group_name, device)
     push = use_push(shard2d, weights)
     _check_layout_agrees(ws, shard2d, push)
@@ -538,8 +580,9 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     # The barrier: every peer done with the buffer this call writes into (pushing: the peer reached the previous call;
-    # pulling: this call, so every slot is written).
-    need = ws.previous_epoch() if push else epoch
+    # pulling: this call, so every slot is written).  Once calls were captured, a peer's replay may have read either
+    # buffer since the previous eager call: every peer must reach this one.
+    need = ws.previous_epoch() if push and not ws.captured else epoch
     pdl = False
     if not ARRIVAL:
         ws.barrier(parity)
@@ -576,6 +619,66 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         ws.mark_arrived(epoch, side)  # so that a later call on the arrival finds this one
     main.wait_stream(side)
     return outputs, gathered
+
+
+def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],
+                   biases: Sequence[Optional[Tensor]], return_gathered: bool) -> Tuple[List[Tensor], Tensor]:
+    """all_gather_matmul under CUDA graph capture: :func:`captured_push_call` on the workspace's captured-call flags,
+    arrival words and buffer 0."""
+    ws.captured = True
+    rank, world = ws.rank, ws.world
+    shard_rows, k = shard2d.shape
+    m, dtype = world * shard_rows, shard2d.dtype
+    parity = symm.CAPTURE_PARITY
+    peers = [ws.view(parity, q, m, k, dtype) for q in range(world)]
+    chunks = max(1, min(CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK))
+    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
+                            shard2d.numel() * shard2d.element_size())
+    outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
+    gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
+    captured_push_call(shard2d, weights, biases, outputs, gathered, peers,
+                       [ws.peer_flags(symm.CAPTURE_ROW, q) for q in range(world)], ws.capture_epoch_word,
+                       arrive=ws.arrive_captured, rank=rank, chunks=chunks, k_chunks=k_chunks,
+                       main=torch.cuda.current_stream(shard2d.device), side=ws.side_stream)
+    return outputs, gathered
+
+
+def captured_push_call(shard: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                       outputs: Sequence[Tensor], gathered: Tensor, peer_buffers: Sequence[Tensor],
+                       peer_flags: Sequence[Tensor], epoch_word: Tensor, *, arrive, rank: int, chunks: int,
+                       k_chunks: int, main: torch.cuda.Stream, side: torch.cuda.Stream, sm_count: int = 0,
+                       timeout_s: Optional[float] = None) -> None:
+    """Enqueue one push call that every replay of a CUDA graph can repeat as it is: it carries no per-call epoch.
+
+    ``arrive(stream)``: a full barrier that leaves its words at 0 (``SymmetricWorkspace.arrive_captured``): every peer
+    has reached this call, so its earlier GEMMs, the last readers of its buffer, are done.  Then the side stream pushes
+    the shard into each peer's buffer (peer_buffers[q], [M, K]) and sets its flags (peer_flags[q]) to
+    ``symm.CAPTURE_EPOCH``; the GEMMs read this rank's rows from ``shard`` and its peers' from peer_buffers[rank] once
+    their flags say so (no tail split: its scratch flags take a new epoch per launch), trapping if a wait times out
+    (no host code runs between replays to raise the error word).  Last, main waits for every peer's flags of this call
+    (the GEMMs waited for each chunk their tiles read) and sets them back to 0: a peer sets them again only after the
+    next call's barrier, which this rank enters after the reset.  ``gathered`` (or an empty tensor): the gathered A."""
+    world = len(peer_buffers)
+    shard_rows = shard.shape[0]
+    epoch = symm.CAPTURE_EPOCH
+    flags = peer_flags[rank]
+    arrive(main)
+    side.wait_stream(main)
+    push_shards(shard, peer_buffers, peer_flags, rank, epoch, epoch_word, side, chunks, k_chunks)
+    with torch.cuda.stream(main):
+        for weight, bias, out in zip(weights, biases, outputs):
+            launch_gemm(peer_buffers[rank], weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
+                        shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, sm_count=sm_count,
+                        timeout_s=timeout_s, stream=main, tail_split=1, a_local=shard, trap_on_timeout=True)
+        if gathered.numel():
+            assemble_gathered(gathered, peer_buffers[rank], shard, rank)
+        main.wait_stream(side)
+        per_rank = k_chunks if k_chunks > 1 else chunks
+        ext = symm.extension()
+        for q in range(world):
+            for c in range(per_rank if q != rank else 0):
+                ext.ag_stream_wait_value32_eq(flags.data_ptr() + 4 * (q * per_rank + c), epoch, main.cuda_stream)
+        flags[:world * per_rank].zero_()
 
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

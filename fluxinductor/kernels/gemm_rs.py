@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from fluxinductor import log
+from fluxinductor.kernels import symm as _symm
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
@@ -65,6 +66,10 @@ _ERRORS = {
     3: "a peer entered the call but never delivered its tiles",
     4: "a split GEMM's tail tile waited too long for its other parts",
 }
+
+# The epoch of every call captured in a CUDA graph (replays repeat it): eager calls never take it, so what they leave
+# in the hello words and flags never reads as a captured call's (which set those back to 0 after use).
+CAPTURE_EPOCH = 0xFFFFFFFE
 
 PUSH_MODES = ("store", "copy", "split")
 DEFAULT_BANDS = 4
@@ -259,6 +264,7 @@ def launch(
     split_source: Optional[Tensor] = None,
     tail_split: Optional[int] = None,
     split_config: Optional[int] = None,
+    capture: bool = False,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
@@ -269,6 +275,8 @@ def launch(
     [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
     :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
     configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
+    ``capture``: a call that CUDA graph replays repeat (stores transport, ``epoch`` :data:`CAPTURE_EPOCH`): the
+    handshake sets its words back to 0 and failed waits trap; the caller zeroes this rank's flags after it.
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -298,7 +306,7 @@ def launch(
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
-        config, out.dtype != a.dtype,
+        config, out.dtype != a.dtype, capture,
     )
 
 
@@ -409,7 +417,8 @@ class _GroupState:
         return self.copy
 
     def next_epoch(self) -> int:
-        self.epoch = (self.epoch % 0xFFFFFFFE) + 1
+        """1, 2, ... 0xFFFFFFFD, 1, ...: never 0 (a zeroed word), CAPTURE_EPOCH or the aborted status."""
+        self.epoch = (self.epoch % (CAPTURE_EPOCH - 1)) + 1
         return self.epoch
 
 
@@ -470,9 +479,6 @@ def unsupported_reason(
         _capability_ok[index] = torch.cuda.get_device_capability(a2d.device) == (9, 0)
     if not _capability_ok[index]:
         return "the GEMM+RS kernel is built for sm90a (Hopper) only"
-    if torch.cuda.is_current_stream_capturing():
-        # The call epoch is a host counter passed by value: a replayed graph would reuse it and read stale slots.
-        return "CUDA graph capture is not supported by the GEMM+RS kernel (per-call epoch on the host)"
     if a2d.dtype not in _DTYPES or weight.dtype != a2d.dtype:
         return f"dtypes {a2d.dtype}/{weight.dtype}: the kernel takes bf16 or fp16, both operands the same"
     if out_dtype not in (None, a2d.dtype, torch.float32):
@@ -514,6 +520,32 @@ def unsupported_reason(
         return f"weight leading stride {layout[1]} is not a multiple of 8 elements (16-byte TMA alignment)"
     if weight.data_ptr() % 16:
         return "weight is not 16-byte aligned"
+    if group_name is not None and world > 1 and _symm.capturing():
+        return capture_reason(a2d, weight, group_name)
+    return None
+
+
+def _call_signature(m: int, n: int, k: int, world: int, dtype: torch.dtype, transport: str,
+                    out_dtype: Optional[torch.dtype]) -> int:
+    if out_dtype not in (None, dtype):
+        transport += f"/{out_dtype}"
+    return signature(m, n, k, world, dtype, transport)
+
+
+def capture_reason(a2d: Tensor, weight: Tensor, group_name: str) -> Optional[str]:
+    """Why a call under CUDA graph capture cannot run the fused kernel (None: it can, with the stores transport and
+    the constant :data:`CAPTURE_EPOCH`; see :func:`matmul_reduce_scatter`).  A capture may not grow the symmetric
+    buffer (a collective step), so an eager call of this shape, with any transport, must have grown it first; every
+    rank sees the same calls, so every rank gives the same answer.  (The shape's agreement through the c10d store is
+    not needed: the handshake checks the signature on the device every call, and traps on a mismatch when captured.)"""
+    from fluxinductor import config
+
+    if not config.capture_kernels():
+        return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
+    state = _states.get((group_name, a2d.device.index))
+    m, n = a2d.shape[0], weight.shape[1]
+    if state is None or buffer_layout(m, n, state.world, a2d.dtype)[2] > state.capacity:
+        return "CUDA graph capture before an eager call of this shape set up the group's buffer"
     return None
 
 
@@ -558,7 +590,13 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
-    mode = push_mode(transport) if world > 1 else "store"
+    capturing = world > 1 and _symm.capturing()
+    if capturing:
+        reason = capture_reason(a2d, weight, group_name)  # cheap, and it must hold: nothing collective below
+        if reason is not None:
+            raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
+        transport = "store"
+    mode = push_mode(transport) if world > 1 and not capturing else "store"
     if mode == "split":
         reason = split_reason(world, weight, bias, out)
         if reason is not None:
@@ -567,12 +605,11 @@ def matmul_reduce_scatter(
     copy = state.copy_workspace() if mode != "store" else None
     config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
     transport_sig = f"{mode}{config or ''}/{bands()}" if copy is not None else "store"
-    if out.dtype != a2d.dtype:
-        transport_sig += f"/{out.dtype}"
-    sig = signature(m, n, k, world, a2d.dtype, transport_sig)
-    state.agree(sig)
-    _, _, nbytes = buffer_layout(m, n, world, a2d.dtype)
-    state.reserve(nbytes)
+    sig = _call_signature(m, n, k, world, a2d.dtype, transport_sig, out.dtype)
+    flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
+    if not capturing:
+        state.agree(sig)
+        state.reserve(nbytes)
     launch(
         a2d,
         weight,
@@ -582,14 +619,19 @@ def matmul_reduce_scatter(
         world=world,
         rank=state.rank,
         buffers=state.buffer_ptrs,
-        epoch=state.next_epoch() if world > 1 else 0,
+        epoch=CAPTURE_EPOCH if capturing else state.next_epoch() if world > 1 else 0,
         sig=sig,
         error_address=state.error.device,
         out_scale=(1.0 / world) if reduce_op == "avg" else 1.0,
         copy=copy,
         split=mode == "split",
         split_config=config,
+        capture=capturing,
     )
+    if capturing:
+        # Every peer's flags of this call were read by the own tiles' epilogue; clear them for the next replay (a peer
+        # sets them again only after the next call's handshake, which this rank enters after this).
+        state.buffer[flags_offset:data_offset].zero_()
     return out
 
 

@@ -189,6 +189,20 @@ _verdicts: Dict[Tuple[str, int], Tuple[object, Optional[str]]] = {}
 _rounds: Dict[str, int] = {}
 
 
+def remembered_group_reason(group_name: str, device: torch.device) -> Tuple[bool, Optional[str]]:
+    """(True, :func:`group_reason`'s answer) where a call already asked it for this group and device, else (False,
+    None); never collective."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    known = _verdicts.get((group_name, -1 if device.index is None else device.index))
+    if known is not None and known[0] is group:
+        return True, known[1]
+    if group.size() == 1:
+        return True, None
+    return False, None
+
+
 def group_reason(group_name: str, device: torch.device, *,
                  identify: Callable[[torch.device], Identity] = identity,
                  nvlink: NvlinkQuery = nvml_nvlink, local_reason: Optional[str] = None) -> Optional[str]:

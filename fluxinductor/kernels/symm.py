@@ -8,6 +8,12 @@ per-rank arrival words of the calls' barrier (``arrive``), a monotonically incre
 it holds the current epoch, so flags are never reset), a side stream for the copy engine, and a
 host-mapped error word the kernel writes when a wait times out.
 
+Calls captured in a CUDA graph (``fluxinductor.kernels.ag_gemm``, FLUXINDUCTOR_CUDA_GRAPHS=1) replay with the epoch
+they were captured with, so they have flags and arrival words of their own, which go back to 0 after each call
+instead of carrying epochs; they use buffer 0 behind a full barrier.  Once a call was captured, the buffers a graph
+holds are never freed (a growth keeps them), and eager calls wait for every peer to reach the call (a replay on a peer
+may have read either buffer since this rank's previous eager call).
+
 Buffers are allocated on first use and grow (to the next power of two bytes) when a call needs more; a
 growth is a collective step that all ranks take on the same call because they check their shapes agree
 first (see ``fluxinductor.kernels.ag_gemm``).
@@ -52,6 +58,11 @@ def extension_available() -> Optional[str]:
     return _extension_reason
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def timeout_seconds() -> float:
     """How long a flag wait or barrier may take before the call fails (FLUXINDUCTOR_TIMEOUT_S, default 10)."""
     return float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10"))
@@ -92,6 +103,11 @@ def clear_error(device_index: int) -> None:
 
 MAX_CHUNKS_PER_RANK = 16
 _MIN_BYTES = 1 << 20
+# Captured calls: their flags' row, the buffer parity they use, and their epoch (flags and arrival words hold it once
+# set, 0 after the call).
+CAPTURE_ROW = 2
+CAPTURE_PARITY = 0
+CAPTURE_EPOCH = 1
 
 
 class SymmetricWorkspace:
@@ -128,6 +144,15 @@ class SymmetricWorkspace:
         self.side_stream = torch.cuda.Stream(device=device)
         self.checked_layouts: set = set()
         self._views: Dict[tuple, torch.Tensor] = {}
+        # Captured calls (see the module docstring): their flags (row CAPTURE_ROW of the flag allocation), arrival
+        # words (after the eager ones), passed word and the word their flag copies read.
+        self.captured = False
+        self.retired: list = []  # buffers a captured graph may still use
+        self.capture_flags: Optional[torch.Tensor] = None
+        self.capture_arrivals: Optional[torch.Tensor] = None
+        self._peer_capture_arrivals: List[int] = []
+        self.capture_passed = torch.zeros(1, dtype=torch.int32, device=device)
+        self.capture_epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
 
     def next_epoch(self) -> int:
         """The next call's epoch: 32-bit, never 0 (the flags' initial value).  The kernels compare epochs by their
@@ -158,6 +183,8 @@ class SymmetricWorkspace:
             torch.cuda.synchronize(self.device)
         self._views.clear()
         _enable_group(self.group_name)
+        if self.captured:
+            self.retired.append((self.buffers, self.handles))
         self.buffers = [None, None]
         self.handles = [None, None]
         for parity in range(2):
@@ -172,22 +199,38 @@ class SymmetricWorkspace:
         import torch.distributed._symmetric_memory as symm_mem
 
         _enable_group(self.group_name)
-        shape = (2, self.world * MAX_CHUNKS_PER_RANK)
-        words = shape[0] * shape[1] + self.world
+        shape = (3, self.world * MAX_CHUNKS_PER_RANK)  # parity 0, parity 1, captured calls (CAPTURE_ROW)
+        count = shape[0] * shape[1]
+        words = count + 2 * self.world  # then the arrival words: the eager calls', the captured calls'
         flags = symm_mem.empty(words, dtype=torch.int32, device=self.device)
         flags.zero_()
         torch.cuda.synchronize(self.device)
         self._flag_handle = symm_mem.rendezvous(flags, self.group_name)
-        self.flags = flags[:shape[0] * shape[1]].view(shape)
-        self.arrivals = flags[shape[0] * shape[1]:]
+        self.flags = flags[:count].view(shape)
+        self.capture_flags = self.flags[CAPTURE_ROW]
+        self.arrivals = flags[count:count + self.world]
+        self.capture_arrivals = flags[count + self.world:]
         peers = [flags if q == self.rank else self._flag_handle.get_buffer(q, (words,), torch.int32, 0)
                  for q in range(self.world)]
-        self._peer_flags = [peer[:shape[0] * shape[1]].view(shape) for peer in peers]
-        self._peer_arrivals = [peer[shape[0] * shape[1] + self.rank].data_ptr() for peer in peers]
+        self._peer_flags = [peer[:count].view(shape) for peer in peers]
+        self._peer_arrivals = [peer[count + self.rank].data_ptr() for peer in peers]
+        self._peer_capture_arrivals = [peer[count + self.world + self.rank].data_ptr() for peer in peers]
 
     def peer_flags(self, parity: int, rank: int) -> torch.Tensor:
-        """``rank``'s flags of ``parity`` ([world * MAX_CHUNKS_PER_RANK] int32), mapped into this device."""
+        """``rank``'s flags of ``parity`` ([world * MAX_CHUNKS_PER_RANK] int32), mapped into this device; parity
+        CAPTURE_ROW: its flags of captured calls."""
         return self._peer_flags[rank][parity]
+
+    def ready_for(self, nbytes: int, layout_key: tuple) -> bool:
+        """Whether a call of ``nbytes`` per buffer and this layout needs no collective step (no growth, no layout
+        check): what a call under CUDA graph capture requires."""
+        return nbytes <= self.capacity_bytes and layout_key in self.checked_layouts
+
+    def arrive_captured(self, stream: torch.cuda.Stream) -> None:
+        """A captured call's arrival on ``stream``: a full barrier on the captured calls' words, which it sets back
+        to 0 (see :func:`arrive`)."""
+        arrive(self._peer_capture_arrivals, self.capture_arrivals, self.capture_passed, CAPTURE_EPOCH, CAPTURE_EPOCH,
+               self.rank, stream, reset=True)
 
     def view(self, parity: int, rank: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, cols] ``dtype`` view of ``rank``'s buffer ``parity`` (mapped into this device)."""
@@ -222,17 +265,18 @@ class SymmetricWorkspace:
 
 
 def arrive(peer_arrivals: List[int], arrivals: torch.Tensor, passed: torch.Tensor, epoch: int, need: int, rank: int,
-           stream: torch.cuda.Stream, timeout_s: Optional[float] = None) -> None:
+           stream: torch.cuda.Stream, timeout_s: Optional[float] = None, reset: bool = False) -> None:
     """Enqueue on ``stream`` the arrival of ``rank`` at call ``epoch`` (csrc/ag_gemm.h arrive_and_wait): one warp
     writes ``epoch`` to the address peer_arrivals[q] (this rank's word on peer q; the entry for ``rank`` is unused),
     waits until every arrivals[q] (int32 [world], written by the peers) is at least ``need``, then sets ``passed``
     (one int32) to ``epoch``.  A kernel launched next on ``stream`` with ``pdl`` starts without waiting for it.  Past
-    the timeout (FLUXINDUCTOR_TIMEOUT_S) it writes its code to the error word and traps."""
+    the timeout (FLUXINDUCTOR_TIMEOUT_S) it writes its code to the error word and traps.  ``reset`` (captured calls,
+    whose epoch is a constant): arrivals[q] goes back to 0 once seen."""
     _, error_device = error_word(arrivals.device.index)
     timeout_s = timeout_seconds() if timeout_s is None else timeout_s
     extension().ag_arrive_and_wait(
         peer_arrivals=peer_arrivals, arrivals=arrivals.data_ptr(), passed=passed.data_ptr(), epoch=epoch, need=need,
-        rank=rank, timeout_ns=int(timeout_s * 1e9), error_word=error_device, stream=stream.cuda_stream)
+        rank=rank, timeout_ns=int(timeout_s * 1e9), error_word=error_device, stream=stream.cuda_stream, reset=reset)
 
 
 def wait_passed(passed: torch.Tensor, epoch: int, stream: torch.cuda.Stream) -> None:
@@ -258,6 +302,11 @@ def _enable_group(group_name: str) -> None:
 
 
 _workspaces: Dict[Tuple[str, int], SymmetricWorkspace] = {}
+
+
+def existing_workspace(group_name: str, device: torch.device) -> Optional[SymmetricWorkspace]:
+    """The workspace of ``group_name`` on ``device`` if a call created it, else None (never collective)."""
+    return _workspaces.get((group_name, device.index))
 
 
 def workspace(group_name: str, device: torch.device) -> SymmetricWorkspace:

@@ -523,6 +523,64 @@ def test_waits_mid_call(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("world,shard_rows,k,k_chunks,chunks,ns", [
+    (2, 256, 264, 1, 2, [520, 136]),   # row chunks, two weights, a partial K tile
+    (4, 256, 1024, 4, 1, [520]),       # column blocks
+])
+def test_captured_calls_replay_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns):
+    """Calls captured in CUDA graphs (FLUXINDUCTOR_CUDA_GRAPHS=1): each simulated rank captures one push call
+    (``captured_push_call``: no per-call epoch) into a graph of its own.  Replaying every rank's graph together, with
+    new shards copied into the captured inputs and the outputs poisoned each time, gives the fp32 reference on every
+    replay, the gathered A exactly, and leaves the flags and arrival words at 0, which is what the next replay needs
+    (a flag left set would let it read the previous replay's rows)."""
+    from fluxinductor.kernels import ag_gemm, symm
+
+    torch.manual_seed(world + k_chunks)
+    t = _rank_tensors(world, shard_rows, k, ns, with_bias=True, dtype=torch.bfloat16,
+                      flags_per_rank=max(chunks, k_chunks))
+    _load_kernels(t)
+    device = t.device
+    symm.error_word(0)  # allocated before any capture (a capture cannot allocate pinned memory)
+    symm.clear_error(0)
+    arrivals = torch.zeros((world, world), dtype=torch.int32, device=device)  # [r, q]: rank r's word, written by q
+    passed = torch.zeros(world, dtype=torch.int32, device=device)
+    epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
+    graphs = []
+    for r in range(world):
+        def arrive(stream, r=r):
+            symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], symm.CAPTURE_EPOCH,
+                        symm.CAPTURE_EPOCH, r, stream, timeout_s=5.0, reset=True)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=t.main[r]):
+            ag_gemm.captured_push_call(t.shards[r], t.weights, t.biases, t.outputs[r], t.gathered[r], t.buffers,
+                                       t.flags, epoch_words[r], arrive=arrive, rank=r, chunks=chunks,
+                                       k_chunks=k_chunks, main=t.main[r], side=t.side[r], sm_count=t.sm_count,
+                                       timeout_s=5.0)
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    for replay in range(4):
+        for r in range(world):
+            t.shards[r].copy_(torch.randn_like(t.shards[r]))
+            t.gathered[r].fill_(float("nan"))
+            for out in t.outputs[r]:
+                out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(t.main[r]):
+                graphs[r].replay()
+        torch.cuda.synchronize()
+        assert symm.read_error(0) == 0, f"replay {replay}: error code {symm.read_error(0)}"
+        full = torch.cat(t.shards)
+        refs = [full.float() @ w.float() + b.float() for w, b in zip(t.weights, t.biases)]
+        _check_ranks(t.outputs, refs, t.gathered, full)
+        assert all(int(f.abs().sum()) == 0 for f in t.flags), f"replay {replay}: flags left set"
+        assert int(arrivals.abs().sum()) == 0, f"replay {replay}: arrival words left set: {arrivals.tolist()}"
+        for r in range(world):
+            assert t.buffers[r][r * shard_rows:(r + 1) * shard_rows].isnan().all(), "own rows went into the buffer"
+
+
+@pytest.mark.gpu
 def test_peer_that_never_delivers_raises():
     from fluxinductor.kernels import ag_gemm
 

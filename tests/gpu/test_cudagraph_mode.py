@@ -14,8 +14,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_and_autocast_on_one_rank():
-    env = dict(os.environ, FLUXINDUCTOR_DISPATCH="fused")
+@pytest.mark.parametrize("cuda_graphs", ["0", "1"])
+def test_reduce_overhead_and_autocast_on_one_rank(cuda_graphs):
+    """FLUXINDUCTOR_CUDA_GRAPHS=0: the ops run between captured partitions; 1: inside the captured graph."""
+    env = dict(os.environ, FLUXINDUCTOR_DISPATCH="fused", FLUXINDUCTOR_CUDA_GRAPHS=cuda_graphs)
     run = subprocess.run([sys.executable, os.path.join(HERE, "run_cudagraph_mode.py")], env=env, capture_output=True,
                          text=True, timeout=300)
     ok = run.returncode == 0 and "CUDAGRAPH MODE OK" in run.stdout and "AUTOCAST OK" in run.stdout

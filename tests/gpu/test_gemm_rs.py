@@ -257,6 +257,70 @@ def test_n_ranks_one_gpu(world, reduce_op):
 
 
 @_gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_captured_calls_replay_between_eager_calls_one_gpu(world):
+    """Calls captured in CUDA graphs (FLUXINDUCTOR_CUDA_GRAPHS=1): each simulated rank captures one call with the
+    constant epoch CAPTURE_EPOCH (the handshake resets its words, the flags are zeroed after the kernel) into a graph
+    of its own.  Replays of every rank's graph, with new operands copied into the captured inputs and the outputs
+    poisoned, alternate with eager calls on the same buffers and ascending epochs: each gives the fp32 reference, and
+    after each replay the hello words and flags are back at 0."""
+    from fluxinductor.kernels import gemm_rs
+
+    device = torch.device("cuda", 0)
+    m, k, n, dtype = 200 * world, 264, 520, torch.bfloat16
+    sm_budget = _sm_budget(world, False)
+    flags_offset, data_offset, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
+    pointers = [b.data_ptr() for b in buffers]
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    error = gemm_rs.ErrorWord()
+    sig = gemm_rs.signature(m, n, k, world, dtype)
+    _load_kernels("store", dtype)
+    a = [torch.empty(m, k, dtype=dtype, device=device) for _ in range(world)]
+    w = [make_weight(k, n, True, dtype, device) for _ in range(world)]
+    bias = torch.randn(n, dtype=dtype, device=device)
+    outs = [torch.empty((m // world, n), dtype=dtype, device=device) for _ in range(world)]
+
+    def call(r, epoch, capture):
+        gemm_rs.launch(a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=epoch, sig=sig,
+                       error_address=error.device, timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r],
+                       capture=capture)
+        if capture:
+            buffers[r][flags_offset:data_offset].zero_()
+
+    graphs = []
+    for r in range(world):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=streams[r]):
+            call(r, gemm_rs.CAPTURE_EPOCH, True)
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    rows = m // world
+    for step in range(6):
+        captured = step % 2 == 0
+        for r in range(world):
+            a[r].copy_(torch.randn_like(a[r]))
+            outs[r].fill_(float("nan"))
+        ref = sum(a[r].float() @ w[r].float() + bias.float() for r in range(world))
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                if captured:
+                    graphs[r].replay()
+                else:
+                    call(r, step, False)
+        torch.cuda.synchronize()
+        assert error.read() == 0, gemm_rs.error_message(error.read())
+        for r in range(world):
+            assert not outs[r].isnan().any(), f"step {step} rank {r}: unwritten output"
+            assert relative_error(outs[r], ref[r * rows:(r + 1) * rows]) < 1e-2, f"step {step} rank {r}"
+            if captured:
+                hello = buffers[r][:4 * world].view(torch.int32)
+                assert int(hello.abs().sum()) == 0, f"step {step} rank {r}: hello words left {hello.tolist()}"
+                assert int(buffers[r][flags_offset:data_offset].sum()) == 0, f"step {step} rank {r}: flags left set"
+
+
+@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("copy_engine", [False, True])
 @pytest.mark.parametrize("k_major", [True, False])

@@ -50,6 +50,9 @@ struct AllGatherSchedule {
   long long timeout_ns = 5000000000LL;
   volatile int* error_word = nullptr;  // host-mapped; error_code on timeout
   int error_code = kErrorFlagTimeout;
+  // Trap after writing the code (a call inside a CUDA graph, where no host code runs to raise it: the context's error
+  // stops the process instead of a result computed from rows that never came).
+  bool trap_on_timeout = false;
   // Optional: stop waiting, without an error, once *abort_word == abort_value (the call was aborted elsewhere).
   uint32_t const* abort_word = nullptr;
   uint32_t abort_value = 0;
@@ -162,6 +165,9 @@ CUTLASS_DEVICE bool poll_for_epoch(AllGatherSchedule const& schedule, uint32_t c
       if (schedule.error_word != nullptr) {
         *schedule.error_word = error_code;
         __threadfence_system();
+      }
+      if (schedule.trap_on_timeout) {
+        __trap();
       }
       return true;
     }

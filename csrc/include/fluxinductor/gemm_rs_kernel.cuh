@@ -126,6 +126,10 @@ struct RsHelloParams {
   uint64_t signature;
   int32_t* error;
   int64_t timeout_ns;
+  // A call captured in a CUDA graph (its epoch is one constant on every replay): set each hello word back to 0 once
+  // seen (a peer writes its next one only after its own segment's epilogue read the tiles this rank sends after this
+  // kernel, so the reset cannot erase it), and trap on a timeout or a disagreement, which no host code would raise.
+  bool capture;
 };
 
 __global__ void gemm_rs_hello_kernel(RsHelloParams p) {
@@ -161,10 +165,17 @@ __global__ void gemm_rs_hello_kernel(RsHelloParams p) {
         *reinterpret_cast<int32_t volatile*>(p.error) = 2;  // kGemmRsSignatureMismatch
       }
     }
+    if (ok && p.capture) {
+      rs_store_release(local_hello + peer, 0u);
+    }
   }
   ok = __syncthreads_and(ok);
   if (threadIdx.x == 0) {
     *reinterpret_cast<uint32_t volatile*>(status) = ok ? p.epoch : kRsAborted;
+  }
+  if (!ok && p.capture) {
+    __threadfence_system();
+    __trap();
   }
 }
 
@@ -263,6 +274,7 @@ struct GemmRsEpilogueArguments {
   float out_scale = 1.f;
   int32_t* error = nullptr;
   int64_t timeout_ns = 0;
+  bool trap_on_timeout = false;      // a call in a CUDA graph: trap where a tile never came (see RsHelloParams)
   uint32_t* local_status = nullptr;  // null when world == 1
   // Copy-engine mode: peer tiles go to outbox [world][M/world][N] (this rank's memory), and each one adds 1
   // to counters[segment * bands + band] once stored; flags are then per (source rank, band).
@@ -459,6 +471,10 @@ class GemmRsEpilogue {
           if (q != p_.rank &&
               !rs_wait_flag(flags + int64_t(q) * flags_per_src + tile_flag, p_.epoch, p_.local_status, p_.error,
                             p_.timeout_ns, 3 /* kGemmRsTileTimeout */)) {
+            if (p_.trap_on_timeout) {
+              __threadfence_system();
+              __trap();
+            }
             break;
           }
         }
