@@ -122,10 +122,10 @@ def overlapped_paths(op: str, fused_eligible: bool = True, split_eligible: bool 
     with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one, offered only where
     ``split_eligible``: ``gemm_rs.split_reason`` found nothing against the call), async-TP (opt-in).  Under CUDA graph
     capture only the fused kernel with NVLink stores, the one transport a graph can replay."""
-    from fluxinductor.kernels.symm import capturing
+    from fluxinductor.kernels import symm
 
     rs = op == "matmul_reduce_scatter"
-    if capturing():
+    if symm.capturing():
         return ("fused",) if fused_eligible else ()
     split = ("fused_split",) if split_eligible else ()
     fused = (("fused", "fused_copy") + split if rs else ("fused",)) if fused_eligible else ()

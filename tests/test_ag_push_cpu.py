@@ -153,19 +153,22 @@ class _Workspace:
         self.log.append(("wait_passed", epoch, stream.name))
 
 
+@pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("barrier", ["arrival", "arrival, one wave", "torch"])
 @pytest.mark.parametrize("push", [True, False])
-def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier):
+def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, captured):
     """What all_gather_matmul enqueues, in order.  On the arrival (multi-wave): the side stream joins main (the shard
     is ready), main runs the call's arrival (needing the peers at the previous call when pushing, at this call when
     pulling, after this rank's rows went into its buffer), the side stream waits for the arrival's word before it moves
     any bytes, and only the first GEMM is launched as the arrival's programmatic dependent.  One wave (column blocks):
     the side stream follows the arrival through an event, and no GEMM is a dependent.  With torch's barrier
     (FLUXINDUCTOR_AG_ARRIVAL=0): the barrier first, and the side stream still records this rank's arrival at the
-    end, for later calls on the arrival."""
+    end, for later calls on the arrival.  Once a call of the workspace was captured in a CUDA graph, a push needs the
+    peers at this call too (their replays may have read either buffer since this rank's previous eager call)."""
     log = []
     world, rank, rows, k = 2, 1, 4, 64
     ws = _Workspace(log, rank, world, rows, k)
+    ws.captured = captured
     main = _OrderedStream("main", log)
 
     class _Ext:
@@ -190,7 +193,7 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier):
                                            checked=True)
 
     moved = ("push", "side") if push else ("pull", "side")
-    arrival = ("arrive", 5, 4 if push else 5, "main", "" if push else "own rows in buffer")
+    arrival = ("arrive", 5, 4 if push and not captured else 5, "main", "" if push else "own rows in buffer")
     gemms = [("gemm", "main", barrier == "arrival", push), ("gemm", "main", False, push)]
     if barrier == "arrival":
         expected = [("wait_stream", "side", "main"), arrival, ("wait_passed", 5, "side"), moved] + gemms

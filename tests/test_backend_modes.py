@@ -1,5 +1,6 @@
 """``torch.compile(model, backend="flux", mode=...)``: the mode means what it means for inductor, and with CUDA graphs
-on the fused ops stay out of the captured partitions (tests/gpu/test_cudagraph_mode.py runs that on a GPU)."""
+on the fused ops stay out of the captured partitions unless FLUXINDUCTOR_CUDA_GRAPHS=1 (tests/gpu/test_cudagraph_mode.py
+runs both on a GPU)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,24 @@ def test_unknown_mode_is_a_clear_error():
         backend.flux_backend(_graph(), [torch.randn(2, 4)], mode="fastest")
 
 
-def test_fused_ops_are_tagged_cudagraph_unsafe():
-    for op in (torch.ops.fluxinductor.all_gather_matmul.default, torch.ops.fluxinductor.matmul_reduce_scatter.default):
-        assert torch.Tag.cudagraph_unsafe in op.tags
+@pytest.mark.parametrize("cuda_graphs", ["0", "1"])
+def test_fused_ops_are_tagged_cudagraph_unsafe_unless_captured(cuda_graphs):
+    """By default the ops are tagged cudagraph_unsafe (inductor runs them between captured partitions); with
+    FLUXINDUCTOR_CUDA_GRAPHS=1, read when the ops are registered, they are not, and are captured with the rest.  The
+    setting is part of the pass manager's cache key.  In a fresh interpreter: the tag is fixed at registration."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, fluxinductor; from fluxinductor import config; "
+            "ops = [getattr(torch.ops.fluxinductor, n).default for n in "
+            "('all_gather_matmul', 'matmul_reduce_scatter', 'matmul_all_reduce')]; "
+            "print([torch.Tag.cudagraph_unsafe in op.tags for op in ops], config.cache_key())")
+    env = dict(os.environ, FLUXINDUCTOR_CUDA_GRAPHS=cuda_graphs)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tagged = cuda_graphs == "0"
+    assert out.stdout.strip() == f"{[tagged] * 3} disabled=False;tp_groups=*;cuda_graphs={not tagged}", out.stdout
 
 
 def test_torch_compile_with_a_mode_runs():

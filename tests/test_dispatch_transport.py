@@ -84,6 +84,19 @@ def test_split_is_offered_only_for_calls_it_takes(fake_kernels, rs_table):
     assert dispatch.overlapped_paths("all_gather_matmul", split_eligible=False) == ("fused",)
 
 
+def test_only_the_stores_transport_under_capture(monkeypatch):
+    """Under CUDA graph capture the cost model chooses between the fused kernel with NVLink stores, the one transport
+    a replay can repeat, and the decomposition (not the copy or split transports, nor async-TP)."""
+    from fluxinductor.kernels import symm
+
+    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    monkeypatch.setattr(dispatch, "_asynctp_registered", lambda: ("ag", "rs"))
+    monkeypatch.setattr(symm, "capturing", lambda: True)
+    assert dispatch.overlapped_paths("matmul_reduce_scatter") == ("fused",)
+    assert dispatch.overlapped_paths("all_gather_matmul") == ("fused",)
+    assert dispatch.overlapped_paths("matmul_reduce_scatter", fused_eligible=False) == ()
+
+
 def test_sequential_choice_runs_no_kernel(fake_kernels, monkeypatch):
     monkeypatch.setattr(dispatch, "_cost_model_says", lambda *a, **k: ("sequential", "cost model chose sequential"))
     assert dispatch.matmul_reduce_scatter(torch.randn(8, 4), torch.randn(4, 6), None, "sum", 0, "g") is None

@@ -320,11 +320,14 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     ``a_local`` ([shard_rows, K], with ``flags``; shard_rows a multiple of the tile's M): this rank's rows are read
     from it instead of from ``a``.  ``pdl``: launch as a programmatic dependent of the kernel before it on ``stream``
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
-    ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).
+    ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).  Under
+    CUDA graph capture the tail split is off.
     ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
+    if symm.capturing():
+        tail_split = 1  # its scratch is per stream and its flags take a new epoch per launch: not for a graph
     if variant is None:
         variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows if flags is not None else None, sm_count or None)
     if group_rows is None:

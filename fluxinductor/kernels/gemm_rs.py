@@ -178,15 +178,17 @@ class CopyEngineWorkspace:
 
     def __init__(self, device: torch.device, world: int):
         self.device = device
-        self.counters = torch.zeros(world * _extension().GEMM_RS_MAX_BANDS, dtype=torch.int32, device=device)
-        self.epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
+        count = world * _extension().GEMM_RS_MAX_BANDS
+        self.counters = _symm.persistent(lambda: torch.zeros(count, dtype=torch.int32, device=device), device)
+        self.epoch_word = _symm.persistent(lambda: torch.zeros(1, dtype=torch.int32, device=device), device)
         self.stream = torch.cuda.Stream(device)
         self.outbox: Optional[Tensor] = None
 
     def outbox_address(self, nbytes: int) -> int:
         if self.outbox is None or self.outbox.numel() < nbytes:
             capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
-            self.outbox = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            self.outbox = _symm.persistent(lambda: torch.empty(capacity, dtype=torch.uint8, device=self.device),
+                                           self.device)
             # The copy stream reads it after the caller's stream moved on: keep it from reuse until then.
             self.outbox.record_stream(self.stream)
         return self.outbox.data_ptr()
@@ -297,8 +299,10 @@ def launch(
     config = resolve_split_config(a.dtype, split_config) if split else 0
     # Only the cooperative configuration has a tail split; the ping-pong one keeps its programmatic launches, which a
     # tail split's shared scratch would turn off.
+    # (Not under CUDA graph capture either: the scratch is per stream and its flags take new epochs per launch.)
     tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
-                            launches=max(world, 2)) if split and config in _TAIL_SPLIT_CONFIGS else tail_split_off
+                            launches=max(world, 2)) \
+        if split and config in _TAIL_SPLIT_CONFIGS and not _symm.capturing() else tail_split_off
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
@@ -395,8 +399,10 @@ class _GroupState:
     def reserve(self, nbytes: int) -> None:
         """Make the symmetric buffer hold ``nbytes`` (collective on growth; every rank grows on the same call
         because shapes were agreed first)."""
-        if nbytes <= self.capacity or self.world == 1:
-            return
+        if nbytes > self.capacity and self.world > 1:
+            _symm.outside_graph_pools(lambda: self._grow(nbytes), self.device)
+
+    def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         if self.handle is not None:
@@ -672,7 +678,8 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
         key = (a2d.device.index, a2d.dtype, n)
         zeros = _split_zeros.get(key)
         if zeros is None or zeros.shape[0] < m - m // 2:
-            zeros = _split_zeros[key] = torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device)
+            zeros = _split_zeros[key] = _symm.persistent(
+                lambda: torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device), a2d.device)
     launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
            error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
            tail_split=tail_split, split_config=split_config_choice)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -61,6 +61,47 @@ def extension_available() -> Optional[str]:
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+T = TypeVar("T")
+
+
+def outside_graph_pools(fn: Callable[[], T], device: torch.device) -> T:
+    """``fn()``, which allocates what the kernels keep across calls (workspace words, scratch, an outbox, symmetric
+    buffers), with its allocations in the caching allocator's ordinary pool.  Inductor's CUDA graph trees route every
+    allocation of the thread running a warm-up to the graph's private pool, where state that outlives the graph is an
+    error ("not tracked as outputs").  Under FLUXINDUCTOR_CUDA_GRAPHS=1, the one case where the fused ops run inside
+    those warm-ups, ``fn`` runs on a helper thread, which waits for its stream before returning; otherwise here."""
+    if capturing():
+        raise RuntimeError("fluxinductor: kernel state would be allocated during CUDA graph capture")
+    from fluxinductor import config
+
+    if not config.capture_kernels():
+        return fn()
+    results: list = []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            results.append(fn())
+            torch.cuda.current_stream(device).synchronize()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            results.append(e)
+
+    helper = threading.Thread(target=run, name="fluxinductor-allocate")
+    helper.start()
+    helper.join()
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]
+
+
+def persistent(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``make()``, a tensor the kernels keep across calls, allocated by :func:`outside_graph_pools` and recorded as
+    used by the current stream."""
+    tensor = outside_graph_pools(make, device)
+    tensor.record_stream(torch.cuda.current_stream(device))
+    return tensor
 
 
 def timeout_seconds() -> float:
@@ -110,6 +151,10 @@ CAPTURE_PARITY = 0
 CAPTURE_EPOCH = 1
 
 
+def _word(device: torch.device) -> torch.Tensor:
+    return persistent(lambda: torch.zeros(1, dtype=torch.int32, device=device), device)
+
+
 class SymmetricWorkspace:
     """Two symmetric byte buffers (call parity), arrival flags and an epoch for one group on one device."""
 
@@ -136,9 +181,9 @@ class SymmetricWorkspace:
         self._peer_arrivals: List[int] = []
         # set to the call's epoch by ``arrive`` once the peers have reached the call it needs; the side stream waits
         # for it before writing into a peer
-        self.passed = torch.zeros(1, dtype=torch.int32, device=device)
+        self.passed = _word(device)
         # the call's epoch on this device, written by the side stream, the source of the flag copies into peers
-        self.epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
+        self.epoch_word = _word(device)
         self.epoch = 0
         self._previous_epoch = 0
         self.side_stream = torch.cuda.Stream(device=device)
@@ -151,8 +196,8 @@ class SymmetricWorkspace:
         self.capture_flags: Optional[torch.Tensor] = None
         self.capture_arrivals: Optional[torch.Tensor] = None
         self._peer_capture_arrivals: List[int] = []
-        self.capture_passed = torch.zeros(1, dtype=torch.int32, device=device)
-        self.capture_epoch_word = torch.zeros(1, dtype=torch.int32, device=device)
+        self.capture_passed = _word(device)
+        self.capture_epoch_word = _word(device)
 
     def next_epoch(self) -> int:
         """The next call's epoch: 32-bit, never 0 (the flags' initial value).  The kernels compare epochs by their
@@ -167,8 +212,10 @@ class SymmetricWorkspace:
 
     def reserve(self, nbytes: int) -> None:
         """Make both buffers hold at least ``nbytes`` (collective when it grows)."""
-        if nbytes <= self.capacity_bytes:
-            return
+        if nbytes > self.capacity_bytes:
+            outside_graph_pools(lambda: self._grow(nbytes), self.device)
+
+    def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         if self._flag_handle is None:

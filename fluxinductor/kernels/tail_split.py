@@ -39,8 +39,8 @@ class Scratch:
     def __init__(self, device: torch.device, sm_count: int, waves: int = 1):
         self.waves = waves
         floats, flags = symm.extension().ag_tail_split_scratch(sm_count, waves)
-        self.partials = torch.empty(floats, dtype=torch.float32, device=device)
-        self.flags = torch.zeros(flags, dtype=torch.int32, device=device)
+        self.partials = symm.persistent(lambda: torch.empty(floats, dtype=torch.float32, device=device), device)
+        self.flags = symm.persistent(lambda: torch.zeros(flags, dtype=torch.int32, device=device), device)
         self.epoch = 0
 
     def take_epochs(self, count: int) -> int:

@@ -22,3 +22,15 @@ def test_reduce_overhead_and_autocast_on_one_rank(cuda_graphs):
                          text=True, timeout=300)
     ok = run.returncode == 0 and "CUDAGRAPH MODE OK" in run.stdout and "AUTOCAST OK" in run.stdout
     assert ok, run.stdout[-4000:] + run.stderr[-4000:]
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_captured_two_ranks_torchrun():
+    """FLUXINDUCTOR_CUDA_GRAPHS=1 over real symmetric memory: the ops captured in CUDA graphs, replays and eager calls
+    between them against fp32 references, and a reduce-overhead compile (tests/gpu/run_captured_2rank.py)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FLUXINDUCTOR_CUDA_GRAPHS="1", FLUXINDUCTOR_DISPATCH="fused")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           os.path.join(HERE, "run_captured_2rank.py"), "--replays", "200"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count("CAPTURED CHECKS PASSED") == 2, run.stdout[-4000:]
