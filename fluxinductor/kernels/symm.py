@@ -189,11 +189,10 @@ class SymmetricWorkspace:
         self.side_stream = torch.cuda.Stream(device=device)
         self.checked_layouts: set = set()
         self._views: Dict[tuple, torch.Tensor] = {}
-        # Captured calls (see the module docstring): their flags (row CAPTURE_ROW of the flag allocation), arrival
-        # words (after the eager ones), passed word and the word their flag copies read.
+        # Captured calls (see the module docstring): their arrival words (after the eager ones; their flags are row
+        # CAPTURE_ROW of the flag allocation), passed word and the word their flag copies read.
         self.captured = False
         self.retired: list = []  # buffers a captured graph may still use
-        self.capture_flags: Optional[torch.Tensor] = None
         self.capture_arrivals: Optional[torch.Tensor] = None
         self._peer_capture_arrivals: List[int] = []
         self.capture_passed = _word(device)
@@ -230,7 +229,7 @@ class SymmetricWorkspace:
             torch.cuda.synchronize(self.device)
         self._views.clear()
         _enable_group(self.group_name)
-        if self.captured:
+        if self.captured and self.handles[0] is not None:
             self.retired.append((self.buffers, self.handles))
         self.buffers = [None, None]
         self.handles = [None, None]
@@ -254,7 +253,6 @@ class SymmetricWorkspace:
         torch.cuda.synchronize(self.device)
         self._flag_handle = symm_mem.rendezvous(flags, self.group_name)
         self.flags = flags[:count].view(shape)
-        self.capture_flags = self.flags[CAPTURE_ROW]
         self.arrivals = flags[count:count + self.world]
         self.capture_arrivals = flags[count + self.world:]
         peers = [flags if q == self.rank else self._flag_handle.get_buffer(q, (words,), torch.int32, 0)
