@@ -110,6 +110,18 @@ def _job(rank: int, world: int, cases, run=_run) -> Dict[Tuple[str, object], obj
     return out
 
 
+def _checked_steps(results, name: str, dynamic, label):
+    """(index, step, where) of every rank's steps of (name, dynamic), after checking that the rank did not raise and
+    that the step's numbers match eager's; ``label(step)`` names the step's input in messages."""
+    for rank, per_rank in enumerate(results):
+        r = per_rank[(name, dynamic)]
+        assert "error" not in r, f"{name} rank {rank} raised:\n{r.get('error')}"
+        for i, step in enumerate(r["steps"]):
+            where = f"{name} dynamic={dynamic} rank={rank} {label(step)}"
+            check_errors(step["errors"], "fp32", where)
+            yield i, step, where
+
+
 @functools.lru_cache(maxsize=None)
 def _results():
     return run_ranks(_job, 2, CASES, timeout=900)
@@ -121,25 +133,20 @@ def test_symbolic_length_fuses_and_matches_eager(name, dynamic):
     # The compile that makes the length symbolic: the first with dynamic=True, the second (the recompile on a
     # new length) by default.
     symbolic_step = 0 if dynamic else 1
-    for rank, per_rank in enumerate(_results()):
-        r = per_rank[(name, dynamic)]
-        assert "error" not in r, f"{name} rank {rank} raised:\n{r.get('error')}"
-        for i, step in enumerate(r["steps"]):
-            where = f"{name} dynamic={dynamic} rank={rank} input {step['shape']}"
-            check_errors(step["errors"], "fp32", where)
-            stats = step["stats"]
-            for pattern in (AG_MM, MM_RS):
-                # The fused op ran at every length (on CPU each call is a counted fallback to the decomposition).
-                assert stats["calls"].get(pattern, 0) >= 1, f"{where}: {pattern} not called; {stats}"
-            if i == symbolic_step:
-                expected = {p: fwd_expected.get(p, 0) + (bwd_expected.get(p, 0) if backward else 0)
-                            for p in (AG_MM, MM_RS)}
-                for pattern, minimum in expected.items():
-                    got = stats["fused"].get(pattern, 0)
-                    assert got >= minimum, f"{where}: fused {pattern} {got} times, expected >= {minimum}; {stats}"
-                assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
-            elif i > symbolic_step:
-                assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"
+    for i, step, where in _checked_steps(_results(), name, dynamic, lambda step: f"input {step['shape']}"):
+        stats = step["stats"]
+        for pattern in (AG_MM, MM_RS):
+            # The fused op ran at every length (on CPU each call is a counted fallback to the decomposition).
+            assert stats["calls"].get(pattern, 0) >= 1, f"{where}: {pattern} not called; {stats}"
+        if i == symbolic_step:
+            expected = {p: fwd_expected.get(p, 0) + (bwd_expected.get(p, 0) if backward else 0)
+                        for p in (AG_MM, MM_RS)}
+            for pattern, minimum in expected.items():
+                got = stats["fused"].get(pattern, 0)
+                assert got >= minimum, f"{where}: fused {pattern} {got} times, expected >= {minimum}; {stats}"
+            assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
+        elif i > symbolic_step:
+            assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,23 +184,18 @@ def test_symbolic_rows_all_reduce_runs_fused_where_rows_split(name, dynamic):
     reduce-scatter path ran at even row counts, the matmul and the all-reduce at odd ones, eager's numbers at all."""
     _, backward, _, _ = MODELS[name]
     symbolic_step = 0 if dynamic else 1
-    for rank, per_rank in enumerate(_plain_results()):
-        r = per_rank[(name, dynamic)]
-        assert "error" not in r, f"{name} rank {rank} raised:\n{r.get('error')}"
-        for i, step in enumerate(r["steps"]):
-            where = f"{name} dynamic={dynamic} rank={rank} length {step['length']}"
-            check_errors(step["errors"], "fp32", where)
-            stats = step["stats"]
-            if step["length"] % 2 == 0:
-                # On CPU the op's reduce-scatter path is a counted fallback of the dispatcher's matmul_reduce_scatter.
-                assert stats["calls"].get(MM_RS, 0) >= 1, f"{where}: the reduce-scatter path did not run; {stats}"
-            elif i >= symbolic_step:
-                assert stats["calls"].get("matmul_all_reduce", 0) >= 1, f"{where}: no odd-rows fallback; {stats}"
-                assert stats["calls"].get(MM_RS, 0) == 0, f"{where}: {stats}"
-            if i == symbolic_step:
-                expected = 4 if backward else 2
-                got = stats["fused"].get("all_reduce_split", 0)
-                assert got >= expected, f"{where}: {got} all-reduces rewritten, expected >= {expected}; {stats}"
-                assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
-            elif i > symbolic_step:
-                assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"
+    for i, step, where in _checked_steps(_plain_results(), name, dynamic, lambda step: f"length {step['length']}"):
+        stats = step["stats"]
+        if step["length"] % 2 == 0:
+            # On CPU the op's reduce-scatter path is a counted fallback of the dispatcher's matmul_reduce_scatter.
+            assert stats["calls"].get(MM_RS, 0) >= 1, f"{where}: the reduce-scatter path did not run; {stats}"
+        elif i >= symbolic_step:
+            assert stats["calls"].get("matmul_all_reduce", 0) >= 1, f"{where}: no odd-rows fallback; {stats}"
+            assert stats["calls"].get(MM_RS, 0) == 0, f"{where}: {stats}"
+        if i == symbolic_step:
+            expected = 4 if backward else 2
+            got = stats["fused"].get("all_reduce_split", 0)
+            assert got >= expected, f"{where}: {got} all-reduces rewritten, expected >= {expected}; {stats}"
+            assert "symbolic shape" not in str(stats["skipped"]), f"{where}: {stats['skipped']}"
+        elif i > symbolic_step:
+            assert stats["fused"] == {}, f"{where}: recompiled after the length became symbolic: {stats}"

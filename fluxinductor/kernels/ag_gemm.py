@@ -244,10 +244,7 @@ def unsupported_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Seque
     if reason is not None:
         return reason
     try:
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        world = dist.get_world_size(_resolve_process_group(group_name))
+        world = _group_size(group_name)
     except Exception as e:  # noqa: BLE001 - any failure to resolve the group means "not here"
         return f"cannot resolve process group {group_name!r} ({e})"
     if shard2d.shape[0] == 0:
@@ -259,11 +256,11 @@ def unsupported_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Seque
         if why is not None:
             return why
     if symm.capturing():
-        return capture_reason(shard2d, weights, group_name)
+        return capture_reason(shard2d, weights, group_name, world)
     return None
 
 
-def capture_reason(shard2d: Tensor, weights: Sequence[Tensor], group_name: str) -> Optional[str]:
+def capture_reason(shard2d: Tensor, weights: Sequence[Tensor], group_name: str, world: int) -> Optional[str]:
     """Why a call under CUDA graph capture cannot run the fused kernels (None: it can, see :func:`captured_push_call`).
 
     A capture may not take a collective step, so an eager call of the same shape must have set up the group's
@@ -271,7 +268,7 @@ def capture_reason(shard2d: Tensor, weights: Sequence[Tensor], group_name: str) 
     sees the same calls, so every rank gives the same answer."""
     if not config.capture_kernels():
         return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
-    if _group_size(group_name) == 1:
+    if world == 1:
         return None  # nothing to gather: the call is its GEMMs
     if not ARRIVAL:
         return "CUDA graph capture with torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0)"
@@ -552,10 +549,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
     device = shard2d.device
     check_errors(device)
-    if symm.capturing():
-        reason = capture_reason(shard2d, weights, group_name)  # cheap, and it must hold: nothing below is collective
-        if reason is not None:
-            raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
+    if symm.capturing():  # unsupported_reason (ours, or the caller's: checked) found the call capturable
         if _group_size(group_name) == 1:
             outputs = [launch_gemm(shard2d, w, b, shard2d.new_empty((shard2d.shape[0], w.shape[1])))
                        for w, b in zip(weights, biases)]

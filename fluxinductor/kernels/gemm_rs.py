@@ -531,13 +531,6 @@ def unsupported_reason(
     return None
 
 
-def _call_signature(m: int, n: int, k: int, world: int, dtype: torch.dtype, transport: str,
-                    out_dtype: Optional[torch.dtype]) -> int:
-    if out_dtype not in (None, dtype):
-        transport += f"/{out_dtype}"
-    return signature(m, n, k, world, dtype, transport)
-
-
 def capture_reason(a2d: Tensor, weight: Tensor, group_name: str) -> Optional[str]:
     """Why a call under CUDA graph capture cannot run the fused kernel (None: it can, with the stores transport and
     the constant :data:`CAPTURE_EPOCH`; see :func:`matmul_reduce_scatter`).  A capture may not grow the symmetric
@@ -596,12 +589,8 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
+    # Under capture unsupported_reason (ours, or the caller's: checked) found the call capturable: stores only.
     capturing = world > 1 and _symm.capturing()
-    if capturing:
-        reason = capture_reason(a2d, weight, group_name)  # cheap, and it must hold: nothing collective below
-        if reason is not None:
-            raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
-        transport = "store"
     mode = push_mode(transport) if world > 1 and not capturing else "store"
     if mode == "split":
         reason = split_reason(world, weight, bias, out)
@@ -611,7 +600,9 @@ def matmul_reduce_scatter(
     copy = state.copy_workspace() if mode != "store" else None
     config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
     transport_sig = f"{mode}{config or ''}/{bands()}" if copy is not None else "store"
-    sig = _call_signature(m, n, k, world, a2d.dtype, transport_sig, out.dtype)
+    if out.dtype != a2d.dtype:
+        transport_sig += f"/{out.dtype}"
+    sig = signature(m, n, k, world, a2d.dtype, transport_sig)
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
     if not capturing:
         state.agree(sig)
