@@ -337,6 +337,7 @@ class Ctx:
                 raise SystemExit(f"--autocast runs an fp32 model; --dtype {args.dtype} contradicts it")
             self.dtype = torch.float32
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
+        self.profile = getattr(args, "profile", 0)
         self.broken: Optional[str] = None
 
     def barrier(self) -> None:
@@ -566,6 +567,21 @@ def time_steps(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad) 
     return times, host
 
 
+def profile_step(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad, top: int) -> List[dict]:
+    """One more step under torch.profiler: this rank's ``top`` GPU kernels by total device time (name, calls, us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _drop_grads(model, x)
+    ctx.barrier()
+    ctx.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _step(fn, x, grad)
+        ctx.sync()
+    rows = [{"name": e.key[:120], "calls": e.count, "us": round(e.device_time_total, 1)}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us"])[:top]
+
+
 def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, ref: Optional[dict],
                  tol: float, time_it: bool = True) -> Tuple[dict, Optional[Dict[str, torch.Tensor]]]:
     """Compile (fresh), first call, check against ``ref``, time (unless ``time_it`` is False).
@@ -665,6 +681,8 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
         s0 = fluxinductor.rewrite_stats()
         times, host = time_steps(ctx, fn, model, x, grad)
         local.update(times=times, host=host)
+        if ctx.profile and ctx.is_cuda:
+            local["profile_top"] = profile_step(ctx, fn, model, x, grad, ctx.profile)
         if is_flux:
             local["fallbacks_timed"] = rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"]
     except Exception as e:  # noqa: BLE001
@@ -689,6 +707,8 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
     record["iter_max_median_ms"] = statistics.median(max(col) for col in zip(*per_rank))
     record["iter_ms"] = per_rank
     record["host_enqueue_ms"] = [statistics.median(r["host"]) for r in everyone]
+    if "profile_top" in everyone[0]:
+        record["profile_top"] = [r["profile_top"] for r in everyone]
     if is_flux:
         record["fallbacks_timed"] = everyone[0]["fallbacks_timed"]
         # Which path the timed calls took: "fused" when no call fell back to the decomposition.
@@ -838,6 +858,10 @@ def format_table(data: dict) -> str:
                  "included); first_s = first call incl. compile; /x = T_x / T; "
                  "errors vs eager (max |d|/max|ref|, ||d||/||ref||; '!' over tolerance); "
                  "fwd/bwd[...] = patterns fused by flux (ag = all_gather_matmul, rs = matmul_reduce_scatter)")
+    for r in data["results"]:
+        for rank, top in enumerate(r.get("profile_top") or ()):
+            lines.append(f"profile {r['model']} {r['phase']} {r['mode']} rank {rank}: "
+                         + "; ".join(f"{k['name'][:60]} x{k['calls']} {k['us'] / 1e3:.3f} ms" for k in top))
     return "\n".join(lines)
 
 
@@ -874,6 +898,9 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sleep-cycles", type=int, default=2_000_000,
                    help="torch.cuda._sleep cycles before each start event (hides host enqueue; 0 = off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing a mode, profile one more step and record each rank's N costliest GPU kernels "
+                        "(JSON profile_top; printed under the table)")
     p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout, seconds")
     p.add_argument("--contender-timeout", type=float, default=150.0,
                    help="seconds one mode (compile + check + timing) may take before the run exits")
