@@ -338,6 +338,7 @@ class Ctx:
             self.dtype = torch.float32
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
         self.profile = getattr(args, "profile", 0)
+        self.profile_trace, self.profile_seq = getattr(args, "profile_trace", None), 0
         self.broken: Optional[str] = None
 
     def barrier(self) -> None:
@@ -577,6 +578,9 @@ def profile_step(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _step(fn, x, grad)
         ctx.sync()
+    if ctx.profile_trace:
+        prof.export_chrome_trace(f"{ctx.profile_trace}_{ctx.profile_seq}_rank{ctx.rank}.json")
+        ctx.profile_seq += 1
     rows = [{"name": e.key[:120], "calls": e.count, "us": round(e.device_time_total, 1)}
             for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r["us"])[:top]
@@ -901,6 +905,8 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing a mode, profile one more step and record each rank's N costliest GPU kernels "
                         "(JSON profile_top; printed under the table)")
+    p.add_argument("--profile-trace", default=None, metavar="PREFIX",
+                   help="with --profile: also write each profiled step's Chrome trace to PREFIX_<i>_rank<r>.json")
     p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout, seconds")
     p.add_argument("--contender-timeout", type=float, default=150.0,
                    help="seconds one mode (compile + check + timing) may take before the run exits")
