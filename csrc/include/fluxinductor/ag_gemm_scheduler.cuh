@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "ag_gemm.h"
+#include "fluxinductor/stop_context.cuh"
 #include "cute/arch/cluster_sm90.hpp"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
@@ -167,7 +168,7 @@ CUTLASS_DEVICE bool poll_for_epoch(AllGatherSchedule const& schedule, uint32_t c
         __threadfence_system();
       }
       if (schedule.trap_on_timeout) {
-        __trap();
+        stop_context(error_code);
       }
       return true;
     }

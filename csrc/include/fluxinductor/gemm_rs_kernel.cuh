@@ -29,6 +29,7 @@
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/numeric_types.h"
+#include "fluxinductor/stop_context.cuh"
 
 namespace fluxinductor {
 
@@ -174,8 +175,7 @@ __global__ void gemm_rs_hello_kernel(RsHelloParams p) {
     *reinterpret_cast<uint32_t volatile*>(status) = ok ? p.epoch : kRsAborted;
   }
   if (!ok && p.capture) {
-    __threadfence_system();
-    __trap();
+    stop_context(1);
   }
 }
 
@@ -472,8 +472,7 @@ class GemmRsEpilogue {
               !rs_wait_flag(flags + int64_t(q) * flags_per_src + tile_flag, p_.epoch, p_.local_status, p_.error,
                             p_.timeout_ns, 3 /* kGemmRsTileTimeout */)) {
             if (p_.trap_on_timeout) {
-              __threadfence_system();
-              __trap();
+              stop_context(3 /* kGemmRsTileTimeout */);
             }
             break;
           }
