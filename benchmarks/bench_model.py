@@ -338,6 +338,8 @@ class Ctx:
             self.dtype = torch.float32
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
         self.profile = getattr(args, "profile", 0)
+        mode = getattr(args, "compile_mode", None)
+        self.compile_kwargs = {} if mode is None else {"mode": mode}
         self.profile_trace, self.profile_seq = getattr(args, "profile_trace", None), 0
         self.broken: Optional[str] = None
 
@@ -451,7 +453,7 @@ def mode_setup(mode: str, model: nn.Module, ctx: Ctx, notes: List[str]):
                     notes.append(err)
             else:
                 notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
-        return torch.compile(model, backend="inductor"), inductor_config.patch(patches), census
+        return torch.compile(model, backend="inductor", **ctx.compile_kwargs), inductor_config.patch(patches), census
     if mode in FLUX_DISPATCH:
         import fluxinductor  # noqa: F401  (registers the ops and the backend)
 
@@ -459,7 +461,7 @@ def mode_setup(mode: str, model: nn.Module, ctx: Ctx, notes: List[str]):
         stack.enter_context(_env("FLUXINDUCTOR_DISPATCH", FLUX_DISPATCH[mode]))
         # backend="flux" installs its own post_grad_custom_post_pass and refuses a foreign one.
         stack.enter_context(inductor_config.patch({"post_grad_custom_post_pass": None}))
-        return torch.compile(model, backend="flux"), stack, None
+        return torch.compile(model, backend="flux", **ctx.compile_kwargs), stack, None
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -791,7 +793,8 @@ def anchors_apply(data: dict) -> bool:
     env, s = data["environment"], data["settings"]
     models = s["models"]
     return (env["world"] == 2 and "H200" in env["device"] and env["dtype"] == "bfloat16" and not env.get("autocast")
-            and s["config"] == "full" and s["mlp_shard_dim"] == 0
+            and s["config"] == "full" and s["mlp_shard_dim"] == 0 and s.get("tp", "sequence") == "sequence"
+            and not s.get("compile_mode")
             and models.get("mlp", CONFIGS["full"]["mlp"]) == CONFIGS["full"]["mlp"]
             and models.get("llama2", CONFIGS["full"]["llama2"]) == CONFIGS["full"]["llama2"])
 
@@ -841,7 +844,8 @@ def format_table(data: dict) -> str:
     lines = [
         f"bench_model: {env['device']} x{env['world']} {env['backend']} {env['dtype']}"
         f"{' autocast ' + env['autocast'] if env.get('autocast') else ''} torch {env['torch']} "
-        f"sha {env['git_sha']} config {s['config']} (median of {s['iters']} after {s['warmup']} warm-ups, "
+        f"sha {env['git_sha']} config {s['config']}"
+        f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''} (median of {s['iters']} after {s['warmup']} warm-ups, "
         f"max over ranks; {s['timing']})",
     ]
     head = (f"{'model':7}{'phase':8}{'mode':11}|{'ms':>9}{'anchor':>8}{'first_s':>9}{'/eager':>8}{'/induct':>8} |"
@@ -896,6 +900,11 @@ def build_args(argv=None) -> argparse.Namespace:
                    help="sequence: sequence parallel (the default); plain: replicated activations and all-reduces, "
                         "which fluxinductor's all-reduce split (FLUXINDUCTOR_SPLIT_ALL_REDUCE) turns into fusable "
                         "reduce-scatters and all-gathers; --mlp-shard-dim does not apply")
+    p.add_argument("--compile-mode", default=None, choices=("default", "reduce-overhead", "max-autotune",
+                                                             "max-autotune-no-cudagraphs"),
+                   help="torch.compile(mode=...) for every compiled mode (default: none given); with reduce-overhead "
+                        "the fused ops run between CUDA graph partitions, or inside the graphs under "
+                        "FLUXINDUCTOR_CUDA_GRAPHS=1")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 5; --quick 1)")
     p.add_argument("--iters", type=int, default=None, help="timed steps per mode (default 20; --quick 3)")
     p.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -958,7 +967,9 @@ def main(argv=None) -> int:
         "complete": False,
         "environment": environment(ctx, args),
         "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
-                     "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp, "warmup": ctx.warmup,
+                     "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp,
+                     "compile_mode": args.compile_mode,
+                     "cuda_graphs_env": os.environ.get("FLUXINDUCTOR_CUDA_GRAPHS", "0"), "warmup": ctx.warmup,
                      "iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles if ctx.is_cuda else None,
                      "sleep_ms": measure_sleep_ms(ctx), "timing": timing, "tolerance_norm_rel": tol,
                      "fx_graph_cache": False, "autograd_cache": False,

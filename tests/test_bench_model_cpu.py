@@ -169,3 +169,15 @@ def test_bench_model_cpu_plain_tp_llama_layer(tmp_path):
     assert rs["fused_backward"].get("all_reduce_split", 0) >= 2 and rs["fused_backward"].get(MM_RS, 0) >= 2, rs
     assert rs["fused_forward"].get(AG_MM, 0) == 0  # exact: the gathers land before the residual adds
     assert flux["rewrite_stats_per_rank_equal"] is True
+
+
+def test_bench_model_cpu_compile_mode(tmp_path):
+    # --compile-mode reaches torch.compile for inductor and flux alike (on CPU reduce-overhead has no CUDA graphs to
+    # take, so the graphs are the default's: the fused patterns still rewritten, eager's numerics) and is recorded.
+    data, stdout = _run(tmp_path, "mode", ["--models", "mlp", "--phases", "fwd", "--modes", "eager,inductor,flux",
+                                           "--compile-mode", "reduce-overhead"])
+    assert data["settings"]["compile_mode"] == "reduce-overhead" and "compile mode reduce-overhead" in stdout
+    eager, inductor, flux = data["results"]
+    for r in (eager, inductor, flux):
+        _check_measured(r)
+    _check_flux(flux, n_layers=1)
