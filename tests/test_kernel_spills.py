@@ -3,7 +3,8 @@
 Its consumer warp groups hold a 128x160 fp32 accumulator each, which leaves ptxas no room: one `__trap()` in the
 tile wait's timeout path (a8d68af) made it spill 1.3 KB and run 4.7x slower on 2xH200, unseen by every correctness
 test (csrc/NOTES_ag_gemm.md, session 14).  This compiles that translation unit as the build does (CMakeLists.txt's
-flags) with ptxas's report and fails on any spill.  Needs nvcc and the nvidia-cutlass headers (CI has both)."""
+flags) with ptxas's report and fails on any spill.  Needs nvcc (CI's machine has it) and the nvidia-cutlass headers
+(the test extras install the wheel)."""
 
 from __future__ import annotations
 
