@@ -176,6 +176,7 @@ class _Planner:
         self.emit = emit
         self.sharded: Dict[Node, _Shard] = {}
         self.gathered: Dict[Node, Node] = {}  # sharded original -> its all-gathered replacement
+        self.gathered_rows: Dict[Node, Node] = {}  # sharded node -> the wait of its all-gather
         self.sliced: Dict[Tuple[Node, int, int], Node] = {}
         self.needs_full: Dict[Node, List[Node]] = {}  # sharded original -> readers of the full tensor
         self.row_sums = 0
@@ -206,8 +207,13 @@ class _Planner:
     def _gather(self, original: Node) -> Node:
         if original not in self.gathered:
             s = self.sharded[original]
-            ag = self._call(m.ALL_GATHER, (s.node, s.world, s.group))
-            wait = self._call(m.WAIT, (ag,))
+            # One all-gather per sharded value: originals that are views of one value (each column-parallel linear
+            # reshapes the norm's output for itself) share it, so the all-gather pass sees every matmul that reads
+            # those rows and fuses them into one call.
+            wait = self.gathered_rows.get(s.node)
+            if wait is None:
+                ag = self._call(m.ALL_GATHER, (s.node, s.world, s.group))
+                wait = self.gathered_rows[s.node] = self._call(m.WAIT, (ag,))
             self.gathered[original] = wait if len(s.shape) == 2 else self._call(
                 m.aten.reshape.default, (wait, list(s.shape)))
         return self.gathered[original]

@@ -1311,6 +1311,27 @@ def test_all_reduce_split_replicated_moves_the_gather_to_the_next_matmul():
     assert count(gm, c10d.all_gather_into_tensor.default) == 1  # h's: nothing but the output reads it
 
 
+def test_all_reduce_split_replicated_gathers_once_for_every_linear_reading_the_rows():
+    """The norm's output feeds two column-parallel linears (w1 and w3, or Q/K/V), each reshaping it for itself: one
+    all-gather serves both, so the all-gather pass fuses one call with both weights (not one call, and one gather
+    of the same rows, per linear)."""
+
+    def fn(x, a, w_o, g, w_1, w_3):
+        h = aten.add.Tensor(x, all_reduce(linear(a, w_o), group()))
+        n = rms_norm(h, g)
+        return aten.mul.Tensor(linear(n, w_1), linear(n, w_3)), h
+
+    args = _tp_block_args() + (torch.randn(24, 32),)
+    gm = split_ar(trace(fn, *args), assume_replicated=True)
+    # n and h: one gather each, whichever of n's reshapes a linear reads.
+    assert count(gm, c10d.all_gather_into_tensor.default) == 2
+    assert_all_vals(gm)
+    run_passes(gm)
+    (agmm,) = nodes(gm, AG_MM)
+    assert len(agmm.args[1]) == 2 and fused("all_gather_matmul") == 1
+    assert count(gm, c10d.all_gather_into_tensor.default) == 1  # h's
+
+
 def test_all_reduce_split_counts_a_gather_the_cost_model_keeps_unfused_as_exposed():
     """Replicated, the norm's output gathered into the next matmul is hidden only if the all-gather pass fuses them:
     with the cost model vetoing all_gather_matmul the far plan exposes two gathers (n and h), so the all-reduce is
