@@ -845,8 +845,8 @@ def format_table(data: dict) -> str:
         f"bench_model: {env['device']} x{env['world']} {env['backend']} {env['dtype']}"
         f"{' autocast ' + env['autocast'] if env.get('autocast') else ''} torch {env['torch']} "
         f"sha {env['git_sha']} config {s['config']}"
-        f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''} (median of {s['iters']} after {s['warmup']} warm-ups, "
-        f"max over ranks; {s['timing']})",
+        f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''} "
+        f"(median of {s['iters']} after {s['warmup']} warm-ups, max over ranks; {s['timing']})",
     ]
     head = (f"{'model':7}{'phase':8}{'mode':11}|{'ms':>9}{'anchor':>8}{'first_s':>9}{'/eager':>8}{'/induct':>8} |"
             f"{'max_err':>9}{'norm_err':>9} | notes")
