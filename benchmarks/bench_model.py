@@ -337,10 +337,8 @@ class Ctx:
                 raise SystemExit(f"--autocast runs an fp32 model; --dtype {args.dtype} contradicts it")
             self.dtype = torch.float32
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
-        self.profile = getattr(args, "profile", 0)
-        mode = getattr(args, "compile_mode", None)
-        self.compile_kwargs = {} if mode is None else {"mode": mode}
-        self.profile_trace, self.profile_seq = getattr(args, "profile_trace", None), 0
+        self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
+        self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
         self.broken: Optional[str] = None
 
     def barrier(self) -> None:

@@ -152,10 +152,11 @@ def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optio
     or 6 (256x160 tiles) where :func:`modelled_time` says it ends WIDE_MIN_GAIN sooner: a 4096 x 14336 output is
     14 waves of 128x256 tiles on 132 SMs (the last 58% full, too full to split) and 10.9 of the 1.25x larger
     256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (csrc/NOTES_ag_gemm.md,
-    session 13), and on 2xH200 with communication on, E 0.787 -> 0.999 (session 14).  Only for bf16 with a K-contiguous weight (the other kernels have one variant), and, in a call
-    (``shard_rows`` given), for shards of whole 256-row tiles, so that the push and the tile order's groups keep
-    whole tiles.  Never for a problem of one wave of 128x256 tiles (those take the K-chunked waits, measured with 0
-    only): there the model's one wave of 256x160 tiles is the longer one."""
+    session 13), and on 2xH200 with communication on, E 0.787 -> 0.999 (session 14).  Only for bf16 with a
+    K-contiguous weight (the other kernels have one variant), and, in a call (``shard_rows`` given), for shards of
+    whole 256-row tiles, so that the push and the tile order's groups keep whole tiles.  Never for a problem of one
+    wave of 128x256 tiles (those take the K-chunked waits, measured with 0 only): there the model's one wave of
+    256x160 tiles is the longer one."""
     if VARIANT is not None or not _has_variants(dtype, weight):
         return _forced_variant(dtype, weight)
     if shard_rows is not None and shard_rows % _tile_m(6):
