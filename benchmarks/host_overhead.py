@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--sleep-cycles", type=int, default=200_000_000, help="GPU sleep behind the host_us loop")
     p.add_argument("--profile", default=None, choices=PATHS, help="cProfile this path on rank 0")
+    p.add_argument("--profile-top", type=int, default=25, help="entries printed per sort order of --profile")
     p.add_argument("--out", default=None, help="write JSON here (rank 0)")
     args = p.parse_args(argv)
 
@@ -168,10 +169,12 @@ def main(argv=None) -> int:
                         prof.disable()
                         torch.cuda.synchronize()
                         if rank == 0:
-                            s = io.StringIO()
-                            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-                            print(f"--- cProfile {text} {path} ({args.calls} calls), by tottime ---\n"
-                                  + s.getvalue()[-6000:], flush=True)
+                            pstats.f8 = lambda x: f"{x * 1e6 / args.calls:8.1f}"  # us per call, not s in all
+                            for order in ("tottime", "cumulative"):
+                                s = io.StringIO()
+                                pstats.Stats(prof, stream=s).sort_stats(order).print_stats(args.profile_top)
+                                print(f"--- cProfile {text} {path} ({args.calls} calls), by {order} ---\n"
+                                      + "(tottime and cumtime in us per call)\n" + s.getvalue()[-9000:], flush=True)
                 except Exception as e:  # noqa: BLE001 - one failing path does not end the run
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 gathered = [None] * world

@@ -73,6 +73,8 @@ def main() -> None:
         if rank == 0:
             print(f"=== {backend}: host ms per step, median {statistics.median(times):.3f}, min {min(times):.3f}",
                   flush=True)
+            pstats.f8 = lambda v: f"{v * 1e6 / args.steps:8.1f}"  # us per step, not s in all
+            print("(tottime and cumtime in us per step)", flush=True)
             for key in ("tottime", "cumulative"):
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)

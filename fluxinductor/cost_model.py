@@ -49,12 +49,15 @@ before committing it).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 import threading
 from typing import Dict, List, Optional, Tuple
+
+from fluxinductor import config
 
 TABLE_FORMAT = 1
 # Fused must beat sequential by more than this fraction of the sequential time (medians of 20 runs
@@ -92,6 +95,7 @@ _HALF_DTYPES = ("bfloat16", "float16")
 
 _lock = threading.Lock()
 _tables: Dict[str, Tuple[float, Optional[dict]]] = {}  # path -> (mtime, table or None)
+_generation = 0  # clear_cache() calls (table_version)
 
 
 def canonical_op(op: str) -> str:
@@ -132,11 +136,27 @@ def global_mkn(op: str, world: int, a_rows: int, k_local: int, n_local: int) -> 
 
 def tuning_dir() -> str:
     """The folder the tables are read from: ``$FLUXINDUCTOR_TUNING_DIR`` or the packaged ``tuning/``."""
-    return os.environ.get("FLUXINDUCTOR_TUNING_DIR") or os.path.join(os.path.dirname(__file__), "tuning")
+    return config.env("FLUXINDUCTOR_TUNING_DIR") or os.path.join(os.path.dirname(__file__), "tuning")
 
 
 def table_path(device_name: str, world: int) -> str:
-    return os.path.join(tuning_dir(), f"{device_key(device_name)}_tp{int(world)}.json")
+    return _table_path(tuning_dir(), device_name, int(world))
+
+
+@functools.lru_cache(maxsize=64)
+def _table_path(directory: str, device_name: str, world: int) -> str:
+    return os.path.join(directory, f"{device_key(device_name)}_tp{world}.json")
+
+
+def table_version(device_name: str, world: int) -> tuple:
+    """What identifies the table :func:`choose` reads for this device and world size: its path, its file's mtime
+    (None: no file) and how many times :func:`clear_cache` ran.  The dispatcher keys its remembered decisions by it."""
+    path = table_path(device_name, world)
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        mtime = None
+    return path, mtime, _generation
 
 
 def load_table(path: str) -> Optional[dict]:
@@ -164,7 +184,9 @@ def load_table(path: str) -> Optional[dict]:
 
 def clear_cache() -> None:
     """Forget every loaded table (they are also re-read whenever their file's mtime changes)."""
+    global _generation
     with _lock:
+        _generation += 1
         _tables.clear()
         _choices.clear()
         _split_configs.clear()

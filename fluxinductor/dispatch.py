@@ -19,6 +19,9 @@ reference decomposition: the collective through the process group, then the matm
 A fused kernel runs only for a group whose GPUs share a host and NVLink (:mod:`fluxinductor.kernels.peers`, asked
 once per group); other groups always take the decomposition.
 
+A call's decision (fused or not, which transport, the reason for a fallback) is made on the first call of its
+signature and remembered (:data:`_plans`); later calls of that signature repeat it without asking again.
+
 The kernels take 2-D operands with the collective on dim 0.  Other layouts are brought to that form
 here: the gathered (or scattered) dim moves to the front, which is a free view when it is the leading
 non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
@@ -27,19 +30,20 @@ non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
 from __future__ import annotations
 
 import functools
-import os
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from fluxinductor import config
+from fluxinductor.kernels import symm
 from fluxinductor.log import record_fallback
 
 MODES = ("auto", "fused", "decomposed")
 
 
 def mode() -> str:
-    value = os.environ.get("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
+    value = config.env("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"FLUXINDUCTOR_DISPATCH must be one of {MODES}, got {value!r}")
     return value
@@ -71,7 +75,7 @@ def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
     Asked before the call's own checks, so that whether a rank joins that collective depends only on what every rank
     shares (the dispatch mode, CUDA operands).  Under CUDA graph capture only a remembered answer counts (a capture
     takes no collective step; an eager call before it asked)."""
-    from fluxinductor.kernels import peers, symm
+    from fluxinductor.kernels import peers
 
     if symm.capturing():
         known, why = peers.remembered_group_reason(group_name, device)
@@ -83,8 +87,6 @@ def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _local_reason(index: int) -> Optional[str]:
     """Why this process cannot run the fused kernels on GPU ``index`` at all, or None (see :func:`_peers_reason`)."""
-    from fluxinductor.kernels import symm
-
     why = symm.extension_available()
     capability = torch.cuda.get_device_capability(index)
     if why is None and capability != (9, 0):
@@ -122,8 +124,6 @@ def overlapped_paths(op: str, fused_eligible: bool = True, split_eligible: bool 
     with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one, offered only where
     ``split_eligible``: ``gemm_rs.split_reason`` found nothing against the call), async-TP (opt-in).  Under CUDA graph
     capture only the fused kernel with NVLink stores, the one transport a graph can replay."""
-    from fluxinductor.kernels import symm
-
     rs = op == "matmul_reduce_scatter"
     if symm.capturing():
         return ("fused",) if fused_eligible else ()
@@ -145,7 +145,7 @@ def _asynctp_registered():
 def _asynctp_ops():
     """PyTorch's async-TP ops (all-gather matmul, matmul reduce-scatter) when FLUXINDUCTOR_ASYNCTP=1 and torch
     has them, else None."""
-    if os.environ.get("FLUXINDUCTOR_ASYNCTP", "0").strip() != "1":
+    if config.env("FLUXINDUCTOR_ASYNCTP", "0").strip() != "1":
         return None
     return _asynctp_registered()
 
@@ -191,11 +191,48 @@ def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tenso
     return out if out.is_contiguous() else out.contiguous()
 
 
+# ---------------------------------------------------------------------------------------------------
+# Decisions remembered per call signature.
+# ---------------------------------------------------------------------------------------------------
+
+# A model repeats a few call signatures every step, and deciding a call afresh (the group's verdict, the kernel
+# module's checks, the cost model's lookup) took 60-190 us of host time per call on the 2xH200 machine
+# (benchmarks/host_overhead.py --profile, session 15).  So the decision is made on a signature's first call and
+# remembered, keyed by all it depends on: the dispatch mode; the operands' shapes, strides, dtypes, devices and
+# 16-byte alignment; the op's other arguments; the group's name and size; in ``auto`` mode FLUXINDUCTOR_ASYNCTP and
+# the cost model's table version (its file's mtime: an edited table counts at once).  What is per call stays per
+# call: the fallback is counted (FLUXINDUCTOR_LOG), the kernel module checks its workspace.  Calls under CUDA graph
+# capture decide afresh: whether they can run fused depends on the workspaces an eager call set up.
+_plans: Dict[tuple, tuple] = {}
+_MAX_PLANS = 4096
+
+
+def clear_plans() -> None:
+    """Forget the remembered decisions (tests that replace the dispatcher's pieces between calls)."""
+    _plans.clear()
+
+
+def _operand_key(t: Optional[Tensor]) -> Optional[tuple]:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def _auto_key(device: torch.device, world: int) -> tuple:
+    """What an ``auto`` decision depends on beyond the call: whether async-TP is offered, and the table's version."""
+    from fluxinductor import cost_model
+
+    return config.env("FLUXINDUCTOR_ASYNCTP"), cost_model.table_version(_device_name(device.index), world)
+
+
+def _remember(key: Optional[tuple], plan: tuple) -> tuple:
+    if key is not None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 def _kernels_for(op: str, operand: Tensor):
     """The kernel module that may run ``op`` on ``operand``, or None after recording why not."""
-    if mode() == "decomposed":
-        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
-        return None
     if not operand.is_cuda:
         record_fallback(op, f"{operand.device.type} tensors have no fused kernel")
         return None
@@ -214,6 +251,10 @@ def all_gather_matmul(
     return_gathered: bool,
 ) -> Optional[Tuple[List[Tensor], Tensor]]:
     op = "all_gather_matmul"
+    dispatch_mode = mode()
+    if dispatch_mode == "decomposed":
+        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
+        return None
     kernels = _kernels_for(op, shard)
     if kernels is None:
         return None
@@ -222,18 +263,19 @@ def all_gather_matmul(
     rest = tuple(shard.shape[d] for d in range(shard.dim() - 1) if d != gather_dim)
     # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0.
     shard2d = _rows_first(shard, gather_dim)
-    why = _peers_reason(group_name, shard.device)
-    why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
-    if mode() == "auto":
-        n_global = world * sum(w.shape[1] for w in weights)
-        path, reason = _cost_model_says(op, shard.device, world, world * shard2d.shape[0], shard2d.shape[1],
-                                        n_global, shard.dtype, fused_eligible=why is None)
-        if path == "asynctp":
-            record_fallback(op, reason, "PyTorch async-TP")
-            return _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
-        if why is None and path != "fused":
-            why = reason
-    if why is not None:
+    key = None if symm.capturing() else (
+        op, dispatch_mode, _auto_key(shard.device, world) if dispatch_mode == "auto" else None, group_name, world,
+        gather_dim, return_gathered, _operand_key(shard), tuple(map(_operand_key, weights)),
+        tuple(map(_operand_key, biases)))
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        plan = _remember(key, _decide_all_gather_matmul(kernels, dispatch_mode, shard, shard2d, weights, biases,
+                                                         group_name, world))
+    path, why = plan
+    if path == "asynctp":
+        record_fallback(op, why, "PyTorch async-TP")
+        return _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
+    if path != "fused":
         record_fallback(op, why)
         return None
     outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
@@ -242,6 +284,22 @@ def all_gather_matmul(
     outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
     gathered = _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
     return outputs, gathered
+
+
+def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2d: Tensor, weights: List[Tensor],
+                              biases: List[Optional[Tensor]], group_name: str, world: int) -> Tuple[str, Optional[str]]:
+    """(path, reason): "fused" (reason None), "asynctp", or "decomposed" with the reason."""
+    why = _peers_reason(group_name, shard.device)
+    why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
+    if dispatch_mode == "auto":
+        n_global = world * sum(w.shape[1] for w in weights)
+        path, reason = _cost_model_says("all_gather_matmul", shard.device, world, world * shard2d.shape[0],
+                                        shard2d.shape[1], n_global, shard.dtype, fused_eligible=why is None)
+        if path == "asynctp":
+            return path, reason
+        if why is None and path != "fused":
+            why = reason
+    return ("decomposed", why) if why is not None else ("fused", None)
 
 
 # The GEMM+RS kernel's transport for each fused path of the cost model.
@@ -253,6 +311,10 @@ def matmul_reduce_scatter(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Optional[Tensor]:
     op = "matmul_reduce_scatter"
+    dispatch_mode = mode()
+    if dispatch_mode == "decomposed":
+        record_fallback(op, "FLUXINDUCTOR_DISPATCH=decomposed")
+        return None
     kernels = _kernels_for(op, a)
     if kernels is None:
         return None
@@ -267,32 +329,53 @@ def matmul_reduce_scatter(
     rest = tuple(a.shape[d] for d in range(a.dim() - 1) if d != scatter_dim)
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
     a2d = _rows_first(a, scatter_dim)
-    why = _peers_reason(group_name, a.device)
     out_dtype = None if out_dtype == a.dtype else out_dtype
+    key = None if symm.capturing() else (
+        op, dispatch_mode, _auto_key(a.device, world) if dispatch_mode == "auto" else None, group_name, world,
+        scatter_dim, reduce_op, out_dtype, _operand_key(a), _operand_key(weight), _operand_key(bias))
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        plan = _remember(key, _decide_matmul_reduce_scatter(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op,
+                                                            group_name, world, out_dtype))
+    path, why, transport, config = plan
+    if path == "asynctp":
+        record_fallback(op, why, "PyTorch async-TP")
+        return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
+    if path != "fused":
+        record_fallback(op, why)
+        return None
+    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
+                                          transport=transport, split_config_choice=config,
+                                          **({} if out_dtype is None else {"out_dtype": out_dtype}))
+    return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
+
+
+def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor,
+                                  bias: Optional[Tensor], reduce_op: str, group_name: str, world: int,
+                                  out_dtype: Optional[torch.dtype]) -> Tuple[str, Optional[str], str, Optional[int]]:
+    """(path, reason, transport, split configuration): path "fused" (reason None) with the kernel's transport,
+    "asynctp", or "decomposed" with the reason."""
+    why = _peers_reason(group_name, a.device)
     extra = () if out_dtype is None else (out_dtype,)
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name, *extra) or why
     transport = "store"
-    if mode() == "auto":
+    if dispatch_mode == "auto":
         # Where the split transport cannot take the call (N not a multiple of 8, a misaligned bias), the cost model
         # chooses among the others: its measured split time says nothing about them, and the copy transport the
         # kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
         split_eligible = why is None and out_dtype is None and kernels.split_reason(world, weight, bias) is None
-        path, reason = _cost_model_says(op, a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
-                                        a.dtype, fused_eligible=why is None, split_eligible=split_eligible)
+        path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, a2d.shape[0],
+                                        world * a2d.shape[1], weight.shape[1], a.dtype, fused_eligible=why is None,
+                                        split_eligible=split_eligible)
         if path == "asynctp":
-            record_fallback(op, reason, "PyTorch async-TP")
-            return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
+            return path, reason, transport, None
         if path in _TRANSPORTS:
             transport = _TRANSPORTS[path]
         elif why is None:
             why = reason  # sequential
     if why is not None:
-        record_fallback(op, why)
-        return None
+        return "decomposed", why, transport, None
     # The split GEMMs' configuration measured fastest for the shape (the table's split_config; used only if the
     # call runs the split transport, by the cost model's choice or FLUXINDUCTOR_GEMM_RS_PUSH=split).
     config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
-    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
-                                          transport=transport, split_config_choice=config,
-                                          **({} if out_dtype is None else {"out_dtype": out_dtype}))
-    return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
+    return "fused", None, transport, config

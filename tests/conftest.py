@@ -4,6 +4,9 @@
   earlier run compiled (the multi-rank jobs of ``tests/_dist.py`` get a fresh one per job as well).
 * ``tests/`` is on ``sys.path`` so spawned ranks can import the test modules and ``_dist`` by name.
 * Tests marked ``gpu`` skip, with the reason shown, where CUDA is not available.
+* The dispatcher's remembered decisions (``fluxinductor.dispatch._plans``) are forgotten before each test: tests
+  replace its pieces (cost model, kernel module) with fakes, and a decision made with one test's fakes must not
+  serve the next.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE_DIR
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Scalar C++ kernels compile ~4x faster (no vectorized ATen headers); the tests check graphs and ops.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_decisions():
+    from fluxinductor import dispatch
+
+    dispatch.clear_plans()
+    yield
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest hook signature

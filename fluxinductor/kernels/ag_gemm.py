@@ -309,7 +309,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
                 timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
                 tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False,
-                trap_on_timeout: bool = False) -> Tensor:
+                trap_on_timeout: bool = False, capturing: Optional[bool] = None) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
@@ -319,42 +319,51 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     from it instead of from ``a``.  ``pdl``: launch as a programmatic dependent of the kernel before it on ``stream``
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
     ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).  Under
-    CUDA graph capture the tail split is off.
+    CUDA graph capture the tail split is off (``capturing``: whether the caller knows it is capturing; None: ask).
     ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
-    if symm.capturing():
+    tail_split = TAIL_SPLIT if tail_split is None else tail_split
+    if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
         tail_split = 1  # its scratch is per stream and its flags take a new epoch per launch: not for a graph
-    if variant is None:
-        variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows if flags is not None else None, sm_count or None)
-    if group_rows is None:
-        group_rows = group_cluster_rows(shard_rows, variant) if flags is not None else GROUP_CLUSTER_ROWS
+    k_contiguous, ldb, variant, group_rows = _launch_choices(
+        a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0], shard_rows if flags is not None else None,
+        sm_count, variant, group_rows, VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, tail_split_waves())
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
-    layout = _weight_layout(weight)
-    if layout is None:
-        raise ValueError(f"weight strides {tuple(weight.stride())} have no contiguous dim")
-    k_contiguous, ldb = layout
     _, error_device = symm.error_word(a.device.index)
     timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
+    # Positional, in the binding's order (csrc/bindings.cpp ag_gemm_run): keyword parsing of its 34 arguments costs
+    # pybind11 several microseconds per launch.
     symm.extension().ag_gemm_run(
-        dtype=_DTYPE_CODES[a.dtype], a=a.data_ptr(), m=a.shape[0], k=a.shape[1], lda=a.stride(0),
-        b=weight.data_ptr(), n=weight.shape[1], ldb=ldb, b_k_contiguous=k_contiguous,
-        bias=0 if bias is None else bias.data_ptr(), out=out.data_ptr(), ldo=out.stride(0),
-        flags=0 if flags is None else flags.data_ptr(), epoch=epoch, rank=rank, world=world,
-        shard_rows=shard_rows, chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, group_cluster_rows=group_rows,
-        sm_count=sm_count, timeout_ns=int(timeout_s * 1e9), error_word=error_device, variant=variant,
-        stream=stream.cuda_stream, a_local=0 if a_local is None else a_local.data_ptr(),
-        lda_local=0 if a_local is None else a_local.stride(0), pdl=pdl, trap_on_timeout=trap_on_timeout,
-        **_tail_split_kwargs(a.device, stream, sm_count, TAIL_SPLIT if tail_split is None else tail_split))
+        _DTYPE_CODES[a.dtype], a.data_ptr(), a.shape[0], a.shape[1], a.stride(0),  # dtype, a, m, k, lda
+        weight.data_ptr(), weight.shape[1], ldb, k_contiguous,  # b, n, ldb, b_k_contiguous
+        0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),  # bias, out, ldo
+        0 if flags is None else flags.data_ptr(), epoch, rank, world, shard_rows,  # flags, epoch, rank, world, ...
+        chunks_per_rank, k_chunks, group_rows, sm_count, int(timeout_s * 1e9), error_device, variant,
+        *tail_split_args(a.device, stream, sm_count, tail_split),  # split partials, flags, epoch, max parts, waves
+        0 if a_local is None else a_local.data_ptr(), 0 if a_local is None else a_local.stride(0),  # a_local, lda
+        pdl, trap_on_timeout, stream.cuda_stream)
     return out
 
 
-def _tail_split_kwargs(device: torch.device, stream: torch.cuda.Stream, sm_count: int, parts: int) -> dict:
-    """The kernel's tail-split arguments for a launch on ``stream`` (off with ``parts`` < 2)."""
-    partials, flags, epoch, parts, waves = tail_split_args(device, stream, sm_count, parts)
-    return dict(split_partials=partials, split_flags=flags, split_epoch=epoch, split_max_parts=parts,
-                split_waves=waves)
+@functools.lru_cache(maxsize=4096)
+def _launch_choices(device_index: Optional[int], dtype: torch.dtype, weight_shape: Tuple[int, int],
+                    weight_stride: Tuple[int, int], m: int, shard_rows: Optional[int], sm_count: int,
+                    variant: Optional[int], group_rows: Optional[int], *settings) -> Tuple[bool, int, int, int]:
+    """(k_contiguous, ldb, variant, group_rows) of a launch, remembered per launch shape: the variant choice's wave
+    model and the weight's layout cost ~10 us of host time per launch.  ``settings``: the module's tunables the choice
+    reads (VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, the tail's waves), so that a changed one is a new entry."""
+    weight = torch.empty_strided(weight_shape, weight_stride, dtype=dtype, device="meta")
+    layout = _weight_layout(weight)
+    if layout is None:
+        raise ValueError(f"weight strides {tuple(weight_stride)} have no contiguous dim")
+    if variant is None:
+        with torch.cuda.device(device_index):
+            variant = kernel_variant(dtype, weight, m, shard_rows, sm_count or None)
+    if group_rows is None:
+        group_rows = group_cluster_rows(shard_rows, variant) if shard_rows is not None else GROUP_CLUSTER_ROWS
+    return layout[0], layout[1], variant, group_rows
 
 
 def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:
@@ -550,7 +559,8 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
     device = shard2d.device
     check_errors(device)
-    if symm.capturing():  # unsupported_reason (ours, or the caller's: checked) found the call capturable
+    capturing = symm.capturing()
+    if capturing:  # unsupported_reason (ours, or the caller's: checked) found the call capturable
         if _group_size(group_name) == 1:
             outputs = [launch_gemm(shard2d, w, b, shard2d.new_empty((shard2d.shape[0], w.shape[1])))
                        for w, b in zip(weights, biases)]
@@ -609,7 +619,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         out = shard2d.new_empty((m, weight.shape[1]))
         launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
-                    a_local=shard2d if push else None, pdl=pdl and not outputs)
+                    a_local=shard2d if push else None, pdl=pdl and not outputs, capturing=False)
         outputs.append(out)
     if push and gathered.numel():
         assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk

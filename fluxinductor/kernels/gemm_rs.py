@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
 import struct
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,6 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from fluxinductor import config as _config
 from fluxinductor import log
 from fluxinductor.kernels import symm as _symm
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
@@ -102,20 +102,20 @@ def _extension():
 
 def timeout_ns() -> int:
     """How long a wait may take before the call is aborted (FLUXINDUCTOR_TIMEOUT_S, default 10 s)."""
-    return int(float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
+    return int(float(_config.env("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
 
 
 def push_mode(default: str = "store") -> str:
     """"store", "copy" or "split": how this call's peer tiles travel (module docstring).  FLUXINDUCTOR_GEMM_RS_PUSH,
     when set, decides for every call; else ``default`` (the dispatcher passes the cost model's choice)."""
-    value = os.environ.get("FLUXINDUCTOR_GEMM_RS_PUSH", "").strip().lower() or default
+    value = _config.env("FLUXINDUCTOR_GEMM_RS_PUSH", "").strip().lower() or default
     if value not in PUSH_MODES:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_PUSH must be one of {PUSH_MODES}, got {value!r}")
     return value
 
 
 def bands() -> int:
-    value = int(os.environ.get("FLUXINDUCTOR_GEMM_RS_BANDS", str(DEFAULT_BANDS)))
+    value = int(_config.env("FLUXINDUCTOR_GEMM_RS_BANDS", str(DEFAULT_BANDS)))
     if not 1 <= value <= _extension().GEMM_RS_MAX_BANDS:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_BANDS must be in [1, {_extension().GEMM_RS_MAX_BANDS}], got {value}")
     return value
@@ -124,7 +124,7 @@ def bands() -> int:
 def split_pdl() -> bool:
     """Whether the split transport launches its second GEMM as a programmatic dependent of the first, so it takes
     SMs as the first one's CTAs finish (FLUXINDUCTOR_GEMM_RS_SPLIT_PDL, default 1)."""
-    return os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
+    return _config.env("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
 
 
 def tail_split_parts() -> int:
@@ -133,7 +133,7 @@ def tail_split_parts() -> int:
     (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as programmatic dependents.  The
     two GEMMs with communication off went from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
     (one H200, csrc/NOTES_gemm_rs.md session 8)."""
-    value = int(os.environ.get("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4"))
+    value = int(_config.env("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4"))
     if value < 1:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT must be at least 1, got {value}")
     return value
@@ -149,7 +149,7 @@ def resolve_split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> in
     """The split GEMMs' configuration for a call: FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG when set (A/B runs, tuning
     builds), else ``chosen`` (the cost model's per-shape pick), else 0; 0 for any dtype but bf16, which has only that
     one.  Every rank must use the same (the call's handshake includes it)."""
-    env = os.environ.get("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "").strip()
+    env = _config.env("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "").strip()
     config = int(env) if env else (0 if chosen is None else int(chosen))
     return config if dtype == torch.bfloat16 else 0
 
@@ -204,7 +204,7 @@ _tile_shapes: Dict[Optional[str], Tuple[int, int, int]] = {}
 
 def _tile_shape() -> Tuple[int, int, int]:
     # Tuning builds pick the kernel by FLUXINDUCTOR_GEMM_RS_CONFIG; the flag layout follows its tile.
-    config = os.environ.get("FLUXINDUCTOR_GEMM_RS_CONFIG")
+    config = _config.env("FLUXINDUCTOR_GEMM_RS_CONFIG")
     shape = _tile_shapes.get(config)
     if shape is None:
         shape = _tile_shapes[config] = tuple(_extension().gemm_rs_tile_shape())

@@ -22,11 +22,12 @@ first (see ``fluxinductor.kernels.ag_gemm``).
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
+
+from fluxinductor import config
 
 _extension = None
 _extension_reason: Optional[str] = None
@@ -106,7 +107,7 @@ def persistent(make: Callable[[], torch.Tensor], device: torch.device) -> torch.
 
 def timeout_seconds() -> float:
     """How long a flag wait or barrier may take before the call fails (FLUXINDUCTOR_TIMEOUT_S, default 10)."""
-    return float(os.environ.get("FLUXINDUCTOR_TIMEOUT_S", "10"))
+    return float(config.env("FLUXINDUCTOR_TIMEOUT_S", "10"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,9 +320,9 @@ def arrive(peer_arrivals: List[int], arrivals: torch.Tensor, passed: torch.Tenso
     whose epoch is a constant): arrivals[q] goes back to 0 once seen."""
     _, error_device = error_word(arrivals.device.index)
     timeout_s = timeout_seconds() if timeout_s is None else timeout_s
-    extension().ag_arrive_and_wait(
-        peer_arrivals=peer_arrivals, arrivals=arrivals.data_ptr(), passed=passed.data_ptr(), epoch=epoch, need=need,
-        rank=rank, timeout_ns=int(timeout_s * 1e9), error_word=error_device, stream=stream.cuda_stream, reset=reset)
+    extension().ag_arrive_and_wait(  # positional (the binding's order): pybind11's keyword parsing costs microseconds
+        peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
+        stream.cuda_stream, reset)
 
 
 def wait_passed(passed: torch.Tensor, epoch: int, stream: torch.cuda.Stream) -> None:

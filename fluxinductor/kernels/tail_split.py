@@ -10,11 +10,11 @@ exactly that epoch.
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from fluxinductor import config
 from fluxinductor.kernels import symm
 
 OFF = (0, 0, 0, 1, 1)  # (partials, flags, first epoch, parts, waves): no tail split
@@ -26,7 +26,7 @@ def waves() -> int:
     sooner (a tail of more than half a wave: T = 38 of 66 clusters splits in 3 parts, 2/3 of a tile's time), for
     twice the scratch.  Off by default: on one H200 it gained nothing beyond the timing spread (csrc/NOTES_gemm_rs.md,
     session 8)."""
-    value = int(os.environ.get("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1"))
+    value = int(config.env("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1"))
     if not 1 <= value <= 4:
         raise ValueError(f"FLUXINDUCTOR_TAIL_SPLIT_WAVES must be in [1, 4], got {value}")
     return value
