@@ -337,7 +337,7 @@ def matmul_reduce_scatter(
     if plan is None:
         plan = _remember(key, _decide_matmul_reduce_scatter(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op,
                                                             group_name, world, out_dtype))
-    path, why, transport, config = plan
+    path, why, transport, split_config = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
         return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
@@ -345,7 +345,7 @@ def matmul_reduce_scatter(
         record_fallback(op, why)
         return None
     out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
-                                          transport=transport, split_config_choice=config,
+                                          transport=transport, split_config_choice=split_config,
                                           **({} if out_dtype is None else {"out_dtype": out_dtype}))
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
 
@@ -377,5 +377,6 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
         return "decomposed", why, transport, None
     # The split GEMMs' configuration measured fastest for the shape (the table's split_config; used only if the
     # call runs the split transport, by the cost model's choice or FLUXINDUCTOR_GEMM_RS_PUSH=split).
-    config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1], a.dtype)
-    return "fused", None, transport, config
+    split_config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
+                                        a.dtype)
+    return "fused", None, transport, split_config
