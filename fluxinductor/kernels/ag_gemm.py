@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -327,9 +327,14 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     tail_split = TAIL_SPLIT if tail_split is None else tail_split
     if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
         tail_split = 1  # its scratch is per stream and its flags take a new epoch per launch: not for a graph
-    k_contiguous, ldb, variant, group_rows = _launch_choices(
-        a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0], shard_rows if flags is not None else None,
-        sm_count, variant, group_rows, VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, tail_split_waves())
+    key = (a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0], shard_rows if flags is not None else None,
+           sm_count, variant, group_rows, VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, tail_split_waves())
+    choices = _launch_choices.get(key)
+    if choices is None:
+        if len(_launch_choices) >= 4096:
+            _launch_choices.clear()
+        choices = _launch_choices[key] = _choose_launch(a, weight, key[5], sm_count, variant, group_rows)
+    k_contiguous, ldb, variant, group_rows = choices
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
     _, error_device = symm.error_word(a.device.index)
     timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
@@ -347,20 +352,20 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     return out
 
 
-@functools.lru_cache(maxsize=4096)
-def _launch_choices(device_index: Optional[int], dtype: torch.dtype, weight_shape: Tuple[int, int],
-                    weight_stride: Tuple[int, int], m: int, shard_rows: Optional[int], sm_count: int,
-                    variant: Optional[int], group_rows: Optional[int], *settings) -> Tuple[bool, int, int, int]:
-    """(k_contiguous, ldb, variant, group_rows) of a launch, remembered per launch shape: the variant choice's wave
-    model and the weight's layout cost ~10 us of host time per launch.  ``settings``: the module's tunables the choice
-    reads (VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, the tail's waves), so that a changed one is a new entry."""
-    weight = torch.empty_strided(weight_shape, weight_stride, dtype=dtype, device="meta")
+# (k_contiguous, ldb, variant, group_rows) per launch shape and the module's tunables it reads (VARIANT, TAIL_SPLIT,
+# GROUP_CLUSTER_ROWS, the tail's waves): the variant choice's wave model and the weight's layout cost ~10 us of host
+# time per launch.
+_launch_choices: Dict[tuple, Tuple[bool, int, int, int]] = {}
+
+
+def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_count: int, variant: Optional[int],
+                   group_rows: Optional[int]) -> Tuple[bool, int, int, int]:
     layout = _weight_layout(weight)
     if layout is None:
-        raise ValueError(f"weight strides {tuple(weight_stride)} have no contiguous dim")
+        raise ValueError(f"weight strides {tuple(weight.stride())} have no contiguous dim")
     if variant is None:
-        with torch.cuda.device(device_index):
-            variant = kernel_variant(dtype, weight, m, shard_rows, sm_count or None)
+        with torch.cuda.device(a.device):
+            variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows, sm_count or None)
     if group_rows is None:
         group_rows = group_cluster_rows(shard_rows, variant) if shard_rows is not None else GROUP_CLUSTER_ROWS
     return layout[0], layout[1], variant, group_rows
