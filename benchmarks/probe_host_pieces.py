@@ -5,7 +5,8 @@ every Python call.  This times each layer and each stream operation on its own, 
 kernel so that nothing waits for it: the op through ``torch.ops`` (the custom-op wrapper included), the
 dispatcher, the kernel module's call, and the pieces of that call (stream joins, the GEMM launch, a copy-engine
 copy, a stream memory operation, an output allocation).  Least of ``--reps`` runs of ``--calls`` calls each, in
-microseconds per call; rank 0 prints a table and writes JSON.
+microseconds per call (the collective layers also back to back, wall time per call); rank 0 prints a table and
+writes JSON.
 
 Usage: torchrun --nproc-per-node 2 benchmarks/probe_host_pieces.py --shape 1024x8192x8192 --out pieces.json
 """
@@ -40,6 +41,21 @@ def least_us(fn, calls: int, reps: int, collective: bool) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) * 1e6 / calls)
         torch.cuda.synchronize()
+    return best
+
+
+def back_to_back_us(fn, calls: int, reps: int) -> float:
+    """Least over ``reps`` runs of the wall time per call of ``calls`` calls back to back, synchronized at the end:
+    what a stream of such calls costs when host and device overlap (host-bound calls show their host time)."""
+    best = float("inf")
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e6 / calls)
     return best
 
 
@@ -78,7 +94,7 @@ def main(argv=None) -> int:
         "kernels.ag_gemm.all_gather_matmul": lambda: ag_gemm.all_gather_matmul(shard2d, [weight], [None], group_name,
                                                                                False, checked=True),
         "nccl_seq (funcol all_gather, torch.matmul)": lambda: torch.matmul(
-            funcol.all_gather_tensor(shard, 1, group_name).wait(), weight),
+            funcol.all_gather_tensor(shard, 1, group_name), weight),
     }
     local = {
         "launch_gemm (plain GEMM, no flags)": lambda: ag_gemm.launch_gemm(a_full, weight, None, out),
@@ -94,7 +110,8 @@ def main(argv=None) -> int:
     rows = []
     os.environ["FLUXINDUCTOR_DISPATCH"] = "fused"
     for name, fn in collective.items():
-        rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, True)})
+        rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, True),
+                     "b2b_us": back_to_back_us(fn, args.calls, args.reps)})
     for name, fn in local.items():
         rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, False)})
     everyone = [None] * world
@@ -102,7 +119,9 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"host us per call, least of {args.reps} x {args.calls} calls, AG+GEMM {args.shape} on {world} ranks")
         for i, row in enumerate(rows):
-            print(f"  {row['piece']:48s} " + " ".join(f"{r[i]['host_us']:8.1f}" for r in everyone))
+            b2b = " ".join(f"{r[i]['b2b_us']:8.1f}" for r in everyone) if "b2b_us" in row else ""
+            print(f"  {row['piece']:48s} " + " ".join(f"{r[i]['host_us']:8.1f}" for r in everyone)
+                  + (f"   back to back {b2b}" if b2b else ""))
         if args.out:
             sha, dirty = git_sha()
             write_json(args.out, {"schema": "fluxinductor.probe_host_pieces/1", "device": torch.cuda.get_device_name(),

@@ -32,6 +32,8 @@ def main(argv=None) -> int:
                    "separates them in the listing)")
     p.add_argument("--hide-host", action="store_true", help="a GPU sleep before each traced call (as bench_ops.py's "
                    "default), so the host has enqueued the whole call before the GPU reaches it: device-time gaps only")
+    p.add_argument("--back-to-back", action="store_true", help="the traced calls one after another with no barrier "
+                   "or synchronization between them (host-bound calls show the GPU's gaps)")
     p.add_argument("--out", default=None, help="JSON with every rank's events (rank 0 writes)")
     args = p.parse_args(argv)
 
@@ -46,14 +48,20 @@ def main(argv=None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(args.calls):
+            if args.back_to_back:
                 dist.barrier()
                 torch.cuda.synchronize()
+            for i in range(args.calls):
+                if not args.back_to_back:
+                    dist.barrier()
+                    torch.cuda.synchronize()
                 with torch.profiler.record_function(f"call{i}"):
                     if args.hide_host:
                         torch.cuda._sleep(2_000_000)
                     _wait(call())
-                torch.cuda.synchronize()
+                if not args.back_to_back:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
     events = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
