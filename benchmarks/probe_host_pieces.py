@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1024x8192x8192", help="global MxKxN of the AG+GEMM")
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="also cProfile --calls op-level calls on rank 0 (behind a "
+                   "sleep kernel) and print the top functions by cumulative and by own time")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
                                                                                False, checked=True),
         "nccl_seq (funcol all_gather, torch.matmul)": lambda: torch.matmul(
             funcol.all_gather_tensor(shard, 1, group_name), weight),
+        "op again (order effects)": lambda: op(shard, [weight], [None], 1, group_name, False),
     }
     local = {
         "launch_gemm (plain GEMM, no flags)": lambda: ag_gemm.launch_gemm(a_full, weight, None, out),
@@ -114,6 +117,27 @@ def main(argv=None) -> int:
                      "b2b_us": back_to_back_us(fn, args.calls, args.reps)})
     for name, fn in local.items():
         rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, False)})
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        fn = collective["op (torch.ops, FLUXINDUCTOR_DISPATCH=fused)"]
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        profiler = cProfile.Profile()
+        if rank == 0:
+            profiler.enable()
+        for _ in range(args.calls):
+            fn()
+        if rank == 0:
+            profiler.disable()
+            for order in ("cumulative", "tottime"):
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(30)
+                print(f"--- cProfile of {args.calls} op-level calls by {order} (seconds in all) ---\n{text.getvalue()}")
+        torch.cuda.synchronize()
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     if rank == 0:
