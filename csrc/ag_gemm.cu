@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -164,6 +165,116 @@ Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, i
   cudaError_t status = cudaMemcpy2DAsync(dst, size_t(pitch), src, size_t(pitch), size_t(width), size_t(height),
                                          cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
   return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy2DAsync", status);
+}
+
+namespace {
+
+Error follow(cudaStream_t waiter, cudaStream_t leader, cudaEvent_t event) {
+  cudaError_t status = cudaEventRecord(event, leader);
+  if (status != cudaSuccess) {
+    return cuda_error("cudaEventRecord", status);
+  }
+  status = cudaStreamWaitEvent(waiter, event, 0);
+  return status == cudaSuccess ? Error() : cuda_error("cudaStreamWaitEvent", status);
+}
+
+Error push_call_unsupported(PushCallParams const& p) {
+  int const world = p.arrival.world;
+  if (world < 2 || world > kMaxArrivalWorld || p.arrival.rank < 0 || p.arrival.rank >= world) {
+    return make_error("push_call: rank " + std::to_string(p.arrival.rank) + " of " + std::to_string(world));
+  }
+  if (p.gemm_count < 1 || p.gemm_count > kMaxPushGemms) {
+    return make_error("push_call: " + std::to_string(p.gemm_count) + " GEMMs (1 to " +
+                      std::to_string(kMaxPushGemms) + ")");
+  }
+  if (!p.shard || p.shard_rows < 1 || p.k < 1 || p.element_size < 1 || !p.epoch_word || !p.arrival.passed ||
+      p.chunks_per_rank < 1 || p.k_chunks < 1 || p.k_tile < 1 || !p.fork_event || !p.join_event) {
+    return make_error("push_call: a missing pointer, event or count");
+  }
+  for (int q = 0; q < world; ++q) {
+    if (q != p.arrival.rank && (!p.peer_buffers[q] || !p.peer_flags[q])) {
+      return make_error("push_call: no buffer or flags for peer " + std::to_string(q));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
+  Error why = push_call_unsupported(p);
+  if (why.failed()) {
+    return why;
+  }
+  auto main = static_cast<cudaStream_t>(main_handle);
+  auto side = static_cast<cudaStream_t>(side_handle);
+  auto fork = static_cast<cudaEvent_t>(p.fork_event);
+  int const rank = p.arrival.rank, world = p.arrival.world;
+  uint32_t const epoch = p.arrival.epoch;
+  bool const pdl = p.k_chunks == 1;
+  if (pdl) {
+    if ((why = follow(side, main, fork)).failed() || (why = arrive_and_wait(p.arrival, main)).failed() ||
+        (why = stream_wait_value32_eq(p.arrival.passed, epoch, side)).failed()) {
+      return why;
+    }
+  } else if ((why = arrive_and_wait(p.arrival, main)).failed() || (why = follow(side, main, fork)).failed()) {
+    return why;
+  }
+
+  if ((why = stream_write_value32(p.epoch_word, epoch, side)).failed()) {
+    return why;
+  }
+  int64_t const row_bytes = p.k * p.element_size;
+  auto const* shard = static_cast<char const*>(p.shard);
+  for (int step = 1; step < world; ++step) {
+    int const peer = (rank - step + world) % world;
+    char* base = static_cast<char*>(p.peer_buffers[peer]) + rank * p.shard_rows * row_bytes;
+    if (p.k_chunks > 1) {  // column blocks of whole K tiles (ag_gemm.py k_chunk_bounds)
+      int64_t const k_tiles = (p.k + p.k_tile - 1) / p.k_tile;
+      int64_t const cols = (k_tiles + p.k_chunks - 1) / p.k_chunks * p.k_tile;
+      for (int c = 0; c < p.k_chunks; ++c) {
+        int64_t const c0 = std::min(c * cols, p.k), c1 = std::min((c + 1) * cols, p.k);
+        if (c1 > c0 && (why = memcpy2d_async(base + c0 * p.element_size, shard + c0 * p.element_size, row_bytes,
+                                             (c1 - c0) * p.element_size, p.shard_rows, side)).failed()) {
+          return why;
+        }
+        if ((why = memcpy_async(p.peer_flags[peer] + rank * p.k_chunks + c, p.epoch_word, 4, side)).failed()) {
+          return why;
+        }
+      }
+      continue;
+    }
+    int64_t const rows = (p.shard_rows + p.chunks_per_rank - 1) / p.chunks_per_rank;  // ag_gemm.py chunk_bounds
+    for (int c = 0; c < p.chunks_per_rank; ++c) {
+      int64_t const start = std::min(c * rows, p.shard_rows), end = std::min((c + 1) * rows, p.shard_rows);
+      if (end > start && (why = memcpy_async(base + start * row_bytes, shard + start * row_bytes,
+                                             (end - start) * row_bytes, side)).failed()) {
+        return why;
+      }
+      if ((why = memcpy_async(p.peer_flags[peer] + rank * p.chunks_per_rank + c, p.epoch_word, 4, side)).failed()) {
+        return why;
+      }
+    }
+  }
+
+  for (int i = 0; i < p.gemm_count; ++i) {
+    AllGatherGemmParams gemm = p.gemms[i];
+    gemm.pdl = pdl && i == 0;
+    if ((why = all_gather_gemm(gemm, main)).failed()) {
+      return why;
+    }
+  }
+  return follow(main, side, static_cast<cudaEvent_t>(p.join_event));
+}
+
+Error create_event(int64_t* event) {
+  cudaEvent_t created = nullptr;
+  cudaError_t status = cudaEventCreateWithFlags(&created, cudaEventDisableTiming);
+  if (status != cudaSuccess) {
+    return cuda_error("cudaEventCreateWithFlags", status);
+  }
+  *event = reinterpret_cast<int64_t>(created);
+  return {};
 }
 
 Error alloc_host_mapped_word(int64_t* host_address, int64_t* device_address) {

@@ -112,6 +112,38 @@ Error arrive_and_wait(ArrivalParams const& params, void* stream);
 // Checks and launches on `stream` (a cudaStream_t).
 Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 
+// One eager call of the push (fluxinductor/kernels/ag_gemm.py all_gather_matmul) enqueued by one host call: the
+// per-call stream operations cost host time that a Python loop over them multiplies (csrc/NOTES_ag_gemm.md, session
+// 17).  In order:
+//   k_chunks == 1: `side` follows `main` (fork_event); the arrival on `main`; `side` waits until `passed` holds the
+//     epoch; the first GEMM is the arrival's programmatic dependent;
+//   k_chunks > 1 (one-wave problems, whose push start is the critical path): the arrival on `main`, then `side`
+//     follows `main` (fork_event), no programmatic launch;
+// then on `side`: the epoch into epoch_word, and for peer q = rank - 1, rank - 2, ... the shard into rows
+// [rank * shard_rows, (rank + 1) * shard_rows) of peer_buffers[q] (row stride k), chunk by chunk (row chunks:
+// ceil(shard_rows / chunks_per_rank) rows each, flag rank * chunks_per_rank + c; column blocks with k_chunks > 1:
+// ceil(ceil(k / k_tile) / k_chunks) K tiles each, flag rank * k_chunks + c), each chunk's bytes then a copy of
+// epoch_word into peer_flags[q][flag]; on `main` the GEMMs (gemms[i].pdl is set here); last `main` follows `side`
+// (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
+constexpr int kMaxPushGemms = 8;
+struct PushCallParams {
+  ArrivalParams arrival;                           // epoch, need, rank, world: the call's
+  const void* shard = nullptr;                     // [shard_rows, k] row-major, contiguous
+  int64_t shard_rows = 0, k = 0, element_size = 2;
+  void* peer_buffers[kMaxArrivalWorld] = {};       // [q]: rank q's gathered buffer, [world * shard_rows, k], mapped
+  uint32_t* peer_flags[kMaxArrivalWorld] = {};     // [q]: rank q's flags of this call's parity, mapped
+  uint32_t* epoch_word = nullptr;                  // this device
+  int chunks_per_rank = 1, k_chunks = 1, k_tile = 64;
+  AllGatherGemmParams gemms[kMaxPushGemms];
+  int gemm_count = 0;
+  void* fork_event = nullptr;
+  void* join_event = nullptr;
+};
+Error push_call(PushCallParams const& params, void* main_stream, void* side_stream);
+
+// A cudaEvent_t with timing off on the current device (for push_call), or an error.  Never destroyed.
+Error create_event(int64_t* event);
+
 // Why the kernel cannot run this problem (alignment, sizes), if it cannot.
 Error all_gather_gemm_unsupported(AllGatherGemmParams const& params);
 

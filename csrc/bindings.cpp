@@ -148,6 +148,74 @@ void export_ag_gemm(py::module_& m) {
       py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
       py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"), py::arg("reset") = false);
   m.def(
+      "ag_push_call",
+      [](const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch, uint32_t need,
+         int rank, long long timeout_ns, int64_t error_word, int64_t shard, int64_t shard_rows, int64_t k,
+         int element_size, const std::vector<int64_t>& peer_buffers, const std::vector<int64_t>& peer_flags,
+         int64_t epoch_word, int chunks_per_rank, int k_chunks, int k_tile, const std::vector<py::tuple>& gemms,
+         int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream) {
+        int const world = int(peer_arrivals.size());
+        if (world < 1 || world > agg::kMaxArrivalWorld || peer_buffers.size() != peer_arrivals.size() ||
+            peer_flags.size() != peer_arrivals.size()) {
+          throw std::invalid_argument("ag_push_call: one arrival word, buffer and flag address per rank, at most " +
+                                      std::to_string(agg::kMaxArrivalWorld) + " ranks");
+        }
+        if (gemms.empty() || gemms.size() > size_t(agg::kMaxPushGemms)) {
+          throw std::invalid_argument("ag_push_call: 1 to " + std::to_string(agg::kMaxPushGemms) + " GEMMs");
+        }
+        agg::PushCallParams p;
+        agg::ArrivalParams& arrival = p.arrival;
+        arrival.world = world;
+        for (int q = 0; q < world; ++q) {
+          arrival.peer_arrivals[q] = reinterpret_cast<uint32_t*>(peer_arrivals[q]);
+          p.peer_buffers[q] = reinterpret_cast<void*>(peer_buffers[q]);
+          p.peer_flags[q] = reinterpret_cast<uint32_t*>(peer_flags[q]);
+        }
+        arrival.arrivals = reinterpret_cast<const uint32_t*>(arrivals);
+        arrival.passed = reinterpret_cast<uint32_t*>(passed);
+        arrival.epoch = epoch; arrival.need = need; arrival.rank = rank; arrival.timeout_ns = timeout_ns;
+        arrival.error_word = reinterpret_cast<int*>(error_word);
+        p.shard = reinterpret_cast<const void*>(shard);
+        p.shard_rows = shard_rows; p.k = k; p.element_size = element_size;
+        p.epoch_word = reinterpret_cast<uint32_t*>(epoch_word);
+        p.chunks_per_rank = chunks_per_rank; p.k_chunks = k_chunks; p.k_tile = k_tile;
+        for (size_t i = 0; i < gemms.size(); ++i) {
+          py::tuple const& g = gemms[i];
+          if (g.size() != 33) {
+            throw std::invalid_argument("ag_push_call: each GEMM is ag_gemm_run's 33 arguments before the stream");
+          }
+          p.gemms[i] = make_ag_gemm_params(
+              g[0].cast<int>(), g[1].cast<int64_t>(), g[2].cast<int64_t>(), g[3].cast<int64_t>(),
+              g[4].cast<int64_t>(), g[5].cast<int64_t>(), g[6].cast<int64_t>(), g[7].cast<int64_t>(),
+              g[8].cast<bool>(), g[9].cast<int64_t>(), g[10].cast<int64_t>(), g[11].cast<int64_t>(),
+              g[12].cast<int64_t>(), g[13].cast<uint32_t>(), g[14].cast<int>(), g[15].cast<int>(),
+              g[16].cast<int64_t>(), g[17].cast<int>(), g[18].cast<int>(), g[19].cast<int>(), g[20].cast<int>(),
+              g[21].cast<long long>(), g[22].cast<int64_t>(), g[23].cast<int>(), g[24].cast<int64_t>(),
+              g[25].cast<int64_t>(), g[26].cast<uint32_t>(), g[27].cast<int>(), g[28].cast<int>(),
+              g[29].cast<int64_t>(), g[30].cast<int64_t>(), g[31].cast<bool>(), g[32].cast<bool>());
+        }
+        p.gemm_count = int(gemms.size());
+        p.fork_event = reinterpret_cast<void*>(fork_event);
+        p.join_event = reinterpret_cast<void*>(join_event);
+        check_ok(agg::push_call(p, reinterpret_cast<void*>(main_stream), reinterpret_cast<void*>(side_stream)));
+      },
+      "one eager push call of the AG+GEMM (ag_gemm.h push_call) enqueued whole: the side stream's fork, the arrival, "
+      "the push with its flags, the GEMMs (`gemms`: ag_gemm_run's arguments before the stream, one tuple per GEMM) "
+      "and the join",
+      py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
+      py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("shard"), py::arg("shard_rows"),
+      py::arg("k"), py::arg("element_size"), py::arg("peer_buffers"), py::arg("peer_flags"), py::arg("epoch_word"),
+      py::arg("chunks_per_rank"), py::arg("k_chunks"), py::arg("k_tile"), py::arg("gemms"), py::arg("fork_event"),
+      py::arg("join_event"), py::arg("main_stream"), py::arg("side_stream"));
+  m.def(
+      "ag_create_event",
+      []() {
+        int64_t event = 0;
+        check_ok(agg::create_event(&event));
+        return event;
+      },
+      "a cudaEvent_t (timing off) on the current device, as an integer; never destroyed");
+  m.def(
       "ag_memcpy_async",
       [](int64_t dst, int64_t src, int64_t bytes, int64_t stream) {
         check_ok(agg::memcpy_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,

@@ -152,6 +152,19 @@ class _Workspace:
     def wait_passed(self, epoch, stream):
         self.log.append(("wait_passed", epoch, stream.name))
 
+    # the one-call push's addresses (ag_gemm.push_call)
+    def peer_addresses(self, parity, rows, cols, dtype):
+        return [b.data_ptr() for b in self.buffers], [self.flags[parity].data_ptr() + q for q in range(self.world)]
+
+    def peer_arrival_words(self):
+        return [1000 + q for q in range(self.world)]
+
+    arrivals = torch.zeros(2, dtype=torch.int32)
+    passed = torch.zeros(1, dtype=torch.int32)
+
+    def push_events(self):
+        return 11, 12
+
 
 @pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("barrier", ["arrival", "arrival, one wave", "torch"])
@@ -182,6 +195,7 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, ca
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: push)
     monkeypatch.setattr(ag_gemm, "ARRIVAL", barrier != "torch")
+    monkeypatch.setattr(ag_gemm, "ONE_CALL", False)  # the step-by-step enqueue (test_one_call_arguments: the other)
     if barrier == "arrival, one wave":
         monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4)
     monkeypatch.setattr(ag_gemm, "push_shards", lambda *a, **kw: log.append(("push", a[-3].name)))
@@ -215,3 +229,85 @@ def test_epochs_wrap_past_zero_and_remember_the_previous_call():
     ws.epoch = 0xFFFFFFFE
     seen = [(ws.next_epoch(), ws.previous_epoch()) for _ in range(3)]
     assert seen == [(0xFFFFFFFF, 0xFFFFFFFE), (1, 0xFFFFFFFF), (2, 1)]
+
+
+@pytest.mark.parametrize("one_wave", [False, True])
+@pytest.mark.parametrize("return_gathered", [False, True])
+def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
+    """The default eager push on the arrival is enqueued by one host call (ag_gemm.push_call, csrc/ag_gemm.h): it gets
+    the shard, every rank's buffer and flag addresses of this call's parity, this rank's arrival words, the epoch and
+    the previous call's (what a push needs), the chunking (row chunks, or column blocks on one-wave problems) and
+    one GEMM per weight reading this rank's rows from the shard, none launched as a dependent by its arguments
+    (push_call decides that); nothing else is enqueued but the gathered A, assembled after it."""
+    log = []
+    world, rank, rows, k = 2, 1, 4, 64
+    ws = _Workspace(log, rank, world, rows, k)
+    main = _OrderedStream("main", log)
+
+    class _Ext:
+        def ag_device_sm_count(self):
+            return 132
+
+    calls = []
+    monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
+    monkeypatch.setattr(symm, "extension", lambda: _Ext())
+    monkeypatch.setattr(symm, "error_word", lambda index: (0, 77))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
+    monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
+    monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: True)
+    monkeypatch.setattr(ag_gemm, "ARRIVAL", True)
+    monkeypatch.setattr(ag_gemm, "ONE_CALL", True)
+    monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4 if one_wave else 1)
+    monkeypatch.setattr(ag_gemm, "tail_split_args", lambda *a: (0, 0, 0, 1, 1))
+    monkeypatch.setattr(ag_gemm, "_choose_launch", lambda a, w, shard_rows, sm, variant, group: (True, k, 0, 8))
+    monkeypatch.setattr(ag_gemm, "push_call", lambda *a, **kw: calls.append(a))
+    monkeypatch.setattr(ag_gemm, "assemble_gathered", lambda g, buffer, shard, r: log.append(("assemble", r)))
+    shard = torch.randn(rows, k, dtype=torch.bfloat16)
+    weights = [_weight(k, 16), _weight(k, 24)]
+    outputs, gathered = ag_gemm.all_gather_matmul(shard, weights, [None, None], "g", return_gathered, checked=True)
+
+    assert len(calls) == 1 and log == ([("assemble", rank)] if return_gathered else [])
+    (c_shard, buffers, flags, arrival_words, arrivals, passed, epoch, need, c_rank, epoch_word, gemms, events, c_main,
+     c_side, chunks, k_chunks) = calls[0]
+    assert c_shard is shard and c_rank == rank and (epoch, need) == (5, 4)
+    assert (buffers, flags) == ws.peer_addresses(1, world * rows, k, shard.dtype)  # epoch 5: parity 1
+    assert arrival_words == ws.peer_arrival_words() and arrivals is ws.arrivals and passed is ws.passed
+    assert epoch_word is ws.epoch_word and events == (11, 12) and (c_main, c_side) == (main, ws.side_stream)
+    assert (chunks, k_chunks) == (min(ag_gemm.CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK), 4 if one_wave else 1)
+    assert len(gemms) == 2
+    for gemm, weight, out in zip(gemms, weights, outputs):
+        assert len(gemm) == 33  # ag_gemm_run's arguments before the stream
+        assert gemm[1] == ws.buffers[rank].data_ptr() and gemm[5] == weight.data_ptr() and gemm[10] == out.data_ptr()
+        assert gemm[12] == ws.flags[1].data_ptr() and gemm[13:17] == (5, rank, world, rows)
+        assert gemm[18] == k_chunks and gemm[22] == 77  # K blocks, the error word
+        assert gemm[29:] == (shard.data_ptr(), k, False, False)  # own rows from the shard; no PDL, no trap
+    assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]
+    assert tuple(gathered.shape) == ((world * rows, k) if return_gathered else (0,))
+
+
+def _push_call_args(world=2, gemms=1, **changes):
+    gemm = (0,) * 33
+    args = dict(peer_arrivals=[8] * world, arrivals=8, passed=8, epoch=3, need=2, rank=0, timeout_ns=10**9,
+                error_word=0, shard=16, shard_rows=128, k=64, element_size=2, peer_buffers=[16] * world,
+                peer_flags=[16] * world, epoch_word=8, chunks_per_rank=2, k_chunks=1, k_tile=64, gemms=[gemm] * gemms,
+                fork_event=8, join_event=8, main_stream=0, side_stream=0)
+    args.update(changes)
+    return list(args.values())
+
+
+@pytest.mark.skipif(symm.extension_available() is not None, reason=f"needs the extension ({symm.extension_available()})")
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(peer_buffers=[16]), ValueError, "one arrival word, buffer and flag address per rank"),
+    (dict(gemms=[]), ValueError, "1 to 8 GEMMs"),
+    (dict(gemms=[(0,) * 32]), ValueError, "33 arguments"),
+    (dict(peer_arrivals=[8], peer_buffers=[16], peer_flags=[16]), RuntimeError, "rank 0 of 1"),
+    (dict(rank=2), RuntimeError, "rank 2 of 2"),
+    (dict(shard=0), RuntimeError, "missing pointer"),
+    (dict(k_chunks=0), RuntimeError, "missing pointer, event or count"),
+    (dict(peer_flags=[16, 0]), RuntimeError, "no buffer or flags for peer 1"),
+])
+def test_push_call_refuses_bad_arguments(changes, error, match):
+    """The one-call push checks its arguments before it enqueues anything (no GPU needed to reach the checks)."""
+    with pytest.raises(error, match=match):
+        symm.extension().ag_push_call(*_push_call_args(**changes))

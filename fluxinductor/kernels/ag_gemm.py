@@ -94,6 +94,11 @@ PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false",
 # GEMM does not; 0: torch symmetric memory's barrier on the main stream in front of the GEMM (the earlier design, kept
 # for A/B measurements and as a fallback).  Every rank must use the same (the check of the first call of a layout).
 ARRIVAL = os.environ.get("FLUXINDUCTOR_AG_ARRIVAL", "1").strip() not in ("0", "false", "no", "")
+# 1 (default): an eager push call on the arrival is enqueued by one host call (csrc/ag_gemm.h push_call: the fork,
+# the arrival, the push, the GEMMs, the join); 0: each step from Python (the earlier code, kept for A/B measurements
+# of the host time).  Only the host side differs: the GPU gets the same work in the same order.
+ONE_CALL = os.environ.get("FLUXINDUCTOR_AG_ONE_CALL", "1").strip() not in ("0", "false", "no", "")
+MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms: calls with more weights take the step-by-step path
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
@@ -323,6 +328,22 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
+    stream = torch.cuda.current_stream(a.device) if stream is None else stream
+    symm.extension().ag_gemm_run(
+        *gemm_args(a, weight, bias, out, flags, epoch, rank, world, shard_rows, chunks_per_rank, k_chunks, sm_count,
+                   group_rows, variant, timeout_s, stream, tail_split, a_local, pdl, trap_on_timeout, capturing),
+        stream.cuda_stream)
+    return out
+
+
+def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, flags: Optional[Tensor], epoch: int,
+              rank: int, world: int, shard_rows: int, chunks_per_rank: Optional[int], k_chunks: int, sm_count: int,
+              group_rows: Optional[int], variant: Optional[int], timeout_s: Optional[float],
+              stream: torch.cuda.Stream, tail_split: Optional[int], a_local: Optional[Tensor], pdl: bool,
+              trap_on_timeout: bool, capturing: Optional[bool]) -> tuple:
+    """ag_gemm_run's arguments but the stream, in the binding's order (csrc/bindings.cpp), for :func:`launch_gemm`'s
+    launch on ``stream`` (the tail split's epochs are taken from that stream's scratch here).  Positional: keyword
+    parsing of its 34 arguments costs pybind11 several microseconds per launch."""
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     tail_split = TAIL_SPLIT if tail_split is None else tail_split
     if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
@@ -335,12 +356,9 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
             _launch_choices.clear()
         choices = _launch_choices[key] = _choose_launch(a, weight, key[5], sm_count, variant, group_rows)
     k_contiguous, ldb, variant, group_rows = choices
-    stream = torch.cuda.current_stream(a.device) if stream is None else stream
     _, error_device = symm.error_word(a.device.index)
     timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
-    # Positional, in the binding's order (csrc/bindings.cpp ag_gemm_run): keyword parsing of its 34 arguments costs
-    # pybind11 several microseconds per launch.
-    symm.extension().ag_gemm_run(
+    return (
         _DTYPE_CODES[a.dtype], a.data_ptr(), a.shape[0], a.shape[1], a.stride(0),  # dtype, a, m, k, lda
         weight.data_ptr(), weight.shape[1], ldb, k_contiguous,  # b, n, ldb, b_k_contiguous
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),  # bias, out, ldo
@@ -348,8 +366,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
         chunks_per_rank, k_chunks, group_rows, sm_count, int(timeout_s * 1e9), error_device, variant,
         *tail_split_args(a.device, stream, sm_count, tail_split),  # split partials, flags, epoch, max parts, waves
         0 if a_local is None else a_local.data_ptr(), 0 if a_local is None else a_local.stride(0),  # a_local, lda
-        pdl, trap_on_timeout, stream.cuda_stream)
-    return out
+        pdl, trap_on_timeout)
 
 
 # (k_contiguous, ldb, variant, group_rows) per launch shape and the module's tunables it reads (VARIANT, TAIL_SPLIT,
@@ -492,6 +509,28 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
             _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch_word, stream)
 
 
+def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
+              arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, epoch_word: Tensor,
+              gemms: Sequence[tuple], events: Tuple[int, int], main: torch.cuda.Stream, side: torch.cuda.Stream,
+              chunks_per_rank: int, k_chunks: int, timeout_s: Optional[float] = None) -> None:
+    """Enqueue one eager push call with one host call (csrc/ag_gemm.h push_call): what :func:`all_gather_matmul`
+    otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
+    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, the GEMMs on ``main``
+    (``gemms``: :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), ``main``
+    follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.
+
+    peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
+    parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
+    two events of :func:`symm.push_events`.  Entries for q == rank are not used."""
+    _, error_device = symm.error_word(shard.device.index)
+    timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
+    symm.extension().ag_push_call(  # positional, in the binding's order
+        peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
+        shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
+        epoch_word.data_ptr(), chunks_per_rank, k_chunks, _K_TILE, gemms, events[0], events[1], main.cuda_stream,
+        side.cuda_stream)
+
+
 def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:
     """gathered[M, K] = the peers' rows of ``buffer`` with ``shard`` as this rank's rows (on the current stream,
     once the GEMM has waited for every chunk)."""
@@ -597,6 +636,16 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     # buffer since the previous eager call: every peer must reach this one.
     need = ws.previous_epoch() if push and not ws.captured else epoch
     pdl = False
+    if push and ARRIVAL and ONE_CALL and len(weights) <= MAX_ONE_CALL_GEMMS:
+        outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
+        gemms = [gemm_args(buffer, w, b, out, flags, epoch, rank, world, shard_rows, chunks, k_chunks, 0, None, None,
+                           None, main, None, shard2d, False, False, False) for w, b, out in zip(weights, biases, outputs)]
+        addresses = ws.peer_addresses(parity, m, k, dtype)
+        push_call(shard2d, addresses[0], addresses[1], ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
+                  rank, ws.epoch_word, gemms, ws.push_events(), main, side, chunks, k_chunks)
+        if gathered.numel():
+            assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMMs waited for every peer's chunk
+        return outputs, gathered
     if not ARRIVAL:
         ws.barrier(parity)
         side.wait_stream(main)

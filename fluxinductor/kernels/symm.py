@@ -190,6 +190,8 @@ class SymmetricWorkspace:
         self.side_stream = torch.cuda.Stream(device=device)
         self.checked_layouts: set = set()
         self._views: Dict[tuple, torch.Tensor] = {}
+        self._addresses: Dict[tuple, Tuple[List[int], List[int]]] = {}
+        self._push_events: Optional[Tuple[int, int]] = None
         # Captured calls (see the module docstring): their arrival words (after the eager ones; their flags are row
         # CAPTURE_ROW of the flag allocation), passed word and the word their flag copies read.
         self.captured = False
@@ -229,6 +231,7 @@ class SymmetricWorkspace:
                 handle.barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
             torch.cuda.synchronize(self.device)
         self._views.clear()
+        self._addresses.clear()
         _enable_group(self.group_name)
         if self.captured and self.handles[0] is not None:
             self.retired.append((self.buffers, self.handles))
@@ -287,6 +290,27 @@ class SymmetricWorkspace:
             self._views[key] = view
         return view
 
+    def peer_addresses(self, parity: int, rows: int, cols: int, dtype: torch.dtype) -> Tuple[List[int], List[int]]:
+        """(every rank's buffer ``parity`` as a [rows, cols] ``dtype`` view, every rank's flags of ``parity``): their
+        addresses on this device, in rank order (this rank's own included)."""
+        key = (parity, rows, cols, dtype)
+        found = self._addresses.get(key)
+        if found is None:
+            found = ([self.view(parity, q, rows, cols, dtype).data_ptr() for q in range(self.world)],
+                     [self.peer_flags(parity, q).data_ptr() for q in range(self.world)])
+            self._addresses[key] = found
+        return found
+
+    def peer_arrival_words(self) -> List[int]:
+        """Addresses of this rank's arrival word on every peer (see :func:`arrive`)."""
+        return self._peer_arrivals
+
+    def push_events(self) -> Tuple[int, int]:
+        """Two CUDA events (timing off) of this device for the one-call push (its fork and join; never destroyed)."""
+        if self._push_events is None:
+            self._push_events = push_events(self.device)
+        return self._push_events
+
     def barrier(self, parity: int) -> None:
         """Every rank reached this point of its current stream (torch symmetric memory; times out and traps)."""
         self.handles[parity].barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
@@ -330,6 +354,13 @@ def wait_passed(passed: torch.Tensor, epoch: int, stream: torch.cuda.Stream) -> 
     >=: ``passed`` cannot move on to the next call before this wait returns (the main stream joins the side stream at
     the end of each call), and equality survives the epoch's wrap-around."""
     extension().ag_stream_wait_value32_eq(passed.data_ptr(), epoch, stream.cuda_stream)
+
+
+def push_events(device: torch.device) -> Tuple[int, int]:
+    """Two new CUDA events (cudaEvent_t as integers, timing off) on ``device``, for ``ag_gemm.push_call``; never
+    destroyed."""
+    with torch.cuda.device(device):
+        return extension().ag_create_event(), extension().ag_create_event()
 
 
 def _enable_group(group_name: str) -> None:

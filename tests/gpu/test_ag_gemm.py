@@ -117,14 +117,15 @@ def _load_kernels(t):
 
 
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
-                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False, epochs=(9, 8)):
+                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False, epochs=(9, 8), one_call=False):
     """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
     k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop.  push: each rank pushes
     its shard into the others' buffers and its GEMM reads its own rows from the shard, so its own rows of its buffer
-    stay NaN (a read of them would show)."""
+    stay NaN (a read of them would show).  one_call (with push): each rank's call is enqueued by ag_gemm.push_call, as
+    all_gather_matmul does, instead of step by step."""
     if push:
         return _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_pull_from, timeout_s,
-                                      k_chunks, *epochs)
+                                      k_chunks, *epochs, one_call=one_call)
     from fluxinductor.kernels import ag_gemm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
@@ -191,7 +192,7 @@ def _as_int32(value):
 
 
 def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks,
-                           epoch=9, previous=8):
+                           epoch=9, previous=8, one_call=False):
     from fluxinductor.kernels import ag_gemm, symm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
@@ -209,9 +210,21 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     # device is idle, which a waiting simulated rank on the same GPU never is).
     ag_gemm.assemble_gathered(gathered[0].clone(), buffers[0], shards[0], 0)
     torch.cuda.synchronize()
+    events = [symm.push_events(device) for _ in range(world)] if one_call else None
     for r in range(world):
         side[r].wait_stream(torch.cuda.current_stream())
         main[r].wait_stream(torch.cuda.current_stream())
+        if one_call and r != skip_from:  # the whole call from one host call (ag_gemm.push_call), as all_gather_matmul
+            gemms = [ag_gemm.gemm_args(buffers[r], w, b, outputs[r][i], flags[r], epoch, r, world, shard_rows, chunks,
+                                       k_chunks, sm_count, None, None, timeout_s, main[r], None, shards[r], False,
+                                       False, False) for i, (w, b) in enumerate(zip(weights, biases))]
+            ag_gemm.push_call(shards[r], [x.data_ptr() for x in buffers], [f.data_ptr() for f in flags],
+                              [arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch,
+                              previous, r, epoch_words[r], gemms, events[r], main[r], side[r], chunks, k_chunks,
+                              timeout_s)
+            with torch.cuda.stream(main[r]):
+                ag_gemm.assemble_gathered(gathered[r], buffers[r], shards[r], r)
+            continue
         symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, previous, r,
                     main[r])
         symm.wait_passed(passed[r], epoch, side[r])
@@ -249,13 +262,15 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     (2, 512, 264, 16, 1, [136, 520]),   # more blocks than K tiles: the empty ones still raise their flags
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dtype):
+@pytest.mark.parametrize("one_call", [False, True], ids=["steps", "one_call"])
+def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dtype, one_call):
     """The push: each rank copies its shard into the peers' buffers and raises their flags; its GEMM reads its own
     rows from the shard (the buffer's own rows stay NaN) and the peers' rows from the buffer; the gathered A is
-    assembled from both."""
+    assembled from both.  Enqueued step by step from Python, and by one host call (ag_gemm.push_call, what
+    all_gather_matmul runs)."""
     torch.manual_seed(world + shard_rows + k_chunks)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias=True, chunks=chunks,
-                                                         dtype=dtype, k_chunks=k_chunks, push=True)
+                                                         dtype=dtype, k_chunks=k_chunks, push=True, one_call=one_call)
     _check_ranks(outputs, refs, gathered, full)
 
 
@@ -266,7 +281,7 @@ def test_push_across_the_epoch_wrap(epochs):
     this call's, and the arrival of the previous call must satisfy the push, on both sides of the wrap."""
     torch.manual_seed(epochs[0] & 0xFF)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(2, 256, 264, [520], with_bias=True, chunks=2, push=True,
-                                                         epochs=epochs)
+                                                         epochs=epochs, one_call=True)
     _check_ranks(outputs, refs, gathered, full)
 
 
@@ -276,7 +291,8 @@ def test_push_peer_never_delivers_times_out():
     from fluxinductor.kernels import ag_gemm, symm
 
     symm.clear_error(0)
-    run_ranks_on_one_gpu(2, 256, 264, [520], with_bias=False, skip_pull_from=1, timeout_s=0.5, push=True)
+    run_ranks_on_one_gpu(2, 256, 264, [520], with_bias=False, skip_pull_from=1, timeout_s=0.5, push=True,
+                         one_call=True)
     with pytest.raises(ag_gemm.AllGatherGemmError):
         ag_gemm.check_errors(torch.device("cuda", 0), synchronize=True)
     symm.clear_error(0)
