@@ -286,11 +286,11 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
     assert tuple(gathered.shape) == ((world * rows, k) if return_gathered else (0,))
 
 
-def _push_call_args(world=2, gemms=1, **changes):
+def _push_call_args(world=2, **changes):
     gemm = (0,) * 33
     args = dict(peer_arrivals=[8] * world, arrivals=8, passed=8, epoch=3, need=2, rank=0, timeout_ns=10**9,
                 error_word=0, shard=16, shard_rows=128, k=64, element_size=2, peer_buffers=[16] * world,
-                peer_flags=[16] * world, epoch_word=8, chunks_per_rank=2, k_chunks=1, k_tile=64, gemms=[gemm] * gemms,
+                peer_flags=[16] * world, epoch_word=8, chunks_per_rank=2, k_chunks=1, k_tile=64, gemms=[gemm],
                 fork_event=8, join_event=8, main_stream=0, side_stream=0)
     args.update(changes)
     return list(args.values())
