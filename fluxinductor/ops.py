@@ -173,14 +173,39 @@ def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scat
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") and not config.capture_kernels() \
     else ()
 
+# The ops are defined with torch.library.Library rather than torch.library.custom_op: custom_op's Python wrappers (its
+# autograd layer, the redispatch below it, the backend wrapper, dynamo's disable) cost 20-40 us of host time per call
+# on the 2xH200 machine, which a host-bound model pays on every layer (csrc/NOTES_ag_gemm.md, session 17).  The
+# kernel is registered for every backend (CompositeExplicitAutograd) and has no autograd formula: the passes put the
+# ops into graphs AOTAutograd has already differentiated, which run without grad.  A call that would need one is
+# refused (_refuse_grad), where the autograd fallback would otherwise only warn at backward time.
+_LIB = torch.library.Library("fluxinductor", "FRAGMENT")
 
-@torch.library.custom_op(
-    "fluxinductor::all_gather_matmul",
-    mutates_args=(),
-    tags=_TAGS,
-    schema="(Tensor shard, Tensor[] weights, Tensor?[] biases, int gather_dim, str group_name, "
-    "bool return_gathered) -> (Tensor[], Tensor)",
-)
+
+def _op(schema: str):
+    """Define ``fluxinductor::<the function's name><schema>`` with the decorated function as its kernel."""
+
+    def define(fn):
+        _LIB.define(fn.__name__ + schema, tags=_TAGS)
+        _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return define
+
+
+def _any_requires_grad(*args) -> bool:
+    return any(a.requires_grad if isinstance(a, Tensor) else
+               isinstance(a, (list, tuple)) and any(t is not None and t.requires_grad for t in a) for a in args)
+
+
+def _refuse_grad(name: str, *args) -> None:
+    if torch.is_grad_enabled() and _any_requires_grad(*args):
+        raise RuntimeError(f"fluxinductor::{name} has no autograd formula: call it under torch.no_grad() (the "
+                           "compile passes put it into graphs that AOTAutograd has already differentiated)")
+
+
+@_op("(Tensor shard, Tensor[] weights, Tensor?[] biases, int gather_dim, str group_name, bool return_gathered) "
+     "-> (Tensor[], Tensor)")
 def all_gather_matmul(
     shard: Tensor,
     weights: List[Tensor],
@@ -195,6 +220,7 @@ def all_gather_matmul(
     biases[i]: [N_i] or None.  outputs[i]: [..., world * S, ..., N_i].  The second result is the
     gathered ``A`` when ``return_gathered``, else an empty tensor.
     """
+    _refuse_grad("all_gather_matmul", shard, weights, biases)
     _check_all_gather_matmul(shard, weights, biases, gather_dim)
     fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
     if fused is not None:
@@ -203,7 +229,7 @@ def all_gather_matmul(
     return outputs, (gathered if return_gathered else shard.new_empty(0))
 
 
-@all_gather_matmul.register_fake
+@torch.library.register_fake("fluxinductor::all_gather_matmul")
 def _(shard, weights, biases, gather_dim, group_name, return_gathered):
     _check_all_gather_matmul(shard, weights, biases, gather_dim)
     world = _group(group_name).size()
@@ -215,13 +241,8 @@ def _(shard, weights, biases, gather_dim, group_name, return_gathered):
     return outputs, gathered
 
 
-@torch.library.custom_op(
-    "fluxinductor::matmul_reduce_scatter",
-    mutates_args=(),
-    tags=_TAGS,
-    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name, "
-    "ScalarType? out_dtype=None) -> Tensor",
-)
+@_op("(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name, "
+     "ScalarType? out_dtype=None) -> Tensor")
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
     out_dtype: Optional[torch.dtype] = None,
@@ -233,6 +254,7 @@ def matmul_reduce_scatter(
     reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype first).
     Returns [...] with ``scatter_dim`` divided by world.
     """
+    _refuse_grad("matmul_reduce_scatter", a, weight, bias)
     _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, _group(group_name).size())
     fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
     if fused is not None:
@@ -240,7 +262,7 @@ def matmul_reduce_scatter(
     return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
 
 
-@matmul_reduce_scatter.register_fake
+@torch.library.register_fake("fluxinductor::matmul_reduce_scatter")
 def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
     world = _group(group_name).size()
     _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, world)
@@ -250,13 +272,7 @@ def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
     return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
 
-@torch.library.custom_op(
-    "fluxinductor::matmul_all_reduce",
-    mutates_args=(),
-    tags=_TAGS,
-    schema="(Tensor a, Tensor weight, Tensor? bias, str reduce_op, str group_name, "
-    "ScalarType? out_dtype=None) -> Tensor",
-)
+@_op("(Tensor a, Tensor weight, Tensor? bias, str reduce_op, str group_name, ScalarType? out_dtype=None) -> Tensor")
 def matmul_all_reduce(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
     out_dtype: Optional[torch.dtype] = None,
@@ -269,6 +285,7 @@ def matmul_all_reduce(
     fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
     otherwise as the matmul and the all-reduce, the graph's own decomposition.
     """
+    _refuse_grad("matmul_all_reduce", a, weight, bias)
     _check_matmul_all_reduce(a, weight, reduce_op)
     group = _group(group_name)
     world = group.size()
@@ -284,7 +301,7 @@ def matmul_all_reduce(
     return matmul_all_reduce_reference(a, weight, bias, reduce_op, group_name, out_dtype)
 
 
-@matmul_all_reduce.register_fake
+@torch.library.register_fake("fluxinductor::matmul_all_reduce")
 def _(a, weight, bias, reduce_op, group_name, out_dtype=None):
     _check_matmul_all_reduce(a, weight, reduce_op)
     return a.new_empty(list(a.shape[:-1]) + [weight.shape[1]], dtype=out_dtype or a.dtype)

@@ -395,3 +395,19 @@ def test_bad_inputs_raise_clear_errors(check, path):
     key = check if path == "eager" else "fake_" + check
     for rank, per_rank in enumerate(_ops_results(2)):
         assert per_rank["bad"][key] is None, f"rank {rank}, {path}: {check}: {per_rank['bad'][key]}"
+
+
+@pytest.mark.parametrize("op, args", [
+    ("all_gather_matmul", lambda w: (torch.randn(4, 8), [w], [None], 0, "no-group", False)),
+    ("matmul_reduce_scatter", lambda w: (torch.randn(4, 8), w, None, "sum", 0, "no-group")),
+    ("matmul_all_reduce", lambda w: (torch.randn(4, 8), w, None, "sum", "no-group")),
+])
+def test_ops_refuse_inputs_that_need_grad(op, args):
+    """The ops have no autograd formula (the passes insert them into graphs AOTAutograd has already differentiated):
+    an input that needs a gradient is refused with a clear error, not given a silently wrong (missing) gradient."""
+    weight = torch.randn(8, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="has no autograd formula"):
+        getattr(torch.ops.fluxinductor, op)(*args(weight))
+    with torch.no_grad(), pytest.raises(Exception) as info:  # past the refusal: the group does not exist
+        getattr(torch.ops.fluxinductor, op)(*args(weight))
+    assert "autograd" not in str(info.value)
