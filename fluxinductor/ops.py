@@ -194,8 +194,12 @@ def _op(schema: str):
 
 
 def _any_requires_grad(*args) -> bool:
-    return any(a.requires_grad if isinstance(a, Tensor) else
-               isinstance(a, (list, tuple)) and any(t is not None and t.requires_grad for t in a) for a in args)
+    """Whether a tensor among ``args`` (tensors, None, or lists of them) requires grad."""
+    for arg in args:
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, Tensor) and t.requires_grad:
+                return True
+    return False
 
 
 def _refuse_grad(name: str, *args) -> None:

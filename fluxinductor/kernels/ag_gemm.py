@@ -329,21 +329,24 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
     """
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
-    symm.extension().ag_gemm_run(
-        *gemm_args(a, weight, bias, out, flags, epoch, rank, world, shard_rows, chunks_per_rank, k_chunks, sm_count,
-                   group_rows, variant, timeout_s, stream, tail_split, a_local, pdl, trap_on_timeout, capturing),
-        stream.cuda_stream)
+    args = gemm_args(a, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world, shard_rows=shard_rows,
+                     chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, sm_count=sm_count, group_rows=group_rows,
+                     variant=variant, timeout_s=timeout_s, stream=stream, tail_split=tail_split, a_local=a_local,
+                     pdl=pdl, trap_on_timeout=trap_on_timeout, capturing=capturing)
+    symm.extension().ag_gemm_run(*args, stream.cuda_stream)
     return out
 
 
-def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, flags: Optional[Tensor], epoch: int,
-              rank: int, world: int, shard_rows: int, chunks_per_rank: Optional[int], k_chunks: int, sm_count: int,
-              group_rows: Optional[int], variant: Optional[int], timeout_s: Optional[float],
-              stream: torch.cuda.Stream, tail_split: Optional[int], a_local: Optional[Tensor], pdl: bool,
-              trap_on_timeout: bool, capturing: Optional[bool]) -> tuple:
-    """ag_gemm_run's arguments but the stream, in the binding's order (csrc/bindings.cpp), for :func:`launch_gemm`'s
-    launch on ``stream`` (the tail split's epochs are taken from that stream's scratch here).  Positional: keyword
-    parsing of its 34 arguments costs pybind11 several microseconds per launch."""
+def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *, stream: torch.cuda.Stream,
+              flags: Optional[Tensor] = None, epoch: int = 0, rank: int = 0, world: int = 1, shard_rows: int = 0,
+              chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
+              group_rows: Optional[int] = None, variant: Optional[int] = None, timeout_s: Optional[float] = None,
+              tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False,
+              trap_on_timeout: bool = False, capturing: Optional[bool] = None) -> tuple:
+    """The arguments of :func:`launch_gemm`'s launch on ``stream`` as ag_gemm_run takes them, but the stream: the
+    binding's order (csrc/bindings.cpp), passed positionally, as keyword parsing of its 34 arguments costs pybind11
+    several microseconds per launch.  The tail split's epochs are taken from ``stream``'s scratch here, so the
+    launch must follow on that stream (ag_push_call takes a list of these)."""
     chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
     tail_split = TAIL_SPLIT if tail_split is None else tail_split
     if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
@@ -638,8 +641,9 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     pdl = False
     if push and ARRIVAL and ONE_CALL and len(weights) <= MAX_ONE_CALL_GEMMS:
         outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
-        gemms = [gemm_args(buffer, w, b, out, flags, epoch, rank, world, shard_rows, chunks, k_chunks, 0, None, None,
-                           None, main, None, shard2d, False, False, False) for w, b, out in zip(weights, biases, outputs)]
+        gemms = [gemm_args(buffer, w, b, out, stream=main, flags=flags, epoch=epoch, rank=rank, world=world,
+                           shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, a_local=shard2d,
+                           capturing=False) for w, b, out in zip(weights, biases, outputs)]
         addresses = ws.peer_addresses(parity, m, k, dtype)
         push_call(shard2d, addresses[0], addresses[1], ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
                   rank, ws.epoch_word, gemms, ws.push_events(), main, side, chunks, k_chunks)

@@ -215,9 +215,10 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
         side[r].wait_stream(torch.cuda.current_stream())
         main[r].wait_stream(torch.cuda.current_stream())
         if one_call and r != skip_from:  # the whole call from one host call (ag_gemm.push_call), as all_gather_matmul
-            gemms = [ag_gemm.gemm_args(buffers[r], w, b, outputs[r][i], flags[r], epoch, r, world, shard_rows, chunks,
-                                       k_chunks, sm_count, None, None, timeout_s, main[r], None, shards[r], False,
-                                       False, False) for i, (w, b) in enumerate(zip(weights, biases))]
+            gemms = [ag_gemm.gemm_args(buffers[r], w, b, outputs[r][i], stream=main[r], flags=flags[r], epoch=epoch,
+                                       rank=r, world=world, shard_rows=shard_rows, chunks_per_rank=chunks,
+                                       k_chunks=k_chunks, sm_count=sm_count, timeout_s=timeout_s, a_local=shards[r],
+                                       capturing=False) for i, (w, b) in enumerate(zip(weights, biases))]
             ag_gemm.push_call(shards[r], [x.data_ptr() for x in buffers], [f.data_ptr() for f in flags],
                               [arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch,
                               previous, r, epoch_words[r], gemms, events[r], main[r], side[r], chunks, k_chunks,
