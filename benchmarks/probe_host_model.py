@@ -8,6 +8,8 @@ Session 14 (2xH200, 46fe19d, FLUXINDUCTOR_DISPATCH=fused): host ms per Llama for
 flux 5.87; the flux ops' Python (dispatch, checks, launches) took most of the difference (csrc/NOTES_ag_gemm.md).
 Session 15 (2xH200): with the dispatcher's remembered decisions, flux 4.15 / 3.64 against 5.01 / 4.35 for the code
 before, alternating in one call (results/host_plans_ab/; inductor 2.3-4.0 in the same runs).
+Session 17 (2xH200): with the one-call push and the ops defined through torch.library.Library, flux 2.64 / 4.74 against
+4.75 / 5.82 for af16979, alternating (results/host_one_call/model_llama_fwd_host_*.log; inductor 3.62 / 3.03).
 """
 
 from __future__ import annotations
