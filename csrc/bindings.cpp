@@ -62,6 +62,27 @@ agg::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m, in
   return p;
 }
 
+// The arrival's parameters (ag_arrive_and_wait, and the arrival inside ag_push_call).
+agg::ArrivalParams make_arrival_params(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed,
+                                       uint32_t epoch, uint32_t need, int rank, long long timeout_ns,
+                                       int64_t error_word, bool reset = false) {
+  if (peer_arrivals.empty() || peer_arrivals.size() > size_t(agg::kMaxArrivalWorld)) {
+    throw std::invalid_argument("peer_arrivals: one address per rank, at most " +
+                                std::to_string(agg::kMaxArrivalWorld));
+  }
+  agg::ArrivalParams p;
+  p.world = int(peer_arrivals.size());
+  for (size_t q = 0; q < peer_arrivals.size(); ++q) {
+    p.peer_arrivals[q] = reinterpret_cast<uint32_t*>(peer_arrivals[q]);
+  }
+  p.arrivals = reinterpret_cast<const uint32_t*>(arrivals);
+  p.passed = reinterpret_cast<uint32_t*>(passed);
+  p.epoch = epoch; p.need = need; p.rank = rank; p.timeout_ns = timeout_ns;
+  p.error_word = reinterpret_cast<int*>(error_word);
+  p.reset = reset;
+  return p;
+}
+
 #define FLUXINDUCTOR_AG_GEMM_ARGS                                                                           \
   py::arg("dtype"), py::arg("a"), py::arg("m"), py::arg("k"), py::arg("lda"), py::arg("b"), py::arg("n"),    \
       py::arg("ldb"), py::arg("b_k_contiguous"), py::arg("bias"), py::arg("out"), py::arg("ldo"),           \
@@ -125,21 +146,9 @@ void export_ag_gemm(py::module_& m) {
       "ag_arrive_and_wait",
       [](const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch, uint32_t need,
          int rank, long long timeout_ns, int64_t error_word, int64_t stream, bool reset) {
-        agg::ArrivalParams p;
-        if (peer_arrivals.empty() || peer_arrivals.size() > size_t(agg::kMaxArrivalWorld)) {
-          throw std::invalid_argument("peer_arrivals: one address per rank, at most " +
-                                      std::to_string(agg::kMaxArrivalWorld));
-        }
-        p.world = int(peer_arrivals.size());
-        for (size_t q = 0; q < peer_arrivals.size(); ++q) {
-          p.peer_arrivals[q] = reinterpret_cast<uint32_t*>(peer_arrivals[q]);
-        }
-        p.arrivals = reinterpret_cast<const uint32_t*>(arrivals);
-        p.passed = reinterpret_cast<uint32_t*>(passed);
-        p.epoch = epoch; p.need = need; p.rank = rank; p.timeout_ns = timeout_ns;
-        p.error_word = reinterpret_cast<int*>(error_word);
-        p.reset = reset;
-        check_ok(agg::arrive_and_wait(p, reinterpret_cast<void*>(stream)));
+        check_ok(agg::arrive_and_wait(make_arrival_params(peer_arrivals, arrivals, passed, epoch, need, rank,
+                                                          timeout_ns, error_word, reset),
+                                      reinterpret_cast<void*>(stream)));
       },
       "the AG+GEMM's per-call arrival on `stream` (ag_gemm.h arrive_and_wait): write `epoch` into every peer's "
       "arrival word for this rank (peer_arrivals[q]; the entry for `rank` is unused), wait until each of this rank's "
@@ -164,17 +173,11 @@ void export_ag_gemm(py::module_& m) {
           throw std::invalid_argument("ag_push_call: 1 to " + std::to_string(agg::kMaxPushGemms) + " GEMMs");
         }
         agg::PushCallParams p;
-        agg::ArrivalParams& arrival = p.arrival;
-        arrival.world = world;
+        p.arrival = make_arrival_params(peer_arrivals, arrivals, passed, epoch, need, rank, timeout_ns, error_word);
         for (int q = 0; q < world; ++q) {
-          arrival.peer_arrivals[q] = reinterpret_cast<uint32_t*>(peer_arrivals[q]);
           p.peer_buffers[q] = reinterpret_cast<void*>(peer_buffers[q]);
           p.peer_flags[q] = reinterpret_cast<uint32_t*>(peer_flags[q]);
         }
-        arrival.arrivals = reinterpret_cast<const uint32_t*>(arrivals);
-        arrival.passed = reinterpret_cast<uint32_t*>(passed);
-        arrival.epoch = epoch; arrival.need = need; arrival.rank = rank; arrival.timeout_ns = timeout_ns;
-        arrival.error_word = reinterpret_cast<int*>(error_word);
         p.shard = reinterpret_cast<const void*>(shard);
         p.shard_rows = shard_rows; p.k = k; p.element_size = element_size;
         p.epoch_word = reinterpret_cast<uint32_t*>(epoch_word);

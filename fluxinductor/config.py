@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Union
 import torch.distributed as dist
 
 _tp_group_names: Optional[frozenset] = None
+_FS_ENCODING = sys.getfilesystemencoding()
 
 
 def env(name: str, default: Optional[str] = None) -> Optional[str]:
@@ -26,9 +27,6 @@ def env(name: str, default: Optional[str] = None) -> Optional[str]:
         return os.environ.get(name, default)
     value = data.get(name.encode(_FS_ENCODING, "surrogateescape"))
     return default if value is None else value.decode(_FS_ENCODING, "surrogateescape")
-
-
-_FS_ENCODING = sys.getfilesystemencoding()
 
 
 def disabled() -> bool:

@@ -183,11 +183,18 @@ _LIB = torch.library.Library("fluxinductor", "FRAGMENT")
 
 
 def _op(schema: str):
-    """Define ``fluxinductor::<the function's name><schema>`` with the decorated function as its kernel."""
+    """Define ``fluxinductor::<the function's name><schema>`` with the decorated function as its kernel, behind the
+    refusal of inputs that need a gradient."""
 
     def define(fn):
-        _LIB.define(fn.__name__ + schema, tags=_TAGS)
-        _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        name = fn.__name__
+
+        def kernel(*args, **kwargs):
+            _refuse_grad(name, *args, *kwargs.values())
+            return fn(*args, **kwargs)
+
+        _LIB.define(name + schema, tags=_TAGS)
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
         return fn
 
     return define
@@ -224,7 +231,6 @@ def all_gather_matmul(
     biases[i]: [N_i] or None.  outputs[i]: [..., world * S, ..., N_i].  The second result is the
     gathered ``A`` when ``return_gathered``, else an empty tensor.
     """
-    _refuse_grad("all_gather_matmul", shard, weights, biases)
     _check_all_gather_matmul(shard, weights, biases, gather_dim)
     fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
     if fused is not None:
@@ -258,7 +264,6 @@ def matmul_reduce_scatter(
     reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype first).
     Returns [...] with ``scatter_dim`` divided by world.
     """
-    _refuse_grad("matmul_reduce_scatter", a, weight, bias)
     _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, _group(group_name).size())
     fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
     if fused is not None:
@@ -289,7 +294,6 @@ def matmul_all_reduce(
     fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
     otherwise as the matmul and the all-reduce, the graph's own decomposition.
     """
-    _refuse_grad("matmul_all_reduce", a, weight, bias)
     _check_matmul_all_reduce(a, weight, reduce_op)
     group = _group(group_name)
     world = group.size()

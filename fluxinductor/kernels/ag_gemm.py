@@ -644,8 +644,8 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         gemms = [gemm_args(buffer, w, b, out, stream=main, flags=flags, epoch=epoch, rank=rank, world=world,
                            shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, a_local=shard2d,
                            capturing=False) for w, b, out in zip(weights, biases, outputs)]
-        addresses = ws.peer_addresses(parity, m, k, dtype)
-        push_call(shard2d, addresses[0], addresses[1], ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
+        peer_buffers, peer_flags = ws.peer_addresses(parity, m, k, dtype)
+        push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
                   rank, ws.epoch_word, gemms, ws.push_events(), main, side, chunks, k_chunks)
         if gathered.numel():
             assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMMs waited for every peer's chunk
