@@ -113,8 +113,8 @@ Error arrive_and_wait(ArrivalParams const& params, void* stream);
 Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 
 // One eager call of the push (fluxinductor/kernels/ag_gemm.py all_gather_matmul) enqueued by one host call: the
-// per-call stream operations cost host time that a Python loop over them multiplies (csrc/NOTES_ag_gemm.md, session
-// 17).  In order:
+// per-call stream operations cost host time that a Python loop over them multiplies (docs/design_ag_gemm.md).
+// In order:
 //   k_chunks == 1: `side` follows `main` (fork_event); the arrival on `main`; `side` waits until `passed` holds the
 //     epoch; the first GEMM is the arrival's programmatic dependent;
 //   k_chunks > 1 (one-wave problems, whose push start is the critical path): the arrival on `main`, then `side`

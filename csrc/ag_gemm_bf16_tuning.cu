@@ -1,6 +1,6 @@
 // AG+GEMM tuning variants 3, 4 and 5 (bf16, K-contiguous weight).  Built only with
 // CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING, so CI and releases do not pay for them; elsewhere they report an error.
-// benchmarks/sweep_kernels.py measures them against cuBLAS (results in csrc/NOTES_ag_gemm.md).
+// benchmarks/sweep_kernels.py measures them against cuBLAS (results in docs/design_ag_gemm.md).
 #include "ag_gemm_instances.h"
 #include "fluxinductor/ag_gemm_run.cuh"
 

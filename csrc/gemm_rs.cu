@@ -48,7 +48,7 @@ struct GemmRsShape {
   using ClusterShape = cute::Shape<cute::Int<ClusterM_>, cute::Int<ClusterN_>, cute::_1>;
 };
 
-// The shipped configuration (measured on H200, see csrc/NOTES_gemm_rs.md): ping-pong, so one math warp
+// The shipped configuration (measured on H200, see docs/design_gemm_rs.md): ping-pong, so one math warp
 // group's epilogue (the NVLink stores, the peer reads) runs under the other's MMAs.
 using DefaultShape = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 2, 1>;
 
@@ -84,7 +84,7 @@ struct GemmRsConfig {
   static_assert(Shape::kThreads == int(cute::size(typename CollectiveMainloop::TiledMma{})));
 };
 
-// Tile order by segment size, measured on 2 x H200 (csrc/NOTES_gemm_rs.md, NOTES_gemm_rs_bench.json): from
+// Tile order by segment size, measured on 2 x H200 (docs/design_gemm_rs.md): from
 // 2048 rows per segment up, swizzle 4 along N beat the stock order (M=8192,K=8192,N=28672: 3.12 vs 3.22 ms
 // fused); below it, swizzling delayed the own tiles' inputs (M=1024: 0.32 vs 0.20 ms fused).
 struct TileOrder {

@@ -9,7 +9,7 @@ copy-engine transport), ``fused_split`` (GEMM+RS as a ring of stock CUTLASS GEMM
 them) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
 dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
 
-Shapes are *global* GEMM shapes, the convention of ``shared/anchors/README.md`` (see :func:`global_mkn`):
+Shapes are *global* GEMM shapes, the convention of ``docs/performance.md`` (see :func:`global_mkn`):
 
 - ``all_gather_matmul``: each rank holds A_shard [M/world, K] and B [K, N/world]; out [M, N/world].
 - ``matmul_reduce_scatter``: each rank holds A [M, K/world] and B [K/world, N]; out [M/world, N].

@@ -175,7 +175,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 # The ops are defined with torch.library.Library rather than torch.library.custom_op: custom_op's Python wrappers (its
 # autograd layer, the redispatch below it, the backend wrapper, dynamo's disable) cost 20-40 us of host time per call
-# on the 2xH200 machine, which a host-bound model pays on every layer (csrc/NOTES_ag_gemm.md, session 17).  The
+# on the 2xH200 machine, which a host-bound model pays on every layer (docs/design_ag_gemm.md).  The
 # kernel is registered for every backend (CompositeExplicitAutograd) and has no autograd formula: the passes put the
 # ops into graphs AOTAutograd has already differentiated, which run without grad.  A call that would need one is
 # refused (_refuse_grad), where the autograd fallback would otherwise only warn at backward time.

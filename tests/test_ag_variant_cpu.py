@@ -39,7 +39,7 @@ def test_wave_model_counts_partial_waves_and_split_tails():
 
 
 # (per-rank M, K, N at TP=2) -> the variant the automatic choice takes.  Measured on one H200 with communication off
-# (csrc/NOTES_ag_gemm.md, session 13): 6 ahead at 4096 x 14336 (0.999 against 1.027x cuBLAS), 0 ahead at 2048, 3072
+# (docs/design_ag_gemm.md): 6 ahead at 4096 x 14336 (0.999 against 1.027x cuBLAS), 0 ahead at 2048, 3072
 # (1.014 / 1.025 against 1.063 / 1.086) and 16384 rows, and at 4096 x 24576.
 @pytest.mark.parametrize("m, k, n, expected", [
     (4096, 8192, 14336, 6),     # 4096x8192x28672: 14 -> 10.9 waves of 1.25x the work

@@ -3,7 +3,7 @@ one) and variant 6 (256x160, the 4096 x 14336 per-rank problem).
 
 Their consumer warp groups hold large fp32 accumulators, which leaves ptxas little room: one `__trap()` in the tile
 wait's timeout path (a8d68af) made variant 6 spill 1.3 KB and run 4.7x slower on 2xH200, and variant 0 spill 32-44
-bytes, unseen by every correctness test (csrc/NOTES_ag_gemm.md, session 14).  This compiles their translation units as
+bytes, unseen by every correctness test (docs/design_ag_gemm.md).  This compiles their translation units as
 the build does (CMakeLists.txt's flags) with ptxas's report and fails on any spill.  Needs nvcc (CI's machine has it)
 and the nvidia-cutlass headers (the test extras install the wheel)."""
 

@@ -23,7 +23,7 @@ every peer to reach this call (every slot written), the side stream
 pulls each peer's rows out of that peer's buffer into ours and raises our own flags, the GEMM reads every row
 from ``buffer``, and the side stream copies the gathered buffer out.  The pull puts the shard copy (an SM
 kernel: a same-device copy) in front of the GEMM on the main stream, 5 us at 8 MB and 0.15 ms at 235 MB on an
-H200, which is most of what the fused op costs over its GEMM (csrc/NOTES_ag_gemm.md, session 11).
+H200, which is most of what the fused op costs over its GEMM (docs/design_ag_gemm.md).
 
 A wait that times out writes an error code to a host-mapped word and the kernel goes on; the next call (or
 ``check_errors``) raises.  An arrival that times out traps (a peer more than FLUXINDUCTOR_TIMEOUT_S behind: the side
@@ -48,7 +48,7 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
 _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
-# Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md).
+# Tunables (measured on 2 x H200, see docs/design_ag_gemm.md).
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
 GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
 # Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
@@ -61,7 +61,7 @@ VARIANT: Optional[int] = (int(_VARIANT_ENV) if _VARIANT_ENV.isdigit() else -1) i
 WIDE_MIN_GAIN = 0.01
 # Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
 # shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
-# loop (csrc/NOTES_ag_gemm.md, sessions 6 and 7): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
+# loop (docs/design_ag_gemm.md): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
 # FLUXINDUCTOR_AG_K_CHUNKS=1 turns it off (row chunks for every shape).
 K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "4"))
 _K_TILE = 64  # every variant's K tile
@@ -156,8 +156,8 @@ def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optio
     """The variant a launch of ``[m, K] @ weight`` runs.  FLUXINDUCTOR_AG_VARIANT (``VARIANT``) when set; else 0,
     or 6 (256x160 tiles) where :func:`modelled_time` says it ends WIDE_MIN_GAIN sooner: a 4096 x 14336 output is
     14 waves of 128x256 tiles on 132 SMs (the last 58% full, too full to split) and 10.9 of the 1.25x larger
-    256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (csrc/NOTES_ag_gemm.md,
-    session 13), and on 2xH200 with communication on, E 0.787 -> 0.999 (session 14).  Only for bf16 with a
+    256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (docs/design_ag_gemm.md),
+    and on 2xH200 with communication on, E 0.787 -> 0.999.  Only for bf16 with a
     K-contiguous weight (the other kernels have one variant), and, in a call (``shard_rows`` given), for shards of
     whole 256-row tiles, so that the push and the tile order's groups keep whole tiles.  Never for a problem of one
     wave of 128x256 tiles (those take the K-chunked waits, measured with 0 only): there the model's one wave of
@@ -656,7 +656,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     elif k_chunks > 1:
         # One wave: the peers' tiles wait for the first column block from the start, so the push's start is the
         # critical path, and the side stream follows the arrival through an event (a stream wait on the passed word
-        # started the push later: csrc/NOTES_ag_gemm.md, session 12).
+        # started the push later: docs/design_ag_gemm.md).
         ws.arrive(epoch, need, main)
         side.wait_stream(main)
     else:

@@ -15,7 +15,7 @@ How the peer tiles travel (``transport``: the dispatcher passes the cost model's
   - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
     (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
     count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
-    of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4);
+    of that band.  It wins where the output per rank is largest (docs/design_gemm_rs.md);
   - ``split`` (N a multiple of 8): one stock CUTLASS GEMM per row segment instead of one kernel
     with our own epilogue, in a ring.  Step s computes segment (r + 1 + s) % world: the first (the peer GEMM)
     from scratch (+ bias) into the outbox, counting each tile per band once its TMA stores landed; the middle
@@ -132,7 +132,7 @@ def tail_split_parts() -> int:
     (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
     (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as programmatic dependents.  The
     two GEMMs with communication off went from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
-    (one H200, csrc/NOTES_gemm_rs.md session 8)."""
+    (one H200, docs/design_gemm_rs.md)."""
     value = int(_config.env("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4"))
     if value < 1:
         raise ValueError(f"FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT must be at least 1, got {value}")

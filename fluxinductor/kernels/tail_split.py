@@ -24,8 +24,8 @@ def waves() -> int:
     """How many waves a split tail may take (FLUXINDUCTOR_TAIL_SPLIT_WAVES, default 1).  With 1, a tail of T tiles on
     C clusters splits only where P T <= C (P >= 2 parts); with 2, also into parts that take two waves where that ends
     sooner (a tail of more than half a wave: T = 38 of 66 clusters splits in 3 parts, 2/3 of a tile's time), for
-    twice the scratch.  Off by default: on one H200 it gained nothing beyond the timing spread (csrc/NOTES_gemm_rs.md,
-    session 8)."""
+    twice the scratch.  Off by default: on one H200 it gained nothing beyond the timing spread
+    (docs/design_gemm_rs.md)."""
     value = int(config.env("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1"))
     if not 1 <= value <= 4:
         raise ValueError(f"FLUXINDUCTOR_TAIL_SPLIT_WAVES must be in [1, 4], got {value}")

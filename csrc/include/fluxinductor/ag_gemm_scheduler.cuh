@@ -447,7 +447,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   CUTLASS_DEVICE void wait_for_tile(int m_block, int n_block) {
     // The mainloop's load issues from one elected lane; the other lanes return at once and reach this wait while
     // that lane may still be issuing the previous tile.  Reconverge first, so the whole warp waits together (a
-    // warp entering the wait split hung the K-chunked producer: csrc/NOTES_ag_gemm.md, session 7).
+    // warp entering the wait split hung the K-chunked producer: docs/design_ag_gemm.md).
     __syncwarp();
     int const first_row = m_block * kTileM;
     if (gave_up_ || first_row >= schedule_.total_rows) {

@@ -13,7 +13,7 @@
 //    (AllGatherTileScheduler with every chunk remote) before loading A and C.
 //
 // Against the one-kernel transports the price is a launch per segment and its wave tail; the gain is a GEMM whose
-// epilogue is CUTLASS's (no staged stores through our own code, no reduction loop).  See csrc/NOTES_gemm_rs.md.
+// epilogue is CUTLASS's (no staged stores through our own code, no reduction loop).  See docs/design_gemm_rs.md.
 #pragma once
 
 #include <cstdint>
