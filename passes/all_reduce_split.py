@@ -80,8 +80,8 @@ ALL_REDUCE = m.c10d.all_reduce.default
 # What a byte of row-wise work saved is worth in exposed all-gather bytes.  Measured on one H200
 # (benchmarks/probe_row_work.py, benchmarks/results/row_work/h200_row_work.json): a compiled residual add + RMSNorm
 # in bf16 on half of 4096-8192 rows saves 62-88 us, 0.049-0.071 of the time NCCL's all-gather takes (173 GB/s bus
-# bandwidth on 2xH200) for the bytes the planner credits there; inductor fuses such chains into a kernel or two, so an op
-# on its own would be worth more.
+# bandwidth on 2xH200) for the bytes the planner credits there; inductor fuses such chains into a kernel or two, so
+# an op on its own would be worth more.
 _ROW_WORK_CREDIT = 1 / 16
 
 _LAST_DIM_REDUCTIONS = (m.aten.sum.dim_IntList, m.aten.mean.dim, m.aten.amax.default, m.aten.amin.default)
