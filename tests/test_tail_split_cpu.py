@@ -95,6 +95,6 @@ def test_tail_parts_rule_matches_a_simulation():
                     expected = _simulated_parts(tail, clusters, max_parts, max_waves)
                     got = _C.ag_tail_split_parts(tail, clusters, max_parts, max_waves)
                     assert got == expected, (tail, clusters, max_parts, max_waves)
-    # The cases the tests on the GPU and csrc/NOTES rely on.
+    # The cases the tests on the GPU and docs/design_gemm_rs.md rely on.
     assert _C.ag_tail_split_parts(38, 66, 4, 1) == 1 and _C.ag_tail_split_parts(38, 66, 4, 2) == 3
     assert _C.ag_tail_split_parts(18, 66, 4, 1) == 3 and _C.ag_tail_split_parts(10, 16, 4, 2) == 3
