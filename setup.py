@@ -60,13 +60,16 @@ class _Terminal:
             self._tty = open("/dev/tty", "w")  # noqa: SIM115 - kept open for the build's progress lines
         except OSError:
             self._tty = None
+        # The first line leaves pip's "Building ... -" line; the others start by overwriting its spinner's character.
+        self._line_start = "\n"
 
     def say(self, line: str, tty: bool = True) -> None:
         print(line, file=sys.stderr, flush=True)
         if tty and self._tty is not None:
             try:
-                self._tty.write(line + "\n")
+                self._tty.write(self._line_start + line + "\n")
                 self._tty.flush()
+                self._line_start = "\r"
             except OSError:
                 self._tty = None
 

@@ -85,8 +85,8 @@ int64_t tail_split_flag_count(int sm_count, int waves = 1);
 // split), for tests on the host.
 int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves);
 
-// The per-call arrival (csrc/ag_gemm/arrival.cu), the AG+GEMM's barrier.  Rank r reaching call e writes e into its arrival
-// word on every peer (r's earlier work on this stream, its GEMMs of calls < e included, is done by then), waits until
+// The per-call arrival (csrc/ag_gemm/arrival.cu), the AG+GEMM's barrier.  Rank r reaching call e writes e into its
+// arrival word on every peer (r's earlier work on this stream, its GEMMs of calls < e included, is done by then), waits until
 // every peer's arrival word here is at least `need`, then sets *passed = epoch, which the copy stream waits for before
 // it writes into peers' buffers.  With `reset` (calls captured in CUDA graphs, whose epoch is one constant) it then
 // sets each of this rank's words back to 0: a peer writes its next arrival only after its GEMM of this call, which

@@ -2,7 +2,7 @@
 // checks, and the per-call handshake launch.  Torch-free; see gemm_rs.h for the contract.
 #include "gemm_rs/gemm_rs.h"
 
-// CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING builds every kernel's tuning variants (AG+GEMM's too).
+// Tuning builds (CMake -DFLUXINDUCTOR_KERNEL_TUNING=ON) add every kernel's tuning variants, this file's too.
 #if defined(FLUXINDUCTOR_KERNEL_TUNING) && !defined(FLUXINDUCTOR_GEMM_RS_TUNING)
 #define FLUXINDUCTOR_GEMM_RS_TUNING
 #endif
