@@ -28,8 +28,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# A full default build (every translation unit one after another) on one core of a 2-core x86 machine; the longest
-# unit (csrc/gemm_rs/gemm_rs.cu) bounds the time however many cores there are.  For the estimate only.
+# For the announced estimate only: the default build's compile time summed over its translation units, in minutes of
+# one core (about 11 minutes on an otherwise idle 2-core x86 machine), and its longest unit (csrc/gemm_rs/gemm_rs.cu),
+# which bounds the time however many cores there are.  A loaded machine takes longer.
 _BUILD_CORE_MINUTES = 20
 _LONGEST_UNIT_MINUTES = 6
 
@@ -119,7 +120,8 @@ def _should_build():
     wanted = _flag("FLUXINDUCTOR_BUILD_EXTENSION")
     if _require_extension():
         if wanted is False:
-            raise ValueError("FLUXINDUCTOR_REQUIRE_EXTENSION=1 and FLUXINDUCTOR_BUILD_EXTENSION=0 contradict each other")
+            raise ValueError("FLUXINDUCTOR_REQUIRE_EXTENSION=1 and FLUXINDUCTOR_BUILD_EXTENSION=0 contradict each "
+                             "other")
         return True, "FLUXINDUCTOR_REQUIRE_EXTENSION=1"
     if wanted is not None:
         return wanted, f"FLUXINDUCTOR_BUILD_EXTENSION={os.environ['FLUXINDUCTOR_BUILD_EXTENSION'].strip()}"
@@ -128,10 +130,11 @@ def _should_build():
     found, cuda = _installed_torch_cuda()
     if found:
         if cuda is None:
-            return False, "the installed torch is a CPU build (torch.version.cuda is None), so the kernels could not run"
-        return True, f"nvcc and a torch built with CUDA {cuda}"
+            return False, ("the installed torch is a CPU build (torch.version.cuda is None), so the kernels could "
+                           "not run")
+        return True, f"nvcc found, torch built with CUDA {cuda}"
     if _gpu_present():
-        return True, "no torch found at build time; nvcc and a GPU (nvidia-smi -L) are"
+        return True, "nvcc found, no torch found at build time, a GPU found by nvidia-smi -L"
     return False, "no torch found at build time and no GPU (nvidia-smi -L)"
 
 
@@ -184,8 +187,9 @@ class CMakeBuild(build_ext):
         jobs = int(os.environ.get("FLUXINDUCTOR_BUILD_JOBS", "") or os.cpu_count() or 2)
         tuning = any(re.fullmatch(r"-DFLUXINDUCTOR_KERNEL_TUNING(:BOOL)?=(ON|1|TRUE|YES)", a, re.I) for a in extra)
         minutes = max(_LONGEST_UNIT_MINUTES, -(-_BUILD_CORE_MINUTES // max(1, jobs))) * (2 if tuning else 1)
-        terminal.say(f"fluxinductor: building the CUDA kernels (CUTLASS, sm90a{', with the tuning variants' if tuning else ''}) "
-                     f"because of {why}: ~{minutes} minutes with {jobs} jobs.  Without them: FLUXINDUCTOR_BUILD_EXTENSION=0")
+        what = "CUTLASS, sm90a" + (", with the tuning variants" if tuning else "")
+        terminal.say(f"fluxinductor: building the CUDA kernels ({what}; {why}): about {minutes} minutes with {jobs} "
+                     "jobs.  FLUXINDUCTOR_BUILD_EXTENSION=0 skips them")
         start = time.monotonic()
         self._run(["cmake", ext.source_dir] + cmake_args, build_dir, terminal, progress=False)
         self._run(["cmake", "--build", ".", "-j", str(jobs)], build_dir, terminal, progress=True)
@@ -201,8 +205,8 @@ class CMakeBuild(build_ext):
         for line in proc.stdout:
             line = line.rstrip()
             tail = (tail + [line])[-40:]
-            step = re.match(r"\[(\d+/\d+)\] (?:Building \w+ object|Linking \w+ \w+ module) .*?(csrc/\S+?|\S+\.so)(?:\.o)?$",
-                            line)
+            step = re.match(r"\[(\d+/\d+)\] (?:Building \w+ object|Linking \w+ \w+ module) "
+                            r".*?(csrc/\S+?|\S+\.so)(?:\.o)?$", line)
             if progress and step:
                 terminal.say(f"fluxinductor: [{step.group(1)}] {step.group(2)}")
             else:
