@@ -11,7 +11,7 @@
 # both tail splits off (STEPS="bench tailsab" for that A/B).
 # mbench: bench_ops on the Llama-style models' shapes (MODEL_SHAPES), into the same table as bench.
 # pingab (TUNING=1): bench_ops with AG+GEMM's ping-pong tuning variant 5 vs the default.
-# STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING).
+# STEPS="none" only builds.  host: host cost per call of each dispatch path.  probe: NVLink transport probe.  dtests: only the multi-rank torchrun checks (NPROC ranks).  TUNING=1 builds the tuning variants too (CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON).
 # The bench step merges its rows into a copy of the packaged cost-model table in $OUT/tuning, and the model step
 # runs with that table (FLUXINDUCTOR_TUNING_DIR), so a bench of new shapes feeds the model run that follows.
 set -u
@@ -25,7 +25,7 @@ NPROC=${NPROC:-2}
 TAG=h200x${NPROC}_tp${NPROC}
 mkdir -p "$OUT/tuning"
 cp fluxinductor/tuning/*.json "$OUT/tuning/"
-if [ "${TUNING:-0}" = 1 ]; then export CUDAFLAGS="${CUDAFLAGS:-} -DFLUXINDUCTOR_KERNEL_TUNING"; fi
+if [ "${TUNING:-0}" = 1 ]; then export CMAKE_ARGS="${CMAKE_ARGS:-} -DFLUXINDUCTOR_KERNEL_TUNING=ON"; fi
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 if [ "$NPROC" -gt 2 ]; then nvidia-smi topo -m | head -8; fi
 python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl

@@ -6,10 +6,10 @@
     python3 benchmarks/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
     python3 benchmarks/sweep_kernels.py --op ag --variants 0 --stock 0,1,2 --out $OUT/sweep_ag_stock.json
 
-Needs an extension built with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING for the tuning variants (AG variants
-3, 4; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
+Needs an extension built with CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON for the tuning variants (AG variants
+1-5 and 7; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
 
-``--stock`` (tuning builds) adds stock CUTLASS GEMMs on the same problems (csrc/probe_stock_gemm.h: CUTLASS's own
+``--stock`` (tuning builds) adds stock CUTLASS GEMMs on the same problems (csrc/tuning/probe_stock_gemm.h: CUTLASS's own
 persistent and stream-K schedulers, no fluxinductor code in the kernel), which separates what our scheduler and
 mainloop wrapper cost from CUTLASS's own distance to cuBLAS.
 
@@ -141,14 +141,17 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
 
 
 def stock_gemm(config: int, a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
-    """A stock CUTLASS GEMM (csrc/probe_stock_gemm.h) of out = a @ w_t, its workspace allocated once."""
+    """A stock CUTLASS GEMM (csrc/tuning/probe_stock_gemm.h) of out = a @ w_t, its workspace allocated once."""
     from fluxinductor.kernels import symm
 
     ext = symm.extension()
     (m, k), n = a.shape, w_t.shape[1]
+    if not hasattr(ext, "probe_stock_gemm_workspace"):  # exported by tuning builds only
+        raise RuntimeError("the stock CUTLASS GEMMs exist only in tuning builds "
+                           "(CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON)")
     size = ext.probe_stock_gemm_workspace(config, m, n, k)
     if size < 0:
-        raise RuntimeError("the stock CUTLASS GEMMs exist only in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)")
+        raise RuntimeError(f"no stock CUTLASS GEMM configuration {config}")
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=a.device)
 
     def call():
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4,6)")
     p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
     p.add_argument("--stock", default=None,
-                   help="--op ag: comma-separated stock CUTLASS GEMM configurations to time too (csrc/probe_stock_gemm.h:"
+                   help="--op ag: comma-separated stock CUTLASS GEMM configurations to time too (csrc/tuning/probe_stock_gemm.h:"
                         " 0 persistent 128x256 c2x1, 1 stream-K 128x256 c2x1, 2 persistent 256x128 c1x2; tuning builds)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -234,7 +234,7 @@ def test_epochs_wrap_past_zero_and_remember_the_previous_call():
 @pytest.mark.parametrize("one_wave", [False, True])
 @pytest.mark.parametrize("return_gathered", [False, True])
 def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
-    """The default eager push on the arrival is enqueued by one host call (ag_gemm.push_call, csrc/ag_gemm.h): it gets
+    """The default eager push on the arrival is enqueued by one host call (ag_gemm.push_call, csrc/ag_gemm/ag_gemm.h): it gets
     the shard, every rank's buffer and flag addresses of this call's parity, this rank's arrival words, the epoch and
     the previous call's (what a push needs), the chunking (row chunks, or column blocks on one-wave problems) and
     one GEMM per weight reading this rank's rows from the shard, none launched as a dependent by its arguments

@@ -30,7 +30,7 @@ def _cutlass_include():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.skipif(_cutlass_include() is None, reason="the nvidia-cutlass wheel's headers are not installed")
-@pytest.mark.parametrize("unit", ["ag_gemm_bf16.cu", "ag_gemm_bf16_wide.cu"])
+@pytest.mark.parametrize("unit", ["ag_gemm/instances_bf16.cu", "ag_gemm/instances_bf16_256x160.cu"])
 def test_default_ag_gemm_kernels_have_no_spills(unit, tmp_path):
     cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "--expt-extended-lambda",
            "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1", "-I", os.path.join(ROOT, "csrc"),

@@ -79,7 +79,7 @@ def _simulated_parts(tail: int, clusters: int, max_parts: int, max_waves: int) -
 
 
 def test_tail_parts_rule_matches_a_simulation():
-    """The kernel's closed form (ag_gemm_scheduler.cuh tail_split_parts, called through the extension) against the
+    """The kernel's closed form (ag_gemm/scheduler.cuh tail_split_parts, called through the extension) against the
     simulated deal of units to clusters, over every tail of 66 and 16 clusters."""
     from fluxinductor.kernels import extension_available
 

@@ -3,7 +3,7 @@
 Per call, on rank r of W (shard: [S, K], M = W * S), with buffer = this call's symmetric buffer [M, K], when S is
 a multiple of the kernel's tile M (the push, the default):
 
-1. main stream: the call's arrival (``SymmetricWorkspace.arrive``, csrc/ag_barrier.cu), one warp: write the call's
+1. main stream: the call's arrival (``SymmetricWorkspace.arrive``, csrc/ag_gemm/arrival.cu), one warp: write the call's
    epoch into this rank's arrival word on every peer, check that every peer has reached the previous call (so its
    GEMM of two calls ago, the last reader of the buffer parity we are about to write into, is done), then release
    the side stream.  In a healthy run that check finds the word already set: this rank's previous GEMM waited for
@@ -11,7 +11,7 @@ a multiple of the kernel's tile M (the push, the default):
 2. side stream (copy engine, no SMs), once the arrival has passed: for q = r-1, r-2, ... (mod W, the order in which
    the peers' tile walks reach rank r's rows), push the shard straight from the caller's tensor into rows [r*S, (r+1)*S) of peer q's
    buffer, chunk by chunk; after each chunk, copy the call's epoch into that chunk's flag on peer q.
-3. main stream: the fused GEMM (csrc/ag_gemm.cu) for each weight, the first launched as a programmatic dependent of
+3. main stream: the fused GEMM (csrc/ag_gemm/ag_gemm.cu) for each weight, the first launched as a programmatic dependent of
    the arrival so that it starts at once (it reads nothing the arrival writes), reading this rank's rows from the shard
    itself (a second TMA descriptor, so the shard is never copied into the buffer) and the peers' rows from
    ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the
@@ -45,13 +45,13 @@ from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 from fluxinductor.kernels.tail_split import waves as tail_split_waves
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
-_ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
+_ERROR_SPLIT_TIMEOUT = 3  # ag_gemm/scheduler.cuh kErrorSplitTimeout
 _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
 # Tunables (measured on 2 x H200, see docs/design_ag_gemm.md).
 CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
 GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
-# Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
+# Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm/ag_gemm.h Variant): 0 cooperative 128x256
 # cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2, 6 cooperative 256x160 cluster 1x2;
 # tuning builds add 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2, 5 ping-pong 128x192
 # cluster 2x1 and 7 cooperative 256x160 cluster 2x1.  Unset (None): per shape, 0 or 6 (kernel_variant).
@@ -70,12 +70,12 @@ _K_TILE = 64  # every variant's K tile
 _MIN_K_BLOCK_BYTES = 1 << 20
 # Tail split: when the last wave of tiles is partial (after at least one full wave), its tiles are split along K into
 # up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
-# (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
+# (csrc/include/fluxinductor/ag_gemm/scheduler.cuh; cooperative variants).  1 turns it off.
 TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
-# Each variant's tiling (csrc/include/fluxinductor/ag_gemm_kernel.cuh): tile M, tile N, cluster M, cluster N.
+# Each variant's tiling (csrc/include/fluxinductor/ag_gemm/kernel.cuh): tile M, tile N, cluster M, cluster N.
 _TILES = {0: (128, 256, 2, 1), 1: (256, 128, 1, 2), 2: (128, 128, 1, 2), 3: (256, 128, 2, 1), 4: (128, 256, 1, 2),
           5: (128, 192, 2, 1), 6: (256, 160, 1, 2), 7: (256, 160, 2, 1)}
-# The variants whose partial last wave the kernel splits (ag_gemm_scheduler.cuh supports_tail_split: cooperative,
+# The variants whose partial last wave the kernel splits (ag_gemm/scheduler.cuh supports_tail_split: cooperative,
 # tiles of at most 128 x 256).
 _TAIL_SPLITTING = (0, 1, 3, 4)
 
@@ -90,11 +90,11 @@ def _cluster_row_height(variant: int) -> int:
 # Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
 # shard's rows are a multiple of the tile's M); 0 = the pull for every call.
 PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
-# 1 (default): the call's barrier is the arrival kernel (csrc/ag_barrier.cu), which the side stream waits for and the
+# 1 (default): the call's barrier is the arrival kernel (csrc/ag_gemm/arrival.cu), which the side stream waits for and the
 # GEMM does not; 0: torch symmetric memory's barrier on the main stream in front of the GEMM (the earlier design, kept
 # for A/B measurements and as a fallback).  Every rank must use the same (the check of the first call of a layout).
 ARRIVAL = os.environ.get("FLUXINDUCTOR_AG_ARRIVAL", "1").strip() not in ("0", "false", "no", "")
-# 1 (default): an eager push call on the arrival is enqueued by one host call (csrc/ag_gemm.h push_call: the fork,
+# 1 (default): an eager push call on the arrival is enqueued by one host call (csrc/ag_gemm/ag_gemm.h push_call: the fork,
 # the arrival, the push, the GEMMs, the join); 0: each step from Python (the earlier code, kept for A/B measurements
 # of the host time).  Only the host side differs: the GPU gets the same work in the same order.
 ONE_CALL = os.environ.get("FLUXINDUCTOR_AG_ONE_CALL", "1").strip() not in ("0", "false", "no", "")
@@ -121,7 +121,7 @@ def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_part
     """A persistent GEMM's time in units of one output element's K loop: waves of tiles x the tile's area.  A wave is
     one tile per cluster of the grid; a partial last wave counts whole, or, where the variant splits its tail (into
     at most ``tail_parts`` parts over ``tail_waves`` waves, after a full wave), as the split's parts
-    (ag_gemm_scheduler.cuh tail_split_parts)."""
+    (ag_gemm/scheduler.cuh tail_split_parts)."""
     tile_m, tile_n, cluster_m, cluster_n = _TILES[variant]
     cluster = cluster_m * cluster_n
     tiles = -(-m // tile_m) * -(-n // tile_n)
@@ -138,7 +138,7 @@ def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_part
 
 
 def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
-    """Whether launches with this weight have variants (csrc/ag_gemm.cu: bf16 with a K-contiguous weight)."""
+    """Whether launches with this weight have variants (csrc/ag_gemm/ag_gemm.cu: bf16 with a K-contiguous weight)."""
     layout = _weight_layout(weight)
     return dtype == torch.bfloat16 and layout is not None and layout[0]
 
@@ -146,7 +146,7 @@ def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
 def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
     """FLUXINDUCTOR_AG_VARIANT where launches with this weight have variants, else 0."""
     if VARIANT is not None and VARIANT not in _TILES:
-        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILES)} (csrc/ag_gemm.h Variant), "
+        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILES)} (csrc/ag_gemm/ag_gemm.h Variant), "
                          f"got {os.environ.get('FLUXINDUCTOR_AG_VARIANT')!r}")
     return VARIANT if VARIANT is not None and _has_variants(dtype, weight) else 0
 
@@ -516,7 +516,7 @@ def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[i
               arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, epoch_word: Tensor,
               gemms: Sequence[tuple], events: Tuple[int, int], main: torch.cuda.Stream, side: torch.cuda.Stream,
               chunks_per_rank: int, k_chunks: int, timeout_s: Optional[float] = None) -> None:
-    """Enqueue one eager push call with one host call (csrc/ag_gemm.h push_call): what :func:`all_gather_matmul`
+    """Enqueue one eager push call with one host call (csrc/ag_gemm/ag_gemm.h push_call): what :func:`all_gather_matmul`
     otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
     ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, the GEMMs on ``main``
     (``gemms``: :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), ``main``

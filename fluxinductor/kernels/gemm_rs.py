@@ -22,7 +22,7 @@ How the peer tiles travel (``transport``: the dispatcher passes the cost model's
     ones (relays, more than two ranks) add, waiting per band for its flag, the partial sum rank r + 1 sent for
     the same segment; each of these goes to rank r - 1 band by band on the copy stream, as in ``copy``.  The
     last step computes this rank's rows and adds rank r + 1's partial sum of them as its source C.  Its GEMM is
-    AG+GEMM's, which runs at cuBLAS's speed (csrc/include/fluxinductor/gemm_rs_split.cuh).  Where a call does
+    AG+GEMM's, which runs at cuBLAS's speed (csrc/include/fluxinductor/gemm_rs/split.cuh).  Where a call does
     not qualify, ``copy`` runs instead (logged under FLUXINDUCTOR_LOG=1).
 
 Per call a one-block handshake kernel exchanges (epoch, problem signature) with every peer: it makes buffer
@@ -139,7 +139,7 @@ def tail_split_parts() -> int:
     return value
 
 
-# The split GEMMs' configurations (csrc/gemm_rs_split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
+# The split GEMMs' configurations (csrc/gemm_rs/split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
 # (bf16); 1 (ping-pong 64x256) only in tuning builds.
 SPLIT_CONFIGS = (0, 2)
 _TAIL_SPLIT_CONFIGS = (0,)  # the cooperative configuration (ag_gemm::supports_tail_split)

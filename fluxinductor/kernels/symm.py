@@ -336,7 +336,7 @@ class SymmetricWorkspace:
 
 def arrive(peer_arrivals: List[int], arrivals: torch.Tensor, passed: torch.Tensor, epoch: int, need: int, rank: int,
            stream: torch.cuda.Stream, timeout_s: Optional[float] = None, reset: bool = False) -> None:
-    """Enqueue on ``stream`` the arrival of ``rank`` at call ``epoch`` (csrc/ag_gemm.h arrive_and_wait): one warp
+    """Enqueue on ``stream`` the arrival of ``rank`` at call ``epoch`` (csrc/ag_gemm/ag_gemm.h arrive_and_wait): one warp
     writes ``epoch`` to the address peer_arrivals[q] (this rank's word on peer q; the entry for ``rank`` is unused),
     waits until every arrivals[q] (int32 [world], written by the peers) is at least ``need``, then sets ``passed``
     (one int32) to ``epoch``.  A kernel launched next on ``stream`` with ``pdl`` starts without waiting for it.  Past

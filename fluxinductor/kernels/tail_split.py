@@ -2,7 +2,7 @@
 
 When a persistent GEMM's last wave of tiles is partial (after at least one full wave), its tiles are split along K into
 parts run by the wave's idle clusters; the parts but the last store fp32 sums here and raise a flag, the last part
-adds them (csrc/include/fluxinductor/ag_gemm_scheduler.cuh, AllGatherTileScheduler::fixup).  A launch owns the
+adds them (csrc/include/fluxinductor/ag_gemm/scheduler.cuh, AllGatherTileScheduler::fixup).  A launch owns the
 scratch until it ends, so there is one per stream: launches on one stream run in order, launches on different streams
 may run at once.  Flags are never reset: every launch takes a new epoch and a part's flag is ready when it holds
 exactly that epoch.

@@ -1,4 +1,4 @@
-"""A peer that never reaches the call: the AG+GEMM's arrival (csrc/ag_barrier.cu) must give up after its timeout and
+"""A peer that never reaches the call: the AG+GEMM's arrival (csrc/ag_gemm/arrival.cu) must give up after its timeout and
 stop the CUDA context (trap) instead of releasing the copy stream or spinning forever.  Run in a subprocess by
 tests/gpu/test_ag_gemm.py::test_arrival_timeout_traps, since the trap ends this process's CUDA context.
 

@@ -1,6 +1,6 @@
 """A fused kernel's wait that gives up in a call made for a CUDA graph must end the CUDA context (no host code runs
 inside a replay to raise the error word, and the kernel must not finish with rows that never came): the error code
-is written first, then csrc/include/fluxinductor/stop_context.cuh faults.  Run in a subprocess by
+is written first, then csrc/include/fluxinductor/common/stop_context.cuh faults.  Run in a subprocess by
 tests/gpu/test_cudagraph_mode.py::test_captured_wait_that_times_out_stops_the_context, since it ends this process's
 CUDA context.
 

@@ -272,7 +272,7 @@ def main():
     parser.add_argument("--configs", default="",
                         help="kernel variants to time, ';'-separated, each 'config,swizzle,raster[,push=store|copy]"
                         "[,bands=N]' (empty fields = default); config needs a tuning build "
-                        "(CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING)")
+                        "(CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON)")
     parser.add_argument("--shapes", default="4096x12288x49152,2048x8192x28672,8192x8192x28672,1024x8192x8192,"
                         "4096x28672x8192", help="global MxKxN to time with --bench, comma-separated")
     args = parser.parse_args()

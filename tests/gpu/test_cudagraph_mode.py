@@ -41,7 +41,7 @@ def test_captured_two_ranks_torchrun():
 def test_captured_wait_that_times_out_stops_the_context(which, code):
     """A wait that gives up in a call made for a CUDA graph writes its code and ends the context
     (tests/gpu/run_captured_wait_stops.py in a subprocess): the AG+GEMM's tile waits with variants 0 and 6 (whose
-    registers the stop must not disturb: csrc/include/fluxinductor/stop_context.cuh) and the GEMM+RS handshake."""
+    registers the stop must not disturb: csrc/include/fluxinductor/common/stop_context.cuh) and the GEMM+RS handshake."""
     run = subprocess.run([sys.executable, os.path.join(HERE, "run_captured_wait_stops.py"), which],
                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=120)
     assert f"STOPPED code {code}:" in run.stdout, run.stdout[-4000:] + run.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""Tests of the fused GEMM + reduce-scatter kernel (fluxinductor/kernels/gemm_rs.py, csrc/gemm_rs.cu).
+"""Tests of the fused GEMM + reduce-scatter kernel (fluxinductor/kernels/gemm_rs.py, csrc/gemm_rs/gemm_rs.cu).
 
 * ``gemm_only``: the kernel with communication off against an fp32 reference (awkward M, odd N, both weight
   layouts, bias or not, bf16 and fp16), output poisoned with NaN first.
@@ -453,7 +453,7 @@ def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch
     from fluxinductor.kernels import gemm_rs
 
     if config == 1 and not gemm_rs._extension().gemm_rs_tuning_build():
-        pytest.skip("split configuration 1 needs a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
+        pytest.skip("split configuration 1 needs a build with CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON")
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", str(config))
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
     a = torch.randn(2 * rows, 264, dtype=torch.bfloat16, device="cuda")
@@ -581,7 +581,7 @@ def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
     from fluxinductor.kernels import gemm_rs
 
     if not gemm_rs._extension().gemm_rs_tuning_build():
-        pytest.skip("tuning variants need a build with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING")
+        pytest.skip("tuning variants need a build with CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON")
     monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_CONFIG", str(config))
     # Load the variant's kernel before the ranks' kernels wait on each other: with CUDA's lazy module loading a
     # first launch while another rank's kernel spins on this GPU can stall until that kernel's flag wait times

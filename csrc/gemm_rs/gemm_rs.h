@@ -71,12 +71,12 @@ struct GemmRsArgs {
   int bands = 4;                  // bands per segment wanted (1..kGemmRsMaxBands; fewer when M is small)
   void* copy_stream = nullptr;    // cudaStream_t the copies run on (not `stream`)
   // Split transport (copy-engine resources above, K-major weight): one GEMM per segment with CUTLASS's own epilogue,
-  // in a ring (csrc/include/fluxinductor/gemm_rs_split.cuh, run_split in gemm_rs.cu).
+  // in a ring (csrc/include/fluxinductor/gemm_rs/split.cuh, run_split in gemm_rs.cu).
   // With world 1 (gemm_only), the two GEMMs run with communication off, outbox holding [m/2 or more rows, n] zeros.
   bool split = false;
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
   bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent
-  int split_config = 0;               // the split GEMMs' configuration (gemm_rs_split.h kSplitTilings; same on every rank)
+  int split_config = 0;               // the split GEMMs' configuration (gemm_rs/split.h kSplitTilings; same on every rank)
   // Split transport, optional: each GEMM's partial last wave split along K into up to tail_split_parts parts (> 1),
   // in up to tail_split_waves waves, with the AG+GEMM tail split's scratch (ag_gemm.h sizes it for sm_count and the
   // waves), which must belong to `stream`.  The call uses the epochs tail_split_epoch, +1, ... one per GEMM (world of
@@ -93,7 +93,7 @@ struct GemmRsArgs {
 int gemm_rs_tile_m();
 int gemm_rs_tile_n();
 int gemm_rs_warps_per_tile();
-// True in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING): FLUXINDUCTOR_GEMM_RS_CONFIG picks a variant.
+// True in tuning builds (-DFLUXINDUCTOR_KERNEL_TUNING=ON): FLUXINDUCTOR_GEMM_RS_CONFIG picks a variant.
 bool gemm_rs_tuning_build();
 
 // Enqueues the call on `stream` (a cudaStream_t). Returns 0, or a negative code with a message in gemm_rs_last_error().

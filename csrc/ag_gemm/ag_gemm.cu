@@ -1,10 +1,9 @@
-// AG+GEMM launcher: the parameter checks, the dispatch to the instantiations (csrc/ag_gemm_instances.h:
-// bf16/fp16 x weight K-/N-contiguous, plus bf16 tuning variants), and the stream operations the host side
-// of the all-gather needs.
-#include "ag_gemm.h"
+// AG+GEMM launcher: the parameter checks, the dispatch to the instantiations (csrc/ag_gemm/instances.h:
+// bf16/fp16 x weight K-/N-contiguous, plus bf16 tuning variants in tuning builds) and the one-call push, which
+// enqueues the stream operations (csrc/common/stream_ops.h) the host side of the all-gather needs.
+#include "ag_gemm/ag_gemm.h"
 
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstring>
@@ -12,18 +11,14 @@
 #include <string>
 #include <cstdio>
 
-#include "ag_gemm_instances.h"
+#include "ag_gemm/instances.h"
+#include "common/cuda_error.h"
+#include "common/stream_ops.h"
 #include "cutlass/cutlass.h"
-#include "fluxinductor/ag_gemm_run.cuh"
-#include "fluxinductor/stream_memops.h"
+#include "fluxinductor/ag_gemm/scheduler.cuh"
 
 namespace fluxinductor::ag_gemm {
 namespace {
-
-Error cuda_error(const char* what, cudaError_t status) {
-  return make_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
 
 bool aligned16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0; }
 
@@ -41,7 +36,7 @@ int device_sm_count() {
   return device < 64 ? cached[device] : 0;
 }
 
-// Fewer tail slots than the grid has CTAs per wave (ag_gemm_scheduler.cuh: tail tiles x (parts - 1) < tail tiles x
+// Fewer tail slots than the grid has CTAs per wave (ag_gemm/scheduler.cuh: tail tiles x (parts - 1) < tail tiles x
 // parts <= waves x clusters), each one CTA tile; two flags (one per consumer warp group) per slot.
 int64_t tail_split_slots(int sm_count, int waves) {
   return int64_t(sm_count > 0 ? sm_count : device_sm_count()) * (waves > 1 ? waves : 1);
@@ -104,6 +99,9 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
       switch (p.variant) {
         case Variant::kCooperative128x256Cluster2x1:
           return run_bf16_k_contiguous(p, stream);
+        case Variant::kCooperative256x160Cluster1x2:
+          return run_bf16_k_contiguous_coop256x160_c1x2(p, stream);
+#if defined(FLUXINDUCTOR_KERNEL_TUNING)
         case Variant::kCooperative256x128Cluster1x2:
           return run_bf16_k_contiguous_coop256x128(p, stream);
         case Variant::kPingpong128x128Cluster1x2:
@@ -114,12 +112,21 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
           return run_bf16_k_contiguous_coop128x256_c1x2(p, stream);
         case Variant::kPingpong128x192Cluster2x1:
           return run_bf16_k_contiguous_pingpong128x192_c2x1(p, stream);
-        case Variant::kCooperative256x160Cluster1x2:
-          return run_bf16_k_contiguous_coop256x160_c1x2(p, stream);
         case Variant::kCooperative256x160Cluster2x1:
           return run_bf16_k_contiguous_coop256x160_c2x1(p, stream);
+#else
+        case Variant::kCooperative256x128Cluster1x2:
+        case Variant::kPingpong128x128Cluster1x2:
+        case Variant::kCooperative256x128Cluster2x1:
+        case Variant::kCooperative128x256Cluster1x2:
+        case Variant::kPingpong128x192Cluster2x1:
+        case Variant::kCooperative256x160Cluster2x1:
+          return make_error("AG+GEMM variant " + std::to_string(int(p.variant)) +
+                            " exists only in tuning builds (-DFLUXINDUCTOR_KERNEL_TUNING=ON, csrc/tuning/)");
+#endif
       }
-      return make_error("unknown AG+GEMM kernel variant " + std::to_string(int(p.variant)) + " (csrc/ag_gemm.h)");
+      return make_error("unknown AG+GEMM kernel variant " + std::to_string(int(p.variant)) +
+                        " (csrc/ag_gemm/ag_gemm.h)");
     case DType::kFloat16:
       return p.b_k_contiguous ? run_fp16_k_contiguous(p, stream) : run_fp16_n_contiguous(p, stream);
   }
@@ -128,43 +135,6 @@ Error all_gather_gemm(AllGatherGemmParams const& p, void* stream_handle) {
   (void)stream_handle;
   return make_error("the extension was built without sm90a support");
 #endif
-}
-
-namespace {
-
-// A stream memory operation's result: `name` is missing from the driver when its entry point was not found.
-Error memop_error(CUresult result, bool available, char const* name) {
-  if (result == CUDA_ERROR_NOT_SUPPORTED && !available) {
-    return make_error(std::string(name) + " is not available from this driver");
-  }
-  if (result != CUDA_SUCCESS) {
-    return make_error(std::string(name) + " failed with CUresult " + std::to_string(int(result)));
-  }
-  return {};
-}
-
-}  // namespace
-
-Error stream_write_value32(void* address, uint32_t value, void* stream) {
-  return memop_error(stream_write(static_cast<cudaStream_t>(stream), static_cast<uint32_t*>(address), value),
-                     stream_memops().write_value32 != nullptr, "cuStreamWriteValue32");
-}
-
-Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream) {
-  return memop_error(stream_wait_eq(static_cast<cudaStream_t>(stream), static_cast<uint32_t const*>(address), value),
-                     stream_memops().wait_value32 != nullptr, "cuStreamWaitValue32");
-}
-
-Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
-  cudaError_t status =
-      cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-  return status == cudaSuccess ? Error() : cuda_error("cudaMemcpyAsync", status);
-}
-
-Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream) {
-  cudaError_t status = cudaMemcpy2DAsync(dst, size_t(pitch), src, size_t(pitch), size_t(width), size_t(height),
-                                         cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-  return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy2DAsync", status);
 }
 
 namespace {
@@ -265,33 +235,6 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     }
   }
   return follow(main, side, static_cast<cudaEvent_t>(p.join_event));
-}
-
-Error create_event(int64_t* event) {
-  cudaEvent_t created = nullptr;
-  cudaError_t status = cudaEventCreateWithFlags(&created, cudaEventDisableTiming);
-  if (status != cudaSuccess) {
-    return cuda_error("cudaEventCreateWithFlags", status);
-  }
-  *event = reinterpret_cast<int64_t>(created);
-  return {};
-}
-
-Error alloc_host_mapped_word(int64_t* host_address, int64_t* device_address) {
-  void* host = nullptr;
-  cudaError_t status = cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
-  if (status != cudaSuccess) {
-    return cuda_error("cudaHostAlloc", status);
-  }
-  *static_cast<volatile int*>(host) = 0;
-  void* device = nullptr;
-  status = cudaHostGetDevicePointer(&device, host, 0);
-  if (status != cudaSuccess) {
-    return cuda_error("cudaHostGetDevicePointer", status);
-  }
-  *host_address = reinterpret_cast<int64_t>(host);
-  *device_address = reinterpret_cast<int64_t>(device);
-  return {};
 }
 
 }  // namespace fluxinductor::ag_gemm

@@ -22,9 +22,9 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
-#include "ag_gemm.h"
-#include "fluxinductor/ag_gemm_kernel.cuh"
-#include "gemm_rs_split.h"
+#include "ag_gemm/ag_gemm.h"
+#include "fluxinductor/ag_gemm/kernel.cuh"
+#include "gemm_rs/split.h"
 
 namespace fluxinductor::gemm_rs_split {
 
@@ -139,7 +139,7 @@ constexpr bool tiling_matches() {
          cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m;
 }
 static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() && kSplitConfigs == 3,
-              "gemm_rs_split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
+              "gemm_rs/split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
 
 // The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
 template <class Element, class Tiles, bool WithSource>

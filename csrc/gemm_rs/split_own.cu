@@ -1,7 +1,7 @@
-// The split GEMM+RS transport's own GEMM (csrc/include/fluxinductor/gemm_rs_split.cuh), bf16 and fp16, and
+// The split GEMM+RS transport's own GEMM (csrc/include/fluxinductor/gemm_rs/split.cuh), bf16 and fp16, and
 // in tuning builds the tuning configurations.
-// Built without grid-dependency control (see gemm_rs_split_peer.cu).
-#include "fluxinductor/gemm_rs_split.cuh"
+// Built without grid-dependency control (see split_peer.cu).
+#include "fluxinductor/gemm_rs/split.cuh"
 
 namespace fluxinductor::gemm_rs_split {
 

@@ -12,8 +12,8 @@
 #include <cstdio>
 #include <string>
 
-#include "ag_gemm.h"
-#include "fluxinductor/ag_gemm_scheduler.cuh"
+#include "ag_gemm/ag_gemm.h"
+#include "fluxinductor/ag_gemm/scheduler.cuh"
 
 namespace fluxinductor::ag_gemm {
 namespace {

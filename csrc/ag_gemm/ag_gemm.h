@@ -1,32 +1,32 @@
-// Launchers of the AG+GEMM kernel (csrc/ag_gemm.cu).  Torch-free: raw pointers, sizes, a stream.
+// Launchers of the AG+GEMM kernel (csrc/ag_gemm/ag_gemm.cu).  Torch-free: raw pointers, sizes, a stream.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "common/error.h"
+
 namespace fluxinductor::ag_gemm {
 
 enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
 
-// Why a call did not happen: plain data (no std::string crosses between the nvcc- and the host-compiled
-// translation units).  Empty message = success.
-struct Error {
-  char message[384] = {0};
-  bool failed() const { return message[0] != 0; }
-};
+// Why a call did not happen (csrc/common/error.h).
+using fluxinductor::Error;
+using fluxinductor::make_error;
 
 // Kernel variants (tile / cluster / schedule) for bf16 with a K-contiguous weight; other cases use kDefault.
 enum class Variant : int {
+  // In every build (what the dispatcher picks): 0, and 6 where 256x160 tiles end sooner (a 4096 x 14336 output
+  // fills 10.9 waves of 132 SMs with them, 13.6 with 128x256).
   kCooperative128x256Cluster2x1 = 0,  // the default
+  kCooperative256x160Cluster1x2 = 6,
+  // Tuning builds only (-DFLUXINDUCTOR_KERNEL_TUNING=ON, csrc/tuning/); elsewhere they report an error.
   kCooperative256x128Cluster1x2 = 1,
   kPingpong128x128Cluster1x2 = 2,
-  // Tuning builds only (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING); elsewhere they report an error.
   kCooperative256x128Cluster2x1 = 3,
   kCooperative128x256Cluster1x2 = 4,
   kPingpong128x192Cluster2x1 = 5,
-  // In every build: 256x160 tiles (a 4096 x 14336 output fills 10.9 waves of 132 SMs with them, 13.6 with 128x256).
-  kCooperative256x160Cluster1x2 = 6,
-  kCooperative256x160Cluster2x1 = 7,  // tuning builds only
+  kCooperative256x160Cluster2x1 = 7,
 };
 
 // out[M, N] = A[M, K] @ B[K, N] (+ bias[N]), A read from the gathered buffer while it is being filled.
@@ -47,15 +47,15 @@ struct AllGatherGemmParams {
   int64_t shard_rows = 0;         // rows of A per rank (M = world * shard_rows when flags are given)
   int chunks_per_rank = 1;
   // > 1: each rank's whole shard arrives in k_chunks column blocks instead (flags [world * k_chunks]), and the
-  // producer waits before each block of a tile's K loop (for problems of about one wave; ag_gemm_scheduler.cuh).
+  // producer waits before each block of a tile's K loop (for problems of about one wave; ag_gemm/scheduler.cuh).
   int k_chunks = 1;
-  int group_cluster_rows = 8;     // tile-order group height, in cluster rows (see ag_gemm_scheduler.cuh)
+  int group_cluster_rows = 8;     // tile-order group height, in cluster rows (see ag_gemm/scheduler.cuh)
   int sm_count = 0;               // persistent grid size; 0 = all SMs of the device
   Variant variant = Variant::kCooperative128x256Cluster2x1;
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
   bool trap_on_timeout = false;   // and then trap (calls inside CUDA graphs: no host code runs to raise the code)
-  // Tail split (cooperative variants; ag_gemm_scheduler.cuh): a partial last wave of tiles split along K into up to
+  // Tail split (cooperative variants; ag_gemm/scheduler.cuh): a partial last wave of tiles split along K into up to
   // split_max_parts parts, run in up to split_waves waves.  split_partials: device scratch of at least
   // tail_split_scratch_floats(sm_count, split_waves) floats, split_flags: as many uint32 flags as
   // tail_split_flag_count(sm_count, split_waves) (zeroed once), split_epoch: nonzero and new for this scratch (the
@@ -81,12 +81,12 @@ struct AllGatherGemmParams {
 constexpr int kMaxTailTileElements = 128 * 256;
 int64_t tail_split_scratch_floats(int sm_count, int waves = 1);
 int64_t tail_split_flag_count(int sm_count, int waves = 1);
-// The parts a split tail of `tail` tiles on `clusters` clusters takes (ag_gemm_scheduler.cuh tail_split_parts; 1: no
+// The parts a split tail of `tail` tiles on `clusters` clusters takes (ag_gemm/scheduler.cuh tail_split_parts; 1: no
 // split), for tests on the host.
 int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves);
 
-// The per-call arrival (csrc/ag_barrier.cu), the AG+GEMM's barrier.  Rank r reaching call e writes e into its arrival
-// word on every peer (r's earlier work on this stream, its GEMMs of calls < e included, is done by then), waits until
+// The per-call arrival (csrc/ag_gemm/arrival.cu), the AG+GEMM's barrier.  Rank r reaching call e writes e into its
+// arrival word on every peer (r's earlier work on this stream, its GEMMs of calls < e included, is done by then), waits until
 // every peer's arrival word here is at least `need`, then sets *passed = epoch, which the copy stream waits for before
 // it writes into peers' buffers.  With `reset` (calls captured in CUDA graphs, whose epoch is one constant) it then
 // sets each of this rank's words back to 0: a peer writes its next arrival only after its GEMM of this call, which
@@ -141,26 +141,8 @@ struct PushCallParams {
 };
 Error push_call(PushCallParams const& params, void* main_stream, void* side_stream);
 
-// A cudaEvent_t with timing off on the current device (for push_call), or an error.  Never destroyed.
-Error create_event(int64_t* event);
-
 // Why the kernel cannot run this problem (alignment, sizes), if it cannot.
 Error all_gather_gemm_unsupported(AllGatherGemmParams const& params);
-
-// cuStreamWriteValue32(stream, address, value) through the driver entry point (no libcuda link).
-Error stream_write_value32(void* address, uint32_t value, void* stream);
-// cuStreamWaitValue32(stream, address, value, EQ): `stream` waits until *address == value (device memory).
-Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream);
-
-// cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
-Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
-// cudaMemcpy2DAsync device-to-device: `height` rows of `width` bytes, row pitch `pitch` bytes on both sides.
-Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream);
-
-// A zeroed host-mapped int32 (cudaHostAllocMapped | Portable), for errors the host can read without a sync.
-// Sets its host and device addresses.  The caller keeps it for the
-// life of the process.
-Error alloc_host_mapped_word(int64_t* host_address, int64_t* device_address);
 
 // The number of SMs of the current device.
 int device_sm_count();

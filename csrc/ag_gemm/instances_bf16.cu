@@ -1,6 +1,6 @@
 // AG+GEMM kernels, bfloat16: weight K-contiguous (the transposed nn.Linear view) and N-contiguous.
-#include "ag_gemm_instances.h"
-#include "fluxinductor/ag_gemm_run.cuh"
+#include "ag_gemm/instances.h"
+#include "fluxinductor/ag_gemm/run.cuh"
 
 namespace fluxinductor::ag_gemm {
 

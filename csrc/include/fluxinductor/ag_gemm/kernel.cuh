@@ -12,7 +12,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "fluxinductor/ag_gemm_scheduler.cuh"
+#include "fluxinductor/ag_gemm/scheduler.cuh"
 
 namespace fluxinductor::ag_gemm {
 
@@ -45,7 +45,7 @@ using Cooperative128x256Cluster1x2 = TileConfig<            // tuning builds onl
     cute::Shape<cute::_1, cute::_2, cute::_1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative,
     cutlass::epilogue::TmaWarpSpecializedCooperative>;
-using Cooperative256x160Cluster1x2 = TileConfig<            // wgmma 64x160 atoms: csrc/ag_gemm_bf16_wide.cu
+using Cooperative256x160Cluster1x2 = TileConfig<            // wgmma 64x160 atoms: csrc/ag_gemm/instances_bf16_256x160.cu
     cute::Shape<cute::_256, cute::_160, cute::_64>,        // 1.25x a 128x256 tile: fewer, larger waves
     cute::Shape<cute::_1, cute::_2, cute::_1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative,

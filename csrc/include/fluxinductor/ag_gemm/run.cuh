@@ -1,5 +1,5 @@
-// The body shared by every AG+GEMM instantiation (csrc/ag_gemm_*.cu): fill CUTLASS arguments from the plain
-// params struct and launch.  Torch-free.
+// The body shared by every AG+GEMM instantiation (csrc/ag_gemm/instances_*.cu, csrc/tuning/ag_gemm_variant*.cu):
+// fill CUTLASS arguments from the plain params struct and launch.  Torch-free.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,19 +7,11 @@
 #include <cstring>
 #include <string>
 
-#include "ag_gemm.h"
+#include "ag_gemm/ag_gemm.h"
 #include "cutlass/cutlass.h"
-#include "fluxinductor/ag_gemm_kernel.cuh"
+#include "fluxinductor/ag_gemm/kernel.cuh"
 
 namespace fluxinductor::ag_gemm {
-
-inline Error make_error(std::string const& message) {
-  Error error;
-  size_t const n = message.size() < sizeof(error.message) - 1 ? message.size() : sizeof(error.message) - 1;
-  std::memcpy(error.message, message.data(), n);
-  error.message[n] = 0;
-  return error;
-}
 
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 

@@ -1,6 +1,8 @@
-// AG+GEMM tuning variants, bfloat16 with a K-contiguous weight (see Variant in ag_gemm.h).
-#include "ag_gemm_instances.h"
-#include "fluxinductor/ag_gemm_run.cuh"
+// AG+GEMM tuning variants 1 and 2 (bf16, K-contiguous weight): cooperative 256x128 cluster 1x2, ping-pong 128x128
+// cluster 1x2 (Variant in csrc/ag_gemm/ag_gemm.h).  Built only with -DFLUXINDUCTOR_KERNEL_TUNING=ON: the shipped
+// dispatcher picks variant 0 or 6, these only when the ag_variant tuning knob names them.
+#include "ag_gemm/instances.h"
+#include "fluxinductor/ag_gemm/run.cuh"
 
 namespace fluxinductor::ag_gemm {
 

@@ -1,4 +1,4 @@
-// The split GEMM+RS transport's GEMMs (csrc/include/fluxinductor/gemm_rs_split.cuh), torch-free.  gemm_rs.cu's
+// The split GEMM+RS transport's GEMMs (csrc/include/fluxinductor/gemm_rs/split.cuh), torch-free.  gemm_rs.cu's
 // run_split drives them around the ring: the peer GEMM, world-2 relay GEMMs, the own GEMM, and the copy stream's
 // band copies after each but the last.
 #pragma once
@@ -9,7 +9,7 @@
 namespace fluxinductor::gemm_rs_split {
 
 // A split GEMM configuration's tiling, which the launcher's band arithmetic follows (checked against the kernels'
-// types in gemm_rs_split.cuh).  Both GEMMs walk tiles in groups of group_rows() rows, rows fastest inside a group.
+// types in gemm_rs/split.cuh).  Both GEMMs walk tiles in groups of group_rows() rows, rows fastest inside a group.
 struct SplitTiling {
   int tile_m;
   int tile_n;
@@ -61,7 +61,7 @@ struct SplitGemmParams {
   int32_t error_code = 0;
   int64_t timeout_ns = 0;
   bool pdl = false;                 // launch as a programmatic dependent of the GEMM before it
-  // Tail split (cooperative configurations; ag_gemm_scheduler.cuh AllGatherSchedule): a partial last wave's tiles
+  // Tail split (cooperative configurations; ag_gemm/scheduler.cuh AllGatherSchedule): a partial last wave's tiles
   // split along K into up to split_max_parts parts over up to split_waves waves.  The scratch (ag_gemm.h
   // tail_split_scratch_floats / flag_count for sm_count and split_waves) belongs to this launch until it ends, so the
   // next GEMM on it must not start earlier (no pdl).  A last part that times out writes split_error_code to *error.

@@ -1,4 +1,4 @@
-// Stock CUTLASS sm90 GEMMs for measurement only (csrc/probe_stock_gemm.cu; tuning builds).  Torch-free.
+// Stock CUTLASS sm90 GEMMs for measurement only (csrc/tuning/probe_stock_gemm.cu; tuning builds).  Torch-free.
 #pragma once
 
 #include <cstdint>

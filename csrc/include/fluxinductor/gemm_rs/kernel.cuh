@@ -29,14 +29,14 @@
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/numeric_types.h"
-#include "fluxinductor/stop_context.cuh"
+#include "fluxinductor/common/stop_context.cuh"
 
 namespace fluxinductor {
 
 constexpr int kRsMaxWorld = 8;
 constexpr uint32_t kRsAborted = 0xFFFFFFFFu;
 
-// Header layout of a symmetric buffer (byte offsets), mirrored in csrc/gemm_rs.h and gemm_rs.py.
+// Header layout of a symmetric buffer (byte offsets), mirrored in csrc/gemm_rs/gemm_rs.h and gemm_rs.py.
 constexpr int64_t kRsHelloOffset = 0;
 constexpr int64_t kRsSignatureOffset = 256;
 constexpr int64_t kRsStatusOffset = 512;

@@ -1,8 +1,8 @@
 // Stock CUTLASS sm90 GEMMs, for measurement only (benchmarks/sweep_kernels.py --stock): the AG+GEMM kernel's tiles run
 // by CUTLASS's own tile schedulers, with no fluxinductor code in the kernel.  Against them, a sweep tells what our
 // scheduler and mainloop wrapper cost apart from CUTLASS's own distance to cuBLAS.  Built only with
-// CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING, like the other tuning variants; elsewhere the launcher reports an error.
-#include "probe_stock_gemm.h"
+// -DFLUXINDUCTOR_KERNEL_TUNING=ON, like the other tuning variants; elsewhere the launcher reports an error.
+#include "tuning/probe_stock_gemm.h"
 
 #include <cstdio>
 
@@ -127,7 +127,7 @@ int64_t stock_gemm_workspace(int, int, int, int, int) { return -1; }
 int stock_gemm_run(int, const void*, int, int, int64_t, const void*, int, int64_t, void*, int64_t, void*, int, void*,
                    char* error, int error_size) {
   std::snprintf(error, size_t(error_size),
-                "the stock CUTLASS GEMMs exist only in tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)");
+                "the stock CUTLASS GEMMs exist only in tuning builds (-DFLUXINDUCTOR_KERNEL_TUNING=ON)");
   return -1;
 }
 

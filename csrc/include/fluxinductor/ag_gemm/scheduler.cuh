@@ -18,8 +18,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ag_gemm.h"
-#include "fluxinductor/stop_context.cuh"
+#include "ag_gemm/ag_gemm.h"
+#include "fluxinductor/common/stop_context.cuh"
 #include "cute/arch/cluster_sm90.hpp"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"

@@ -1,8 +1,8 @@
 // GEMM+RS launchers: CUTLASS sm90a instantiations (bf16, fp16) x (B K-major, B N-major), the argument
 // checks, and the per-call handshake launch.  Torch-free; see gemm_rs.h for the contract.
-#include "gemm_rs.h"
+#include "gemm_rs/gemm_rs.h"
 
-// CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING builds every kernel's tuning variants (AG+GEMM's too).
+// Tuning builds (CMake -DFLUXINDUCTOR_KERNEL_TUNING=ON) add every kernel's tuning variants, this file's too.
 #if defined(FLUXINDUCTOR_KERNEL_TUNING) && !defined(FLUXINDUCTOR_GEMM_RS_TUNING)
 #define FLUXINDUCTOR_GEMM_RS_TUNING
 #endif
@@ -18,9 +18,9 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "fluxinductor/gemm_rs_kernel.cuh"
-#include "fluxinductor/stream_memops.h"
-#include "gemm_rs_split.h"
+#include "fluxinductor/gemm_rs/kernel.cuh"
+#include "fluxinductor/common/stream_memops.h"
+#include "gemm_rs/split.h"
 
 namespace fluxinductor {
 namespace {
