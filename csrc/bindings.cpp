@@ -296,7 +296,7 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
          int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
          int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl, int64_t tail_split_partials,
          int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts, int tail_split_waves,
-         int split_config, bool out_float, bool capture) {
+         int split_config, bool out_float, bool capture, int tuning_config, int swizzle, int raster) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.out_float = out_float;
@@ -333,6 +333,9 @@ void run(int dtype, int m, int n, int k, int world, int rank, int64_t a, int64_t
   args.tail_split_waves = tail_split_waves;
   args.split_config = split_config;
   args.capture = capture;
+  args.tuning_config = tuning_config;
+  args.swizzle = swizzle;
+  args.raster = raster;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
@@ -349,14 +352,16 @@ void export_gemm_rs(py::module_& m) {
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
         py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,
-        py::arg("out_float") = false, py::arg("capture") = false);
+        py::arg("out_float") = false, py::arg("capture") = false, py::arg("tuning_config") = 0,
+        py::arg("swizzle") = 0, py::arg("raster") = -1);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
-  m.def("gemm_rs_tile_shape", [] {
-    return py::make_tuple(fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(),
+  m.def("gemm_rs_tile_shape", [](int tuning_config) {
+    return py::make_tuple(fluxinductor::gemm_rs_tile_m(tuning_config), fluxinductor::gemm_rs_tile_n(tuning_config),
                           fluxinductor::gemm_rs_warps_per_tile());
-  }, "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel: they fix its flag layout");
+  }, "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel of this tuning configuration: they fix its flag layout",
+        py::arg("tuning_config") = 0);
   m.def("gemm_rs_tuning_build", &fluxinductor::gemm_rs_tuning_build,
-        "whether FLUXINDUCTOR_GEMM_RS_CONFIG can pick a tuning variant (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)");
+        "whether gemm_rs_run's tuning_config can pick a tuning variant (CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING)");
   m.def("gemm_rs_alloc_host_word", [] {
     int64_t host = 0, device = 0;
     if (fluxinductor::gemm_rs_alloc_host_word(&host, &device) != 0) {

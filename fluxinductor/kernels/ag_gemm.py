@@ -33,13 +33,12 @@ stream may neither write into that peer nor wait forever), as torch symmetric me
 from __future__ import annotations
 
 import functools
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from fluxinductor import config
+from fluxinductor import settings
 from fluxinductor.kernels import symm
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 from fluxinductor.kernels.tail_split import waves as tail_split_waves
@@ -48,30 +47,25 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
 _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
-# Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md).
-CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
-GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
-# Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
+# Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md) are fields of fluxinductor.settings.tuning: ag_chunks
+# (row chunks per shard), ag_group_rows (tile-order group height), ag_variant, ag_k_chunks, ag_tail_split.
+# ag_variant, the kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
 # cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2, 6 cooperative 256x160 cluster 1x2;
 # tuning builds add 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2, 5 ping-pong 128x192
 # cluster 2x1 and 7 cooperative 256x160 cluster 2x1.  Unset (None): per shape, 0 or 6 (kernel_variant).
-_VARIANT_ENV = os.environ.get("FLUXINDUCTOR_AG_VARIANT", "").strip()
-VARIANT: Optional[int] = (int(_VARIANT_ENV) if _VARIANT_ENV.isdigit() else -1) if _VARIANT_ENV else None
 # The automatic choice takes variant 6 where the wave model below says it ends at least this much sooner than 0.
 WIDE_MIN_GAIN = 0.01
 # Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
 # shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
 # loop (csrc/NOTES_ag_gemm.md, sessions 6 and 7): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
-# FLUXINDUCTOR_AG_K_CHUNKS=1 turns it off (row chunks for every shape).
-K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "4"))
+# settings.tuning.ag_k_chunks (default 4) blocks; 1 turns it off (row chunks for every shape).
 _K_TILE = 64  # every variant's K tile
 # Each column block moves at least this many bytes; smaller shards keep row chunks.  The K-chunked pull was measured
 # with blocks of 1-4 MB only, and a 2-D copy's fixed cost weighs more on smaller blocks.
 _MIN_K_BLOCK_BYTES = 1 << 20
 # Tail split: when the last wave of tiles is partial (after at least one full wave), its tiles are split along K into
 # up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
-# (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants).  1 turns it off.
-TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
+# (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants): settings.tuning.ag_tail_split, 1 = off.
 # Each variant's tiling (csrc/include/fluxinductor/ag_gemm_kernel.cuh): tile M, tile N, cluster M, cluster N.
 _TILES = {0: (128, 256, 2, 1), 1: (256, 128, 1, 2), 2: (128, 128, 1, 2), 3: (256, 128, 2, 1), 4: (128, 256, 1, 2),
           5: (128, 192, 2, 1), 6: (256, 160, 1, 2), 7: (256, 160, 2, 1)}
@@ -87,18 +81,11 @@ def _tile_m(variant: int) -> int:
 def _cluster_row_height(variant: int) -> int:
     """Rows of A one cluster row covers: tile M x cluster M."""
     return _TILES[variant][0] * _TILES[variant][2]
-# Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
-# shard's rows are a multiple of the tile's M); 0 = the pull for every call.
-PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
-# 1 (default): the call's barrier is the arrival kernel (csrc/ag_barrier.cu), which the side stream waits for and the
-# GEMM does not; 0: torch symmetric memory's barrier on the main stream in front of the GEMM (the earlier design, kept
-# for A/B measurements and as a fallback).  Every rank must use the same (the check of the first call of a layout).
-ARRIVAL = os.environ.get("FLUXINDUCTOR_AG_ARRIVAL", "1").strip() not in ("0", "false", "no", "")
-# 1 (default): an eager push call on the arrival is enqueued by one host call (csrc/ag_gemm.h push_call: the fork,
-# the arrival, the push, the GEMMs, the join); 0: each step from Python (the earlier code, kept for A/B measurements
-# of the host time).  Only the host side differs: the GPU gets the same work in the same order.
-ONE_CALL = os.environ.get("FLUXINDUCTOR_AG_ONE_CALL", "1").strip() not in ("0", "false", "no", "")
-MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms: calls with more weights take the step-by-step path
+
+
+# An eager push call is enqueued by one host call (csrc/ag_gemm.h push_call: the fork, the arrival, the push, the
+# GEMMs, the join); calls with more weights than this take the same steps from Python.
+MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms
 
 
 def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
@@ -107,7 +94,7 @@ def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = Non
     Inside a group the walk visits every row before moving to the next column, so a group that reached into
     a peer's shard would make the first wave wait for the pull.
     """
-    limit = GROUP_CLUSTER_ROWS if limit is None else limit
+    limit = settings.tuning.ag_group_rows if limit is None else limit
     per_shard = shard_rows // _cluster_row_height(variant)
     if per_shard < 1:
         return 1
@@ -144,16 +131,14 @@ def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
 
 
 def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
-    """FLUXINDUCTOR_AG_VARIANT where launches with this weight have variants, else 0."""
-    if VARIANT is not None and VARIANT not in _TILES:
-        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILES)} (csrc/ag_gemm.h Variant), "
-                         f"got {os.environ.get('FLUXINDUCTOR_AG_VARIANT')!r}")
-    return VARIANT if VARIANT is not None and _has_variants(dtype, weight) else 0
+    """``settings.tuning.ag_variant`` where launches with this weight have variants, else 0."""
+    variant = settings.tuning.ag_variant
+    return variant if variant is not None and _has_variants(dtype, weight) else 0
 
 
 def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optional[int] = None,
                    sm_count: Optional[int] = None) -> int:
-    """The variant a launch of ``[m, K] @ weight`` runs.  FLUXINDUCTOR_AG_VARIANT (``VARIANT``) when set; else 0,
+    """The variant a launch of ``[m, K] @ weight`` runs.  ``settings.tuning.ag_variant`` when set; else 0,
     or 6 (256x160 tiles) where :func:`modelled_time` says it ends WIDE_MIN_GAIN sooner: a 4096 x 14336 output is
     14 waves of 128x256 tiles on 132 SMs (the last 58% full, too full to split) and 10.9 of the 1.25x larger
     256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (csrc/NOTES_ag_gemm.md,
@@ -162,13 +147,13 @@ def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optio
     whole 256-row tiles, so that the push and the tile order's groups keep whole tiles.  Never for a problem of one
     wave of 128x256 tiles (those take the K-chunked waits, measured with 0 only): there the model's one wave of
     256x160 tiles is the longer one."""
-    if VARIANT is not None or not _has_variants(dtype, weight):
+    if settings.tuning.ag_variant is not None or not _has_variants(dtype, weight):
         return _forced_variant(dtype, weight)
     if shard_rows is not None and shard_rows % _tile_m(6):
         return 0
     k, n = weight.shape
     sm_count = symm.extension().ag_device_sm_count() if sm_count is None else sm_count
-    return _automatic_variant(m, n, k, sm_count, TAIL_SPLIT, tail_split_waves())
+    return _automatic_variant(m, n, k, sm_count, settings.tuning.ag_tail_split, tail_split_waves())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,12 +257,10 @@ def capture_reason(shard2d: Tensor, weights: Sequence[Tensor], group_name: str, 
     A capture may not take a collective step, so an eager call of the same shape must have set up the group's
     workspace first (CUDA graph trees and ``torch.cuda.graph`` users warm up eagerly before capturing); every rank
     sees the same calls, so every rank gives the same answer."""
-    if not config.capture_kernels():
-        return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
+    if not settings.kernels_under_capture():
+        return "CUDA graph capture (the per-compile option cuda_graphs=True captures the fused kernels)"
     if world == 1:
         return None  # nothing to gather: the call is its GEMMs
-    if not ARRIVAL:
-        return "CUDA graph capture with torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0)"
     if not use_push(shard2d, weights):
         return "CUDA graph capture of a pull (shard rows not a multiple of the kernel's tile M)"
     ws = symm.existing_workspace(group_name, shard2d.device)
@@ -325,8 +308,9 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
     ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).  Under
     CUDA graph capture the tail split is off (``capturing``: whether the caller knows it is capturing; None: ask).
-    ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
-    TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
+    ``chunks_per_rank``/``group_rows``/``variant``/``tail_split`` default to ``settings.tuning`` (ag_chunks,
+    ag_group_rows, kernel_variant, ag_tail_split: the most parts a tile of a partial last wave is split into along K;
+    1 = off).
     """
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
     args = gemm_args(a, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world, shard_rows=shard_rows,
@@ -347,12 +331,13 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
     binding's order (csrc/bindings.cpp), passed positionally, as keyword parsing of its 34 arguments costs pybind11
     several microseconds per launch.  The tail split's epochs are taken from ``stream``'s scratch here, so the
     launch must follow on that stream (ag_push_call takes a list of these)."""
-    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
-    tail_split = TAIL_SPLIT if tail_split is None else tail_split
+    tuning = settings.tuning
+    chunks_per_rank = tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
+    tail_split = tuning.ag_tail_split if tail_split is None else tail_split
     if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
         tail_split = 1  # its scratch is per stream and its flags take a new epoch per launch: not for a graph
-    key = (a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0], shard_rows if flags is not None else None,
-           sm_count, variant, group_rows, VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, tail_split_waves())
+    key = (a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0],
+           shard_rows if flags is not None else None, sm_count, variant, group_rows, tuning)
     choices = _launch_choices.get(key)
     if choices is None:
         if len(_launch_choices) >= 4096:
@@ -372,9 +357,8 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
         pdl, trap_on_timeout)
 
 
-# (k_contiguous, ldb, variant, group_rows) per launch shape and the module's tunables it reads (VARIANT, TAIL_SPLIT,
-# GROUP_CLUSTER_ROWS, the tail's waves): the variant choice's wave model and the weight's layout cost ~10 us of host
-# time per launch.
+# (k_contiguous, ldb, variant, group_rows) per launch shape and the tuning it reads (settings.tuning, hashed once per
+# value): the variant choice's wave model and the weight's layout cost ~10 us of host time per launch.
 _launch_choices: Dict[tuple, Tuple[bool, int, int, int]] = {}
 
 
@@ -387,7 +371,8 @@ def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_coun
         with torch.cuda.device(a.device):
             variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows, sm_count or None)
     if group_rows is None:
-        group_rows = group_cluster_rows(shard_rows, variant) if shard_rows is not None else GROUP_CLUSTER_ROWS
+        group_rows = (group_cluster_rows(shard_rows, variant) if shard_rows is not None
+                      else settings.tuning.ag_group_rows)
     return layout[0], layout[1], variant, group_rows
 
 
@@ -405,10 +390,10 @@ def k_chunk_bounds(k: int, k_chunks: int) -> List[Tuple[int, int]]:
 
 
 def use_k_chunks(m: int, n: int, sm_count: int, shard_bytes: int) -> int:
-    """The K blocks per shard for an [M, N] output: up to K_CHUNKS when its 128x256 tiles fit one wave and each
-    block keeps _MIN_K_BLOCK_BYTES of the shard's ``shard_bytes``, else 1 (row chunks)."""
+    """The K blocks per shard for an [M, N] output: up to ``settings.tuning.ag_k_chunks`` when its 128x256 tiles fit
+    one wave and each block keeps _MIN_K_BLOCK_BYTES of the shard's ``shard_bytes``, else 1 (row chunks)."""
     tiles = -(-m // 128) * -(-n // 256)
-    chunks = min(K_CHUNKS, symm.MAX_CHUNKS_PER_RANK, shard_bytes // _MIN_K_BLOCK_BYTES)
+    chunks = min(settings.tuning.ag_k_chunks, symm.MAX_CHUNKS_PER_RANK, shard_bytes // _MIN_K_BLOCK_BYTES)
     return chunks if tiles <= sm_count and chunks >= 2 else 1
 
 
@@ -453,7 +438,7 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
     column blocks instead (2-D copies), block c setting flags[q * k_chunks + c].  Then copies dst into
     ``gathered_out``.
     """
-    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
+    chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
     world = len(sources)
     for step in range(1, world):
         peer = (rank + step) % world
@@ -486,7 +471,7 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
     this device, written here and copied into the flags.
     """
     ext = symm.extension()
-    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
+    chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
     shard_rows, k = shard.shape
     world = len(peer_buffers)
     element = shard.element_size()
@@ -547,11 +532,11 @@ def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int
 
 
 def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
-    """Whether a call pushes (see the module docstring): PUSH, and the shard's rows a multiple of every launch's
-    tile M (a tile never straddles this rank's rows and a peer's).  The automatic variant choice takes 256-row tiles
-    only for shards of whole 256-row tiles, so without FLUXINDUCTOR_AG_VARIANT the 128-row tile decides."""
+    """Whether a call pushes (see the module docstring): the shard's rows a multiple of every launch's tile M (a tile
+    never straddles this rank's rows and a peer's).  The automatic variant choice takes 256-row tiles only for shards
+    of whole 256-row tiles, so without ``settings.tuning.ag_variant`` the 128-row tile decides."""
     rows = shard2d.shape[0]
-    return PUSH and shard2d.is_contiguous() and all(rows % _tile_m(_forced_variant(shard2d.dtype, w)) == 0
+    return shard2d.is_contiguous() and all(rows % _tile_m(_forced_variant(shard2d.dtype, w)) == 0
                                                     for w in weights)
 
 
@@ -567,13 +552,13 @@ def _group_size(group_name: str) -> int:
 
 
 def _layout_key(shard2d: Tensor, push: bool) -> tuple:
-    return shard2d.shape[0], shard2d.shape[1], shard2d.dtype, int(push) + 2 * int(ARRIVAL)
+    return shard2d.shape[0], shard2d.shape[1], shard2d.dtype, int(push)
 
 
 def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool) -> None:
-    """Once per (rows, K, dtype, push, barrier): make sure every rank calls with the same layout and moves shards the
-    same way (a pulling rank would read a pushing peer's slot, which that peer never fills; a rank on the arrival and
-    one on torch's barrier never meet): else raise, not hang or compute with stale rows."""
+    """Once per (rows, K, dtype, push): make sure every rank calls with the same layout and moves shards the same way
+    (a pulling rank would read a pushing peer's slot, which that peer never fills, e.g. with another
+    ``settings.tuning.ag_variant``): else raise, not hang or compute with stale rows."""
     key = _layout_key(shard2d, push)
     moves = key[3]
     if key in ws.checked_layouts:
@@ -586,7 +571,7 @@ def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: boo
     dist.all_gather_into_tensor(everyone, mine, group=ws.group)
     rows = everyone.view(ws.world, 4).tolist()
     if any(r != rows[0] for r in rows):
-        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push + 2 * arrival): "
+        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push): "
                          f"{rows}")
     ws.checked_layouts.add(key)
 
@@ -623,7 +608,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     ws.reserve(m * k * shard2d.element_size())
     epoch = ws.next_epoch()
     parity = epoch & 1
-    chunks = max(1, min(CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK))
+    chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
 
     main = torch.cuda.current_stream(device)
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
@@ -639,7 +624,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     # buffer since the previous eager call: every peer must reach this one.
     need = ws.previous_epoch() if push and not ws.captured else epoch
     pdl = False
-    if push and ARRIVAL and ONE_CALL and len(weights) <= MAX_ONE_CALL_GEMMS:
+    if push and len(weights) <= MAX_ONE_CALL_GEMMS:
         outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
         gemms = [gemm_args(buffer, w, b, out, stream=main, flags=flags, epoch=epoch, rank=rank, world=world,
                            shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, a_local=shard2d,
@@ -650,10 +635,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         if gathered.numel():
             assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMMs waited for every peer's chunk
         return outputs, gathered
-    if not ARRIVAL:
-        ws.barrier(parity)
-        side.wait_stream(main)
-    elif k_chunks > 1:
+    if k_chunks > 1:
         # One wave: the peers' tiles wait for the first column block from the start, so the push's start is the
         # critical path, and the side stream follows the arrival through an event (a stream wait on the passed word
         # started the push later: csrc/NOTES_ag_gemm.md, session 12).
@@ -681,8 +663,6 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         outputs.append(out)
     if push and gathered.numel():
         assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
-    if not ARRIVAL:
-        ws.mark_arrived(epoch, side)  # so that a later call on the arrival finds this one
     main.wait_stream(side)
     return outputs, gathered
 
@@ -697,7 +677,7 @@ def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequen
     m, dtype = world * shard_rows, shard2d.dtype
     parity = symm.CAPTURE_PARITY
     peers = [ws.view(parity, q, m, k, dtype) for q in range(world)]
-    chunks = max(1, min(CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK))
+    chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
     k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]

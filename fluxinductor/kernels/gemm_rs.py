@@ -10,10 +10,10 @@ tile (staged in shared memory, written with 16-byte stores) straight into that p
 writes the output, so the reduction needs no extra kernel and no extra pass over memory.
 
 How the peer tiles travel (``transport``: the dispatcher passes the cost model's choice per shape;
-``FLUXINDUCTOR_GEMM_RS_PUSH``, when set, decides for every call; ranks that differ get an error):
+``settings.tuning.gemm_rs_push``, when set, decides for every call; ranks that differ get an error):
   - ``store``: as above, 16-byte NVLink stores from the epilogue and one flag per tile;
   - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
-    (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
+    (``settings.tuning.gemm_rs_bands`` bands per segment, default 4); a copy stream waits for each band's
     count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
     of that band.  It wins where the output per rank is largest (csrc/NOTES_gemm_rs.md, session 4);
   - ``split`` (N a multiple of 8): one stock CUTLASS GEMM per row segment instead of one kernel
@@ -48,8 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fluxinductor import config as _config
-from fluxinductor import log
+from fluxinductor import log, settings
 from fluxinductor.kernels import symm as _symm
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
@@ -71,8 +70,7 @@ _ERRORS = {
 # in the hello words and flags never reads as a captured call's (which set those back to 0 after use).
 CAPTURE_EPOCH = 0xFFFFFFFE
 
-PUSH_MODES = ("store", "copy", "split")
-DEFAULT_BANDS = 4
+PUSH_MODES = settings.GEMM_RS_PUSH_MODES
 
 _ext = None
 _ext_reason: Optional[str] = None
@@ -102,41 +100,28 @@ def _extension():
 
 def timeout_ns() -> int:
     """How long a wait may take before the call is aborted (FLUXINDUCTOR_TIMEOUT_S, default 10 s)."""
-    return int(float(_config.env("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
+    return int(settings.current.timeout_s * 1e9)
 
 
 def push_mode(default: str = "store") -> str:
-    """"store", "copy" or "split": how this call's peer tiles travel (module docstring).  FLUXINDUCTOR_GEMM_RS_PUSH,
-    when set, decides for every call; else ``default`` (the dispatcher passes the cost model's choice)."""
-    value = _config.env("FLUXINDUCTOR_GEMM_RS_PUSH", "").strip().lower() or default
-    if value not in PUSH_MODES:
-        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_PUSH must be one of {PUSH_MODES}, got {value!r}")
-    return value
+    """"store", "copy" or "split": how this call's peer tiles travel (module docstring).
+    ``settings.tuning.gemm_rs_push``, when set, decides for every call; else ``default`` (the dispatcher passes the
+    cost model's choice)."""
+    return settings.tuning.gemm_rs_push or default
 
 
 def bands() -> int:
-    value = int(_config.env("FLUXINDUCTOR_GEMM_RS_BANDS", str(DEFAULT_BANDS)))
-    if not 1 <= value <= _extension().GEMM_RS_MAX_BANDS:
-        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_BANDS must be in [1, {_extension().GEMM_RS_MAX_BANDS}], got {value}")
-    return value
-
-
-def split_pdl() -> bool:
-    """Whether the split transport launches its second GEMM as a programmatic dependent of the first, so it takes
-    SMs as the first one's CTAs finish (FLUXINDUCTOR_GEMM_RS_SPLIT_PDL, default 1)."""
-    return _config.env("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
+    """Bands per row segment of the copy transport (``settings.tuning.gemm_rs_bands``)."""
+    return settings.tuning.gemm_rs_bands
 
 
 def tail_split_parts() -> int:
     """The most parts the split transport's GEMMs split a partial last wave's tiles into along K
-    (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
+    (``settings.tuning.gemm_rs_tail_split``, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
     (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as programmatic dependents.  The
     two GEMMs with communication off went from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
     (one H200, csrc/NOTES_gemm_rs.md session 8)."""
-    value = int(_config.env("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4"))
-    if value < 1:
-        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT must be at least 1, got {value}")
-    return value
+    return settings.tuning.gemm_rs_tail_split
 
 
 # The split GEMMs' configurations (csrc/gemm_rs_split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
@@ -146,11 +131,11 @@ _TAIL_SPLIT_CONFIGS = (0,)  # the cooperative configuration (ag_gemm::supports_t
 
 
 def resolve_split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:
-    """The split GEMMs' configuration for a call: FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG when set (A/B runs, tuning
+    """The split GEMMs' configuration for a call: ``settings.tuning.gemm_rs_split_config`` when set (A/B runs, tuning
     builds), else ``chosen`` (the cost model's per-shape pick), else 0; 0 for any dtype but bf16, which has only that
     one.  Every rank must use the same (the call's handshake includes it)."""
-    env = _config.env("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "").strip()
-    config = int(env) if env else (0 if chosen is None else int(chosen))
+    forced = settings.tuning.gemm_rs_split_config
+    config = forced if forced is not None else (0 if chosen is None else int(chosen))
     return config if dtype == torch.bfloat16 else 0
 
 
@@ -199,15 +184,15 @@ class CopyEngineWorkspace:
 # ---------------------------------------------------------------------------------------------------
 
 
-_tile_shapes: Dict[Optional[str], Tuple[int, int, int]] = {}
+_tile_shapes: Dict[int, Tuple[int, int, int]] = {}
 
 
 def _tile_shape() -> Tuple[int, int, int]:
-    # Tuning builds pick the kernel by FLUXINDUCTOR_GEMM_RS_CONFIG; the flag layout follows its tile.
-    config = _config.env("FLUXINDUCTOR_GEMM_RS_CONFIG")
+    # Tuning builds pick the kernel by settings.tuning.gemm_rs_config; the flag layout follows its tile.
+    config = settings.tuning.gemm_rs_config
     shape = _tile_shapes.get(config)
     if shape is None:
-        shape = _tile_shapes[config] = tuple(_extension().gemm_rs_tile_shape())
+        shape = _tile_shapes[config] = tuple(_extension().gemm_rs_tile_shape(config))
     return shape
 
 
@@ -303,14 +288,17 @@ def launch(
     tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
                             launches=max(world, 2)) \
         if split and config in _TAIL_SPLIT_CONFIGS and not _symm.capturing() else tail_split_off
+    tuning = settings.tuning
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
-        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
-        config, out.dtype != a.dtype, capture,
+        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), True, *tails,  # True: split_pdl
+        config, out.dtype != a.dtype, capture, tuning.gemm_rs_config,
+        0 if tuning.gemm_rs_swizzle is None else tuning.gemm_rs_swizzle,
+        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster,
     )
 
 
@@ -537,10 +525,8 @@ def capture_reason(a2d: Tensor, weight: Tensor, group_name: str) -> Optional[str
     buffer (a collective step), so an eager call of this shape, with any transport, must have grown it first; every
     rank sees the same calls, so every rank gives the same answer.  (The shape's agreement through the c10d store is
     not needed: the handshake checks the signature on the device every call, and traps on a mismatch when captured.)"""
-    from fluxinductor import config
-
-    if not config.capture_kernels():
-        return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
+    if not settings.kernels_under_capture():
+        return "CUDA graph capture (the per-compile option cuda_graphs=True captures the fused kernels)"
     state = _states.get((group_name, a2d.device.index))
     m, n = a2d.shape[0], weight.shape[1]
     if state is None or buffer_layout(m, n, state.world, a2d.dtype)[2] > state.capacity:
@@ -569,7 +555,7 @@ def matmul_reduce_scatter(
     Raises RuntimeError when an earlier fused call on the group failed (see module docstring).
     ``checked``: the caller has just had ``unsupported_reason`` return None for these arguments (the
     dispatcher does), so it is not asked again.  ``transport``: "store", "copy" or "split", used unless
-    FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
+    ``settings.tuning.gemm_rs_push`` is set (every rank must pass the same; the handshake checks it).  A call that the
     split transport cannot take runs with "copy" (logged).  ``split_config_choice``: the split GEMMs' configuration
     the cost model picked for the shape (see :func:`resolve_split_config`).  ``out_dtype`` (or ``out``'s dtype):
     torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to
