@@ -457,8 +457,8 @@ def markdown() -> str:
              "a test checks that this file is up to date.", "",
              "## User environment variables", "",
              "Read once when fluxinductor is imported; a bad value is an error naming the variable and the values "
-             "it accepts.  Any other `FLUXINDUCTOR_*` variable (a removed or renamed setting) is reported with a warning, "
-             "as it is not read (the build-time ones below excepted).",
+             "it accepts.  Any other `FLUXINDUCTOR_*` variable (a removed or renamed setting) is reported with a "
+             "warning, as it is not read (the build-time ones below excepted).",
              "", "| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(Settings):
         if f.metadata["env"]:

@@ -1463,7 +1463,7 @@ def test_split_all_reduce_setting(flux_settings):
         assert FluxPassManager(split_all_reduce="exact").split_all_reduce == "exact"  # the option wins
     with pytest.raises(ValueError, match="split_all_reduce='sometimes': expected one of exact, replicated, off"):
         flux_settings(split_all_reduce="sometimes")
-    with pytest.raises(ValueError, match="split_all_reduce='sometimes'"):
+    with pytest.raises(ValueError, match=r"options\['split_all_reduce'\]='sometimes'"):
         FluxPassManager(split_all_reduce="sometimes")
     uuids = {FluxPassManager(split_all_reduce=mode).uuid() for mode in ("off", "exact", "replicated")}
     assert len(uuids) == 3
