@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fluxinductor import settings
-from fluxinductor.kernels import symm
+from fluxinductor.kernels import loader, symm
 from fluxinductor.log import record_fallback
 
 MODES = settings.DISPATCH_MODES
@@ -85,7 +85,7 @@ def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _local_reason(index: int) -> Optional[str]:
     """Why this process cannot run the fused kernels on GPU ``index`` at all, or None (see :func:`_peers_reason`)."""
-    why = symm.extension_available()
+    why = loader.extension_available()
     capability = torch.cuda.get_device_capability(index)
     if why is None and capability != (9, 0):
         why = f"the fused kernels are built for sm_90a; cuda:{index} has capability {capability}"

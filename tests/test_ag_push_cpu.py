@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fluxinductor import settings
-from fluxinductor.kernels import ag_gemm, symm
+from fluxinductor.kernels import ag_gemm, loader, symm
 
 
 def _weight(k: int, n: int, k_contiguous: bool = True) -> torch.Tensor:
@@ -53,7 +53,7 @@ def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
     (row chunks, or column blocks) into rows [S, 2S) of that peer's buffer, each followed by a copy of the epoch word
     into that peer's flag of (rank 1, chunk)."""
     recorder = _Recorder()
-    monkeypatch.setattr(symm, "extension", lambda: recorder)
+    monkeypatch.setattr(loader, "extension", lambda: recorder)
     world, rank, rows, k, chunks = 3, 1, 6, 128, 2
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
     buffers = [torch.empty(world * rows, k, dtype=torch.bfloat16) for _ in range(world)]
@@ -82,7 +82,7 @@ def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
 
 
 def test_push_refuses_a_padded_peer_buffer(monkeypatch):
-    monkeypatch.setattr(symm, "extension", lambda: _Recorder())
+    monkeypatch.setattr(loader, "extension", lambda: _Recorder())
     shard = torch.randn(4, 64, dtype=torch.bfloat16)
     padded = torch.empty(8, 72, dtype=torch.bfloat16)[:, :64]
     with pytest.raises(ValueError, match="row stride"):
@@ -180,7 +180,7 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, ca
             return 132
 
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
-    monkeypatch.setattr(symm, "extension", lambda: _Ext())
+    monkeypatch.setattr(loader, "extension", lambda: _Ext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
@@ -238,7 +238,7 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
 
     calls = []
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
-    monkeypatch.setattr(symm, "extension", lambda: _Ext())
+    monkeypatch.setattr(loader, "extension", lambda: _Ext())
     monkeypatch.setattr(symm, "error_word", lambda index: (0, 77))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)

@@ -39,127 +39,23 @@ import torch
 from torch import Tensor
 
 from fluxinductor import settings
-from fluxinductor.kernels import symm
+from fluxinductor.kernels import loader, symm
+# The variants and the shard transfers, re-exported: this module is the AG+GEMM interface.
+from fluxinductor.kernels.ag_gemm_transfer import (  # noqa: F401
+    _MIN_K_BLOCK_BYTES, _push_flag, assemble_gathered, chunk_bounds, k_chunk_bounds, pull_k_block, pull_row_chunk,
+    pull_shards, push_call, push_shards, use_k_chunks)
+from fluxinductor.kernels.ag_gemm_variants import (  # noqa: F401
+    _K_TILE, _TAIL_SPLITTING, _TILES, WIDE_MIN_GAIN, _automatic_variant, _cluster_row_height, _forced_variant,
+    _has_variants, _tile_m, _weight_layout, group_cluster_rows, kernel_variant, modelled_time)
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
-from fluxinductor.kernels.tail_split import waves as tail_split_waves
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
 _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
-# Tunables (measured on 2 x H200, see csrc/NOTES_ag_gemm.md) are fields of fluxinductor.settings.tuning: ag_chunks
-# (row chunks per shard), ag_group_rows (tile-order group height), ag_variant, ag_k_chunks, ag_tail_split.
-# ag_variant, the kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm.h Variant): 0 cooperative 128x256
-# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2, 6 cooperative 256x160 cluster 1x2;
-# tuning builds add 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2, 5 ping-pong 128x192
-# cluster 2x1 and 7 cooperative 256x160 cluster 2x1.  Unset (None): per shape, 0 or 6 (kernel_variant).
-# The automatic choice takes variant 6 where the wave model below says it ends at least this much sooner than 0.
-WIDE_MIN_GAIN = 0.01
-# Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
-# shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
-# loop (csrc/NOTES_ag_gemm.md, sessions 6 and 7): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
-# settings.tuning.ag_k_chunks (default 4) blocks; 1 turns it off (row chunks for every shape).
-_K_TILE = 64  # every variant's K tile
-# Each column block moves at least this many bytes; smaller shards keep row chunks.  The K-chunked pull was measured
-# with blocks of 1-4 MB only, and a 2-D copy's fixed cost weighs more on smaller blocks.
-_MIN_K_BLOCK_BYTES = 1 << 20
-# Tail split: when the last wave of tiles is partial (after at least one full wave), its tiles are split along K into
-# up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
-# (csrc/include/fluxinductor/ag_gemm_scheduler.cuh; cooperative variants): settings.tuning.ag_tail_split, 1 = off.
-# Each variant's tiling (csrc/include/fluxinductor/ag_gemm_kernel.cuh): tile M, tile N, cluster M, cluster N.
-_TILES = {0: (128, 256, 2, 1), 1: (256, 128, 1, 2), 2: (128, 128, 1, 2), 3: (256, 128, 2, 1), 4: (128, 256, 1, 2),
-          5: (128, 192, 2, 1), 6: (256, 160, 1, 2), 7: (256, 160, 2, 1)}
-# The variants whose partial last wave the kernel splits (ag_gemm_scheduler.cuh supports_tail_split: cooperative,
-# tiles of at most 128 x 256).
-_TAIL_SPLITTING = (0, 1, 3, 4)
-
-
-def _tile_m(variant: int) -> int:
-    return _TILES[variant][0]
-
-
-def _cluster_row_height(variant: int) -> int:
-    """Rows of A one cluster row covers: tile M x cluster M."""
-    return _TILES[variant][0] * _TILES[variant][2]
-
-
 # An eager push call is enqueued by one host call (csrc/ag_gemm.h push_call: the fork, the arrival, the push, the
 # GEMMs, the join); calls with more weights than this take the same steps from Python.
 MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms
-
-
-def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
-    """Tile-order group height (cluster rows) that never spans two shards when shards are whole cluster rows.
-
-    Inside a group the walk visits every row before moving to the next column, so a group that reached into
-    a peer's shard would make the first wave wait for the pull.
-    """
-    limit = settings.tuning.ag_group_rows if limit is None else limit
-    per_shard = shard_rows // _cluster_row_height(variant)
-    if per_shard < 1:
-        return 1
-    if shard_rows % _cluster_row_height(variant):
-        return max(1, min(limit, per_shard))
-    return max(g for g in range(1, min(limit, per_shard) + 1) if per_shard % g == 0)
-
-
-def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_parts: int = 1,
-                  tail_waves: int = 1) -> float:
-    """A persistent GEMM's time in units of one output element's K loop: waves of tiles x the tile's area.  A wave is
-    one tile per cluster of the grid; a partial last wave counts whole, or, where the variant splits its tail (into
-    at most ``tail_parts`` parts over ``tail_waves`` waves, after a full wave), as the split's parts
-    (ag_gemm_scheduler.cuh tail_split_parts)."""
-    tile_m, tile_n, cluster_m, cluster_n = _TILES[variant]
-    cluster = cluster_m * cluster_n
-    tiles = -(-m // tile_m) * -(-n // tile_n)
-    clusters = max(1, sm_count // cluster)
-    full, tail = divmod(-(-tiles // cluster), clusters)
-    waves = float(full)
-    if tail and full and variant in _TAIL_SPLITTING and tail_parts > 1:
-        k_tiles = -(-k // _K_TILE)
-        parts = symm.extension().ag_tail_split_parts(tail, clusters, min(tail_parts, k_tiles), tail_waves)
-        waves += -(-(parts * tail) // clusters) / parts
-    elif tail:
-        waves += 1
-    return waves * tile_m * tile_n
-
-
-def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
-    """Whether launches with this weight have variants (csrc/ag_gemm.cu: bf16 with a K-contiguous weight)."""
-    layout = _weight_layout(weight)
-    return dtype == torch.bfloat16 and layout is not None and layout[0]
-
-
-def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
-    """``settings.tuning.ag_variant`` where launches with this weight have variants, else 0."""
-    variant = settings.tuning.ag_variant
-    return variant if variant is not None and _has_variants(dtype, weight) else 0
-
-
-def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optional[int] = None,
-                   sm_count: Optional[int] = None) -> int:
-    """The variant a launch of ``[m, K] @ weight`` runs.  ``settings.tuning.ag_variant`` when set; else 0,
-    or 6 (256x160 tiles) where :func:`modelled_time` says it ends WIDE_MIN_GAIN sooner: a 4096 x 14336 output is
-    14 waves of 128x256 tiles on 132 SMs (the last 58% full, too full to split) and 10.9 of the 1.25x larger
-    256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (csrc/NOTES_ag_gemm.md,
-    session 13), and on 2xH200 with communication on, E 0.787 -> 0.999 (session 14).  Only for bf16 with a
-    K-contiguous weight (the other kernels have one variant), and, in a call (``shard_rows`` given), for shards of
-    whole 256-row tiles, so that the push and the tile order's groups keep whole tiles.  Never for a problem of one
-    wave of 128x256 tiles (those take the K-chunked waits, measured with 0 only): there the model's one wave of
-    256x160 tiles is the longer one."""
-    if settings.tuning.ag_variant is not None or not _has_variants(dtype, weight):
-        return _forced_variant(dtype, weight)
-    if shard_rows is not None and shard_rows % _tile_m(6):
-        return 0
-    k, n = weight.shape
-    sm_count = symm.extension().ag_device_sm_count() if sm_count is None else sm_count
-    return _automatic_variant(m, n, k, sm_count, settings.tuning.ag_tail_split, tail_split_waves())
-
-
-@functools.lru_cache(maxsize=4096)
-def _automatic_variant(m: int, n: int, k: int, sm_count: int, tail_parts: int, tail_waves: int) -> int:
-    wide = modelled_time(m, n, k, 6, sm_count)
-    return 6 if wide * (1 + WIDE_MIN_GAIN) <= modelled_time(m, n, k, 0, sm_count, tail_parts, tail_waves) else 0
 
 
 class AllGatherGemmError(RuntimeError):
@@ -171,24 +67,13 @@ class AllGatherGemmError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _weight_layout(weight: Tensor) -> Optional[Tuple[bool, int]]:
-    """(k_contiguous, leading stride) of weight [K, N], or None when neither dim is contiguous."""
-    k, n = weight.shape
-    s0, s1 = weight.stride()
-    if s0 == 1 and s1 >= k:  # the transposed view of an nn.Linear weight [N, K]
-        return True, s1
-    if s1 == 1 and s0 >= n:  # a row-major [K, N]
-        return False, s0
-    return None
-
-
 def _kernel_reason(m: int, k: int, lda: int, a_ptr: int, weight: Tensor, bias: Optional[Tensor], out_ptr: int,
                    ldo: int) -> Optional[str]:
     layout = _weight_layout(weight)
     if layout is None:
         return f"weight strides {tuple(weight.stride())} have no contiguous dim"
     k_contiguous, ldb = layout
-    why = symm.extension().ag_gemm_unsupported(
+    why = loader.extension().ag_gemm_unsupported(
         dtype=_DTYPE_CODES[weight.dtype], a=a_ptr, m=m, k=k, lda=lda, b=weight.data_ptr(), n=weight.shape[1],
         ldb=ldb, b_k_contiguous=k_contiguous, bias=0 if bias is None else bias.data_ptr(), out=out_ptr, ldo=ldo)
     return why or None
@@ -200,7 +85,7 @@ def _capability(index: int) -> Tuple[int, int]:
 
 
 def _operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> Optional[str]:
-    reason = symm.extension_available()
+    reason = loader.extension_available()
     if reason is not None:
         return reason
     if not a2d.is_cuda:
@@ -317,7 +202,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                      chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, sm_count=sm_count, group_rows=group_rows,
                      variant=variant, timeout_s=timeout_s, stream=stream, tail_split=tail_split, a_local=a_local,
                      pdl=pdl, trap_on_timeout=trap_on_timeout, capturing=capturing)
-    symm.extension().ag_gemm_run(*args, stream.cuda_stream)
+    loader.extension().ag_gemm_run(*args, stream.cuda_stream)
     return out
 
 
@@ -374,161 +259,6 @@ def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_coun
         group_rows = (group_cluster_rows(shard_rows, variant) if shard_rows is not None
                       else settings.tuning.ag_group_rows)
     return layout[0], layout[1], variant, group_rows
-
-
-def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:
-    """Row ranges [start, end) of the chunks of one shard (the kernel's split: ceil(S / chunks) rows each)."""
-    rows = -(-shard_rows // chunks_per_rank)
-    return [(min(c * rows, shard_rows), min((c + 1) * rows, shard_rows)) for c in range(chunks_per_rank)]
-
-
-def k_chunk_bounds(k: int, k_chunks: int) -> List[Tuple[int, int]]:
-    """Column ranges [start, end) of the K blocks (the kernel's split: ceil(K tiles / k_chunks) tiles each)."""
-    k_tiles = -(-k // _K_TILE)
-    cols = -(-k_tiles // k_chunks) * _K_TILE
-    return [(min(c * cols, k), min((c + 1) * cols, k)) for c in range(k_chunks)]
-
-
-def use_k_chunks(m: int, n: int, sm_count: int, shard_bytes: int) -> int:
-    """The K blocks per shard for an [M, N] output: up to ``settings.tuning.ag_k_chunks`` when its 128x256 tiles fit
-    one wave and each block keeps _MIN_K_BLOCK_BYTES of the shard's ``shard_bytes``, else 1 (row chunks)."""
-    tiles = -(-m // 128) * -(-n // 256)
-    chunks = min(settings.tuning.ag_k_chunks, symm.MAX_CHUNKS_PER_RANK, shard_bytes // _MIN_K_BLOCK_BYTES)
-    return chunks if tiles <= sm_count and chunks >= 2 else 1
-
-
-def pull_k_block(dst: Tensor, source: Tensor, peer: int, shard_rows: int, k_chunks: int, block: int, flags: Tensor,
-                 epoch: int, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy column block ``block`` (of ``k_chunks``, :func:`k_chunk_bounds`) of ``peer``'s
-    shard rows from ``source`` into ``dst`` (a 2-D copy-engine copy), then set flags[peer * k_chunks + block] to
-    ``epoch``.  dst, source: [M, K] with the same strides."""
-    ext = symm.extension()
-    row_bytes = dst.stride(0) * dst.element_size()
-    c0, c1 = k_chunk_bounds(dst.shape[1], k_chunks)[block]
-    offset = peer * shard_rows * row_bytes + c0 * dst.element_size()
-    if c1 > c0:
-        ext.ag_memcpy2d_async(dst.data_ptr() + offset, source.data_ptr() + offset, row_bytes,
-                              (c1 - c0) * dst.element_size(), shard_rows, stream.cuda_stream)
-    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * k_chunks + block), epoch, stream.cuda_stream)
-
-
-def pull_row_chunk(dst: Tensor, source: Tensor, peer: int, shard_rows: int, chunks_per_rank: int, chunk: int,
-                   flags: Tensor, epoch: int, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy row chunk ``chunk`` (of ``chunks_per_rank``, :func:`chunk_bounds`) of ``peer``'s
-    shard from ``source`` into ``dst`` (one copy-engine copy), then set flags[peer * chunks_per_rank + chunk] to
-    ``epoch``.  dst, source: [M, K] with the same strides."""
-    ext = symm.extension()
-    row_bytes = dst.stride(0) * dst.element_size()
-    start, end = chunk_bounds(shard_rows, chunks_per_rank)[chunk]
-    offset = (peer * shard_rows + start) * row_bytes
-    if end > start:
-        ext.ag_memcpy_async(dst.data_ptr() + offset, source.data_ptr() + offset, (end - start) * row_bytes,
-                            stream.cuda_stream)
-    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * chunks_per_rank + chunk), epoch, stream.cuda_stream)
-
-
-def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
-                epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                gathered_out: Optional[Tensor] = None, k_chunks: int = 1) -> None:
-    """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
-
-    dst: [M, K] (this rank's gathered buffer); sources[q]: [M, K] view of rank q's buffer (only rows of q
-    are read; sources[rank] is not used).  Peers are pulled in the order r+1, r+2, ... (the kernel's tile
-    order); chunk c of rank q sets flags[q * chunks_per_rank + c].  With ``k_chunks`` > 1 the whole shard moves in
-    column blocks instead (2-D copies), block c setting flags[q * k_chunks + c].  Then copies dst into
-    ``gathered_out``.
-    """
-    chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
-    world = len(sources)
-    for step in range(1, world):
-        peer = (rank + step) % world
-        if k_chunks > 1:
-            for c in range(k_chunks):
-                pull_k_block(dst, sources[peer], peer, shard_rows, k_chunks, c, flags, epoch, stream)
-        else:
-            for c in range(chunks_per_rank):
-                pull_row_chunk(dst, sources[peer], peer, shard_rows, chunks_per_rank, c, flags, epoch, stream)
-    if gathered_out is not None and gathered_out.numel():
-        symm.extension().ag_memcpy_async(gathered_out.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size(),
-                                         stream.cuda_stream)
-
-
-def _push_flag(peer_flags: Tensor, index: int, epoch_word: Tensor, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy the epoch word into peer_flags[index] (copy engine; after the chunk's bytes)."""
-    symm.extension().ag_memcpy_async(peer_flags.data_ptr() + 4 * index, epoch_word.data_ptr(), 4, stream.cuda_stream)
-
-
-def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Sequence[Tensor], rank: int, epoch: int,
-                epoch_word: Tensor, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                k_chunks: int = 1) -> None:
-    """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
-    every peer's buffer, raising the peer's flag of each chunk to ``epoch`` after its bytes.
-
-    peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
-    used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
-    other shards).  Row chunk c sets flags[rank * chunks_per_rank + c]; with ``k_chunks`` > 1 the shard moves in
-    column blocks instead (2-D copies), block c setting flags[rank * k_chunks + c].  ``epoch_word``: one int32 on
-    this device, written here and copied into the flags.
-    """
-    ext = symm.extension()
-    chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
-    shard_rows, k = shard.shape
-    world = len(peer_buffers)
-    element = shard.element_size()
-    row_bytes = k * element
-    ext.ag_stream_write_value32(epoch_word.data_ptr(), epoch, stream.cuda_stream)
-    for step in range(1, world):
-        peer = (rank - step) % world
-        dst = peer_buffers[peer]
-        if dst.stride(0) != k:
-            raise ValueError(f"peer buffer row stride {dst.stride(0)} != K = {k}")
-        base = dst.data_ptr() + rank * shard_rows * row_bytes
-        if k_chunks > 1:
-            for c, (c0, c1) in enumerate(k_chunk_bounds(k, k_chunks)):
-                if c1 > c0:
-                    ext.ag_memcpy2d_async(base + c0 * element, shard.data_ptr() + c0 * element, row_bytes,
-                                          (c1 - c0) * element, shard_rows, stream.cuda_stream)
-                _push_flag(peer_flags[peer], rank * k_chunks + c, epoch_word, stream)
-            continue
-        for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
-            if end > start:
-                ext.ag_memcpy_async(base + start * row_bytes, shard.data_ptr() + start * row_bytes,
-                                    (end - start) * row_bytes, stream.cuda_stream)
-            _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch_word, stream)
-
-
-def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
-              arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, epoch_word: Tensor,
-              gemms: Sequence[tuple], events: Tuple[int, int], main: torch.cuda.Stream, side: torch.cuda.Stream,
-              chunks_per_rank: int, k_chunks: int, timeout_s: Optional[float] = None) -> None:
-    """Enqueue one eager push call with one host call (csrc/ag_gemm.h push_call): what :func:`all_gather_matmul`
-    otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
-    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, the GEMMs on ``main``
-    (``gemms``: :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), ``main``
-    follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.
-
-    peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
-    parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
-    two events of :func:`symm.push_events`.  Entries for q == rank are not used."""
-    _, error_device = symm.error_word(shard.device.index)
-    timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
-    symm.extension().ag_push_call(  # positional, in the binding's order
-        peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
-        shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
-        epoch_word.data_ptr(), chunks_per_rank, k_chunks, _K_TILE, gemms, events[0], events[1], main.cuda_stream,
-        side.cuda_stream)
-
-
-def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:
-    """gathered[M, K] = the peers' rows of ``buffer`` with ``shard`` as this rank's rows (on the current stream,
-    once the GEMM has waited for every chunk)."""
-    rows = shard.shape[0]
-    lo, hi = rank * rows, (rank + 1) * rows
-    if lo:
-        gathered[:lo].copy_(buffer[:lo])
-    gathered[lo:hi].copy_(shard)
-    if hi < gathered.shape[0]:
-        gathered[hi:].copy_(buffer[hi:])
 
 
 def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
@@ -617,7 +347,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
-    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
+    k_chunks = use_k_chunks(m, weights[0].shape[1], loader.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     # The barrier: every peer done with the buffer this call writes into (pushing: the peer reached the previous call;
     # pulling: this call, so every slot is written).  Once calls were captured, a peer's replay may have read either
@@ -678,7 +408,7 @@ def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequen
     parity = symm.CAPTURE_PARITY
     peers = [ws.view(parity, q, m, k, dtype) for q in range(world)]
     chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
-    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
+    k_chunks = use_k_chunks(m, weights[0].shape[1], loader.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
@@ -720,7 +450,7 @@ def captured_push_call(shard: Tensor, weights: Sequence[Tensor], biases: Sequenc
             assemble_gathered(gathered, peer_buffers[rank], shard, rank)
         main.wait_stream(side)
         per_rank = k_chunks if k_chunks > 1 else chunks
-        ext = symm.extension()
+        ext = loader.extension()
         for q in range(world):
             for c in range(per_rank if q != rank else 0):
                 ext.ag_stream_wait_value32_eq(flags.data_ptr() + 4 * (q * per_rank + c), epoch, main.cuda_stream)

@@ -1,4 +1,4 @@
-"""The extension loader and the symmetric-memory workspaces of the fused kernels.
+"""The symmetric-memory workspaces of the fused kernels (the extension comes from :mod:`.loader`).
 
 A workspace belongs to one (process group, CUDA device).  It holds two symmetric buffers from
 ``torch.distributed._symmetric_memory`` (used by alternate calls, so a call never overwrites what a peer
@@ -28,35 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 import torch
 
 from fluxinductor import settings
-
-_extension = None
-_extension_reason: Optional[str] = None
-_extension_tried = False
-_lock = threading.Lock()
-
-
-def extension():
-    """The loaded ``fluxinductor._C`` module; raises RuntimeError with the reason when it is not there."""
-    reason = extension_available()
-    if reason is not None:
-        raise RuntimeError(reason)
-    return _extension
-
-
-def extension_available() -> Optional[str]:
-    """None when ``fluxinductor._C`` imports, else why it does not (checked once, lazily)."""
-    global _extension, _extension_reason, _extension_tried
-    if not _extension_tried:
-        with _lock:
-            if not _extension_tried:
-                try:
-                    from fluxinductor import _C  # noqa: PLC0415 - lazy on purpose
-
-                    _extension = _C
-                except ImportError as e:
-                    _extension_reason = f"fluxinductor._C is not built or does not load ({e})"
-                _extension_tried = True
-    return _extension_reason
+from fluxinductor.kernels.loader import extension, extension_available  # noqa: F401 - re-exported for tools
 
 
 def capturing() -> bool:

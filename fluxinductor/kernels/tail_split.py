@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from fluxinductor import settings
-from fluxinductor.kernels import symm
+from fluxinductor.kernels import loader, symm
 
 OFF = (0, 0, 0, 1, 1)  # (partials, flags, first epoch, parts, waves): no tail split
 
@@ -35,7 +35,7 @@ class Scratch:
 
     def __init__(self, device: torch.device, sm_count: int, waves: int = 1):
         self.waves = waves
-        floats, flags = symm.extension().ag_tail_split_scratch(sm_count, waves)
+        floats, flags = loader.extension().ag_tail_split_scratch(sm_count, waves)
         self.partials = symm.persistent(lambda: torch.empty(floats, dtype=torch.float32, device=device), device)
         self.flags = symm.persistent(lambda: torch.zeros(flags, dtype=torch.int32, device=device), device)
         self.epoch = 0
