@@ -90,13 +90,15 @@ void export_gemm_rs(py::module_& m) {
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
         py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,
-        py::arg("out_float") = false, py::arg("capture") = false);
+        py::arg("out_float") = false, py::arg("capture") = false, py::arg("tuning_config") = 0,
+        py::arg("swizzle") = 0, py::arg("raster") = -1);
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", &api::gemm_rs_tile_shape,
-        "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel: they fix its flag layout");
+        "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel of this tuning configuration: they fix its flag layout",
+        py::arg("tuning_config") = 0);
   m.def("gemm_rs_tuning_build", &fluxinductor::gemm_rs_tuning_build,
         "whether this is a tuning build (-DFLUXINDUCTOR_KERNEL_TUNING=ON): the kernels' tuning variants (csrc/tuning/, "
-        "FLUXINDUCTOR_GEMM_RS_CONFIG's) and the probe_stock_gemm_* functions are there");
+        "gemm_rs_run's tuning_config) and the probe_stock_gemm_* functions are there");
   m.def("gemm_rs_alloc_host_word", &api::gemm_rs_alloc_host_word,
         "(host address, device address) of a new zeroed host-mapped int32 error word");
 }

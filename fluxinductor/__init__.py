@@ -6,9 +6,10 @@
 everywhere else.
 """
 
+from fluxinductor import settings  # noqa: I001  (first: reads and checks the environment)
 from fluxinductor import ops  # noqa: F401  (registers torch.ops.fluxinductor.*)
 from fluxinductor.backend import flux_backend
-from fluxinductor.config import set_tp_group
 from fluxinductor.log import reset_rewrite_stats, rewrite_stats
+from fluxinductor.settings import set_tp_group
 
-__all__ = ["flux_backend", "rewrite_stats", "reset_rewrite_stats", "set_tp_group"]
+__all__ = ["flux_backend", "rewrite_stats", "reset_rewrite_stats", "set_tp_group", "settings"]

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from fluxinductor import config
+from fluxinductor import settings
 from fluxinductor.log import logger
 
 
@@ -18,31 +18,42 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
                  mode: Optional[str] = None):
     """Compile ``gm`` with inductor, with fluxinductor's pass manager as the post-grad custom pass.
 
-    ``options`` (from ``torch.compile(..., options=...)``): ``"tp_group"`` (a group name, ProcessGroup,
-    1-D DeviceMesh or a list of them) restricts fusion to that group, overriding
-    :func:`fluxinductor.set_tp_group`; every other key is an inductor config patch.  Forward and backward
-    graphs are both rewritten: inductor applies the same config patches to the backward compile.
-    ``mode`` (``torch.compile(..., mode=...)``; torch accepts it or ``options``, not both) means what it means for
-    inductor (:func:`torch._inductor.list_mode_options`): ``"reduce-overhead"`` and ``"max-autotune"`` turn on CUDA
-    graphs, which leave the fused ops out of the captured partitions (the ops are tagged ``cudagraph_unsafe``: their
-    kernels cannot be captured) and capture the rest of the graph.
+    ``options`` (from ``torch.compile(..., options=...)``): fluxinductor's per-compile options (docs/settings.md),
+    taken out before the rest become inductor config patches:
+
+    - ``"tp_group"`` (a group name, ProcessGroup, 1-D DeviceMesh or a list of them) restricts fusion to that group,
+      overriding :func:`fluxinductor.set_tp_group`;
+    - ``"split_all_reduce"`` (``"exact"``, ``"replicated"``, ``"off"``), ``"fuse_matmul_sums"`` (bool): what the
+      passes rewrite;
+    - ``"cuda_graphs"`` (bool): with CUDA graphs on, whether the fused ops are captured with the rest of the graph;
+      off, inductor partitions the graph around them (``custom_should_partition_ops``) and runs them between the
+      captured partitions.  See :mod:`fluxinductor.settings` for what it cannot change per compile.
+
+    Each defaults to ``fluxinductor.settings.current``.  Forward and backward graphs are both rewritten: inductor
+    applies the same config patches to the backward compile.  ``mode`` (``torch.compile(..., mode=...)``; torch
+    accepts it or ``options``, not both) means what it means for inductor (:func:`torch._inductor.list_mode_options`):
+    ``"reduce-overhead"`` and ``"max-autotune"`` turn on CUDA graphs.
     """
     from torch._inductor.compile_fx import compile_fx
 
     # Registering the ops here makes graphs from the entry point (no `import fluxinductor`) work too.
-    import fluxinductor.ops  # noqa: F401
+    import fluxinductor.ops
     from fluxinductor.passes import FluxPassManager
 
     patches = dict(options or {})
     if mode is not None:
         patches = _mode_options(mode)
+    # Taken out before the patches reach inductor, which rejects keys it does not know.
     tp_group = patches.pop("tp_group", None)
-    if config.disabled():
+    split_all_reduce = settings.compile_option(patches, "split_all_reduce")
+    fuse_matmul_sums = settings.compile_option(patches, "fuse_matmul_sums")
+    cuda_graphs = settings.compile_option(patches, "cuda_graphs")
+    if settings.current.disable:
         logger.info("FLUXINDUCTOR_DISABLE is set: compiling with plain inductor")
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
     if tp_group is not None:
-        config.set_tp_group(tp_group)
+        settings.set_tp_group(tp_group)
     user_pass = patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
     if user_pass is not None:
         raise ValueError(
@@ -52,7 +63,15 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
     if cudagraphs and hasattr(torch._inductor.config, "graph_partition"):
         # Capture around the fused ops instead of skipping CUDA graphs for every graph that has one.
         patches.setdefault("graph_partition", True)
-    patches["post_grad_custom_post_pass"] = FluxPassManager(config.tp_group_names())
+    if cuda_graphs:
+        settings.note_cuda_graphs_compile()  # the ops' kernels may run where this graph is captured
+    elif cudagraphs and hasattr(torch._inductor.config, "custom_should_partition_ops"):
+        # The fused kernels are not captured: inductor runs the ops between the captured partitions.
+        listed = patches.get("custom_should_partition_ops", torch._inductor.config.custom_should_partition_ops)
+        patches["custom_should_partition_ops"] = list(listed) + [op for op in fluxinductor.ops.FUSED_OPS
+                                                                 if op not in listed]
+    patches["post_grad_custom_post_pass"] = FluxPassManager(settings.tp_group_names(), fuse_matmul_sums,
+                                                            split_all_reduce, cuda_graphs)
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

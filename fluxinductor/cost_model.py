@@ -7,7 +7,7 @@ sequential path (NCCL collective then cuBLAS, or cuBLAS then NCCL) and of the ov
 (:data:`PATHS`): ``fused`` (fluxinductor's kernels), ``fused_copy`` (the GEMM+RS kernel with its
 copy-engine transport), ``fused_split`` (GEMM+RS as a ring of stock CUTLASS GEMMs with the copy engine between
 them) and ``asynctp`` (PyTorch's async-TP ops, ``torch.ops.symm_mem.fused_*``, which the
-dispatcher may run instead, opt-in: ``FLUXINDUCTOR_ASYNCTP=1``).
+dispatcher may run instead, opt-in: ``settings.set_tuning(asynctp=True)``).
 
 Shapes are *global* GEMM shapes, the convention of ``docs/performance.md`` (see :func:`global_mkn`):
 
@@ -34,7 +34,7 @@ has gain -inf, and so has ``asynctp`` on shapes faster than :data:`ASYNCTP_MIN_S
 Each path's gain is interpolated on its own; the path with the highest gain (``fused`` on a tie within
 :data:`MIN_GAIN`) is returned if that gain is above :data:`MIN_GAIN`, so a difference within timing noise,
 an unmeasured shape or an unmeasured device always means ``"sequential"``.  ``choose(..., paths=...)``
-limits the candidates (the dispatcher offers ``asynctp`` only with ``FLUXINDUCTOR_ASYNCTP=1`` and PyTorch's
+limits the candidates (the dispatcher offers ``asynctp`` only with ``settings.tuning.asynctp`` and PyTorch's
 ops present).  Forcing the fused kernel regardless of this table is the dispatcher's business
 (``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
 
@@ -57,7 +57,7 @@ import re
 import threading
 from typing import Dict, List, Optional, Tuple
 
-from fluxinductor import config
+from fluxinductor import settings
 
 TABLE_FORMAT = 1
 # Fused must beat sequential by more than this fraction of the sequential time (medians of 20 runs
@@ -136,7 +136,7 @@ def global_mkn(op: str, world: int, a_rows: int, k_local: int, n_local: int) -> 
 
 def tuning_dir() -> str:
     """The folder the tables are read from: ``$FLUXINDUCTOR_TUNING_DIR`` or the packaged ``tuning/``."""
-    return config.env("FLUXINDUCTOR_TUNING_DIR") or os.path.join(os.path.dirname(__file__), "tuning")
+    return settings.current.tuning_dir or os.path.join(os.path.dirname(__file__), "tuning")
 
 
 def table_path(device_name: str, world: int) -> str:

@@ -4,10 +4,10 @@ Each function returns the op's result when it ran a fused kernel, or ``None`` (a
 :func:`fluxinductor.log.record_fallback`, shown under ``FLUXINDUCTOR_LOG=1``) so the op runs its
 reference decomposition: the collective through the process group, then the matmul (plain sequential).
 
-``FLUXINDUCTOR_DISPATCH`` (read at every call):
+``FLUXINDUCTOR_DISPATCH`` (``fluxinductor.settings.current.dispatch``, read at every call):
   - ``auto`` (default): the path the measured cost model (:mod:`fluxinductor.cost_model`) found fastest for
     this device, world size and shape: the fused kernel (where it is eligible) or the decomposition; with
-    ``FLUXINDUCTOR_ASYNCTP=1`` (experimental, off by default) also PyTorch's async-TP op
+    ``settings.tuning.asynctp`` (experimental, off by default) also PyTorch's async-TP op
     (``torch.ops.symm_mem.fused_*``).  Measured on 4xH200 (benchmarks/results/h200x4_tp4_model_asynctp_path.json):
     the op benchmark gained up to 1.5x over NCCL-sequential through it, but in compiled models the same
     choice ran the 2-layer Llama forward at 0.60x inductor's speed: with torch 2.11 each async-TP call costs
@@ -35,18 +35,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fluxinductor import config
-from fluxinductor.kernels import symm
+from fluxinductor import settings
+from fluxinductor.kernels import loader, symm
 from fluxinductor.log import record_fallback
 
-MODES = ("auto", "fused", "decomposed")
+MODES = settings.DISPATCH_MODES
 
 
 def mode() -> str:
-    value = config.env("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"FLUXINDUCTOR_DISPATCH must be one of {MODES}, got {value!r}")
-    return value
+    """The dispatch mode (validated when the settings were read)."""
+    return settings.current.dispatch
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,7 +85,7 @@ def _peers_reason(group_name: str, device: torch.device) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _local_reason(index: int) -> Optional[str]:
     """Why this process cannot run the fused kernels on GPU ``index`` at all, or None (see :func:`_peers_reason`)."""
-    why = symm.extension_available()
+    why = loader.extension_available()
     capability = torch.cuda.get_device_capability(index)
     if why is None and capability != (9, 0):
         why = f"the fused kernels are built for sm_90a; cuda:{index} has capability {capability}"
@@ -143,9 +141,9 @@ def _asynctp_registered():
 
 
 def _asynctp_ops():
-    """PyTorch's async-TP ops (all-gather matmul, matmul reduce-scatter) when FLUXINDUCTOR_ASYNCTP=1 and torch
+    """PyTorch's async-TP ops (all-gather matmul, matmul reduce-scatter) when ``settings.tuning.asynctp`` and torch
     has them, else None."""
-    if config.env("FLUXINDUCTOR_ASYNCTP", "0").strip() != "1":
+    if not settings.tuning.asynctp:
         return None
     return _asynctp_registered()
 
@@ -197,9 +195,9 @@ def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tenso
 
 # A model repeats a few call signatures every step, and deciding a call afresh (the group's verdict, the kernel
 # module's checks, the cost model's lookup) took 60-190 us of host time per call on the 2xH200 machine
-# (benchmarks/host_overhead.py --profile, session 15).  So the decision is made on a signature's first call and
+# (benchmarks/host_overhead.py --profile).  So the decision is made on a signature's first call and
 # remembered, keyed by all it depends on: the dispatch mode; the operands' shapes, strides, dtypes, devices and
-# 16-byte alignment; the op's other arguments; the group's name and size; in ``auto`` mode FLUXINDUCTOR_ASYNCTP and
+# 16-byte alignment; the op's other arguments; the group's name and size; in ``auto`` mode the async-TP setting and
 # the cost model's table version (its file's mtime: an edited table counts at once).  What is per call stays per
 # call: the fallback is counted (FLUXINDUCTOR_LOG), the kernel module checks its workspace.  Calls under CUDA graph
 # capture decide afresh: whether they can run fused depends on the workspaces an eager call set up.
@@ -220,7 +218,7 @@ def _auto_key(device: torch.device, world: int) -> tuple:
     """What an ``auto`` decision depends on beyond the call: whether async-TP is offered, and the table's version."""
     from fluxinductor import cost_model
 
-    return config.env("FLUXINDUCTOR_ASYNCTP"), cost_model.table_version(_device_name(device.index), world)
+    return settings.tuning.asynctp, cost_model.table_version(_device_name(device.index), world)
 
 
 def _remember(key: Optional[tuple], plan: tuple) -> tuple:
@@ -376,7 +374,7 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
     if why is not None:
         return "decomposed", why, transport, None
     # The split GEMMs' configuration measured fastest for the shape (the table's split_config; used only if the
-    # call runs the split transport, by the cost model's choice or FLUXINDUCTOR_GEMM_RS_PUSH=split).
+    # call runs the split transport, by the cost model's choice or settings.tuning.gemm_rs_push="split").
     split_config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
                                         a.dtype)
     return "fused", None, transport, split_config

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fluxinductor import config, dispatch
+from fluxinductor import dispatch
 from fluxinductor.log import record_fallback
 
 REDUCE_OPS = ("sum", "avg")
@@ -167,11 +167,12 @@ def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scat
 # ---------------------------------------------------------------------------------------------------
 
 
-# Unless FLUXINDUCTOR_CUDA_GRAPHS=1 (fluxinductor.config.capture_kernels), the fused kernels are not run under CUDA
-# graph capture (the ops decompose there), and inductor's CUDA graphs (mode="reduce-overhead") run ops with this tag
-# eagerly between captured partitions, so that the kernels still run.  With it, the ops are captured like any other.
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") and not config.capture_kernels() \
-    else ()
+# The fused ops, as inductor's custom_should_partition_ops names them.  With CUDA graphs on and the per-compile option
+# cuda_graphs off (the default), the backend lists them there, so inductor runs them eagerly between captured partitions
+# and their kernels still run; with it on they are captured like any other op.  They carry no cudagraph_unsafe tag,
+# which would fix that choice for the whole process when the ops are registered (at import, before any setting).
+FUSED_OPS = ("fluxinductor::all_gather_matmul", "fluxinductor::matmul_reduce_scatter",
+             "fluxinductor::matmul_all_reduce")
 
 # The ops are defined with torch.library.Library rather than torch.library.custom_op: custom_op's Python wrappers (its
 # autograd layer, the redispatch below it, the backend wrapper, dynamo's disable) cost 20-40 us of host time per call
@@ -193,7 +194,7 @@ def _op(schema: str):
             _refuse_grad(name, *args, *kwargs.values())
             return fn(*args, **kwargs)
 
-        _LIB.define(name + schema, tags=_TAGS)
+        _LIB.define(name + schema)
         _LIB.impl(name, kernel, "CompositeExplicitAutograd")
         return fn
 

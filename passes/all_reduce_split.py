@@ -12,7 +12,7 @@ all-gather as late as it can::
     n  = rms_norm(h)                                          # row-wise: reductions over the last dim only
     q  = mm(reshape(n, [B*S, H]), W_q)
 
-becomes, with ``FLUXINDUCTOR_SPLIT_ALL_REDUCE=replicated`` (rank r of w; M = B*S rows, this rank's rows
+becomes, with ``options={"split_all_reduce": "replicated"}`` (rank r of w; M = B*S rows, this rank's rows
 ``[r*M/w, (r+1)*M/w)``)::
 
     y_r = wait_tensor(reduce_scatter_tensor(reshape(mm(a, W), [M, H]), "sum", w, group))   # [M/w, H]
@@ -529,7 +529,7 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
         planner.run()
     except Exception as e:  # the graph is half rewritten: no correct way on but to stop, saying how to avoid it
         raise RuntimeError(f"fluxinductor all_reduce_split failed while rewriting ({type(e).__name__}: {e}); "
-                           "FLUXINDUCTOR_SPLIT_ALL_REDUCE=0 leaves all-reduces alone") from e
+                           "split_all_reduce=\"off\" leaves all-reduces alone") from e
     m.erase_dead(graph, planner.dead)
     pos = m.positions(graph)
     leftover = [n.name for n in planner.dead if n in pos]

@@ -26,18 +26,24 @@ class FluxPassManager(CustomGraphPass):
     2. ``matmul_reduce_scatter``: ``mm -> reduce_scatter`` into ``fluxinductor.matmul_reduce_scatter``.
 
     ``tp_group_names`` (a snapshot taken when the model is compiled) restricts both to those process
-    groups; ``None`` allows every group.  The uuid covers the passes' source and these settings, so
-    inductor's FX graph cache never returns a graph rewritten by other code or settings.
+    groups; ``None`` allows every group.  ``fuse_matmul_sums``, ``split_all_reduce`` and ``cuda_graphs``: the
+    per-compile options (None: ``fluxinductor.settings.current``'s).  The uuid covers the passes' source, these
+    options and every setting (``fluxinductor.settings.compute_hash()``), so inductor's FX graph cache never returns
+    a graph rewritten by other code or settings.
     """
 
     def __init__(self, tp_group_names: Optional[frozenset] = None, fuse_matmul_sums: Optional[bool] = None,
-                 split_all_reduce: Optional[str] = None):
-        from fluxinductor import config
+                 split_all_reduce: Optional[str] = None, cuda_graphs: Optional[bool] = None):
+        from fluxinductor import settings
 
+        options = {name: value for name, value in (("fuse_matmul_sums", fuse_matmul_sums),
+                                                   ("split_all_reduce", split_all_reduce),
+                                                   ("cuda_graphs", cuda_graphs)) if value is not None}
         self.tp_group_names = tp_group_names
-        self.fuse_matmul_sums = config.fuse_matmul_sums() if fuse_matmul_sums is None else fuse_matmul_sums
-        self.split_all_reduce = config.split_all_reduce() if split_all_reduce is None else split_all_reduce
-        self.dispatch_mode = os.environ.get("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
+        self.fuse_matmul_sums = settings.compile_option(options, "fuse_matmul_sums")
+        self.split_all_reduce = settings.compile_option(options, "split_all_reduce")
+        self.cuda_graphs = settings.compile_option(options, "cuda_graphs")
+        self.dispatch_mode = settings.current.dispatch
 
     def group_allowed(self, group_name: str) -> bool:
         return self.tp_group_names is None or group_name in self.tp_group_names
@@ -103,8 +109,7 @@ class FluxPassManager(CustomGraphPass):
         import fluxinductor.dispatch
 
         sources += [fluxinductor.cost_model.__file__, fluxinductor.dispatch.__file__]  # + the paths it offers
-        tuning = os.environ.get("FLUXINDUCTOR_TUNING_DIR") or os.path.join(
-            os.path.dirname(fluxinductor.ops.__file__), "tuning")
+        tuning = fluxinductor.cost_model.tuning_dir()
         if os.path.isdir(tuning):
             sources += [os.path.join(tuning, f) for f in sorted(os.listdir(tuning)) if f.endswith(".json")]
         digest = hashlib.sha256()
@@ -116,15 +121,18 @@ class FluxPassManager(CustomGraphPass):
 
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         kernels = dispatch._kernels("all_gather_matmul")[0] is not None, dispatch._kernels("matmul_reduce_scatter")[0] is not None
-        asynctp = dispatch._asynctp_ops() is not None  # FLUXINDUCTOR_ASYNCTP: the veto may keep more matches
+        asynctp = dispatch._asynctp_ops() is not None  # settings.tuning.asynctp: the veto may keep more matches
         # all_reduce_split under "replicated" writes this rank's rows into the graph (its slices): ranks sharing an FX
         # graph cache must not share its entries.
         import torch.distributed as dist
 
         rank = (dist.get_rank() if self.split_all_reduce == "replicated" and dist.is_available()
                 and dist.is_initialized() else None)
+        from fluxinductor import settings
+
         digest.update(f"tp_groups={groups};fuse_matmul_sums={self.fuse_matmul_sums};dispatch={self.dispatch_mode};"
-                      f"device={device};kernels={kernels};asynctp={asynctp};"
-                      f"split_all_reduce={self.split_all_reduce};rank={rank}".encode())
+                      f"device={device};kernels={kernels};asynctp={asynctp};cuda_graphs={self.cuda_graphs};"
+                      f"split_all_reduce={self.split_all_reduce};rank={rank};"
+                      f"settings={settings.compute_hash()}".encode())
         return digest.digest()
 

@@ -224,7 +224,7 @@ def _match_terms(wait: Node, partial: Node, partial_shape: tuple, dtype: torch.d
     if casts:  # the matmuls run in the cast's source dtype, the reduction in ``dtype``
         out_dtype, dtype = dtype, m.val(casts[0].args[0]).dtype
     if len(terms) > 1 and not fuse_sums:
-        raise Skip("sum of matmuls (FLUXINDUCTOR_FUSE_MATMUL_SUMS=0)", f"{len(terms)} terms")
+        raise Skip("sum of matmuls (fuse_matmul_sums=False)", f"{len(terms)} terms")
     if len(biases) > 1:
         raise Skip("more than one bias in the reduced sum", str([b.name for b in biases]))
     bias = biases[0] if biases else None

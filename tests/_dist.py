@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -51,6 +52,9 @@ def _worker(
 ) -> None:
     try:
         os.environ.update(env)
+        settings = sys.modules.get("fluxinductor.settings")
+        if settings is not None:  # imported while ``fn`` was unpickled, before ``env`` was set: read it again
+            settings.reload()
         if "TORCHINDUCTOR_CACHE_DIR" in env:  # one cache per rank (see run_ranks)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(env["TORCHINDUCTOR_CACHE_DIR"], f"rank{rank}")
         os.environ.update(
@@ -94,8 +98,8 @@ def run_ranks(
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
 
-    ``env`` is set in every rank before torch is imported there.  ``cache_dir`` holds the ranks'
-    ``TORCHINDUCTOR_CACHE_DIR``s (``<cache_dir>/rank<r>``); by default each job gets a fresh empty one, so
+    ``env`` is set in every rank before torch is imported there (and fluxinductor's settings read it).
+    ``cache_dir`` holds the ranks' ``TORCHINDUCTOR_CACHE_DIR``s (``<cache_dir>/rank<r>``); by default each job gets a fresh empty one, so
     no compile is served from an earlier job's FX graph cache.  Each rank has its own: when ranks shared
     one, a rank that compiled a graph identical to its peer's a moment later was served the peer's entry,
     skipped the passes, and recorded no fusion decisions (test_integer_matmul_is_skipped_and_exact failed

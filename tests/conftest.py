@@ -7,10 +7,13 @@
 * The dispatcher's remembered decisions (``fluxinductor.dispatch._plans``) are forgotten before each test: tests
   replace its pieces (cost model, kernel module) with fakes, and a decision made with one test's fakes must not
   serve the next.
+* ``flux_settings(**fields)`` (a fixture) sets fields of ``fluxinductor.settings.current`` and ``.tuning`` for one
+  test; both are put back after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -36,6 +39,24 @@ def _fresh_dispatch_decisions():
 
     dispatch.clear_plans()
     yield
+
+
+@pytest.fixture
+def flux_settings(monkeypatch):
+    """``flux_settings(dispatch="fused", ag_variant=5, ...)``: fluxinductor's settings for this test only (user
+    settings and tuning fields alike, validated as :func:`fluxinductor.settings.override` does)."""
+    from fluxinductor import settings
+
+    # monkeypatch restores the objects these names hold now; the calls below only replace them.
+    monkeypatch.setattr(settings, "current", settings.current)
+    monkeypatch.setattr(settings, "tuning", settings.tuning)
+    user_fields = {f.name for f in dataclasses.fields(settings.Settings)}
+
+    def apply(**values):
+        settings.configure(**{k: v for k, v in values.items() if k in user_fields})
+        settings.set_tuning(**{k: v for k, v in values.items() if k not in user_fields})
+
+    return apply
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest hook signature

@@ -8,24 +8,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxinductor.kernels import ag_gemm, symm
+from fluxinductor import settings
+from fluxinductor.kernels import ag_gemm, loader, symm
 
 
 def _weight(k: int, n: int, k_contiguous: bool = True) -> torch.Tensor:
     return torch.randn(n, k, dtype=torch.bfloat16).t() if k_contiguous else torch.randn(k, n, dtype=torch.bfloat16)
 
 
-def test_push_needs_whole_tiles_of_every_launch(monkeypatch):
+def test_push_needs_whole_tiles_of_every_launch(flux_settings):
     w = _weight(256, 64)
     assert ag_gemm.use_push(torch.randn(256, 256, dtype=torch.bfloat16), [w])
     assert not ag_gemm.use_push(torch.randn(129, 256, dtype=torch.bfloat16), [w])  # a tile would straddle ranks
     assert not ag_gemm.use_push(torch.randn(256, 512, dtype=torch.bfloat16)[:, :256], [w])  # not contiguous
-    monkeypatch.setattr(ag_gemm, "VARIANT", 1)  # cooperative 256x128: 256-row tiles for bf16, K-contiguous weights
+    flux_settings(ag_variant=1)  # cooperative 256x128: 256-row tiles for bf16, K-contiguous weights
     assert not ag_gemm.use_push(torch.randn(128, 256, dtype=torch.bfloat16), [w])
     assert ag_gemm.use_push(torch.randn(128, 256, dtype=torch.bfloat16), [_weight(256, 64, k_contiguous=False)])
     assert ag_gemm.use_push(torch.randn(128, 256, dtype=torch.float16), [w.half()])  # variants are bf16 only
-    monkeypatch.setattr(ag_gemm, "PUSH", False)
-    assert not ag_gemm.use_push(torch.randn(256, 256, dtype=torch.bfloat16), [w])
 
 
 class _Recorder:
@@ -54,7 +53,7 @@ def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
     (row chunks, or column blocks) into rows [S, 2S) of that peer's buffer, each followed by a copy of the epoch word
     into that peer's flag of (rank 1, chunk)."""
     recorder = _Recorder()
-    monkeypatch.setattr(symm, "extension", lambda: recorder)
+    monkeypatch.setattr(loader, "extension", lambda: recorder)
     world, rank, rows, k, chunks = 3, 1, 6, 128, 2
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
     buffers = [torch.empty(world * rows, k, dtype=torch.bfloat16) for _ in range(world)]
@@ -83,7 +82,7 @@ def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
 
 
 def test_push_refuses_a_padded_peer_buffer(monkeypatch):
-    monkeypatch.setattr(symm, "extension", lambda: _Recorder())
+    monkeypatch.setattr(loader, "extension", lambda: _Recorder())
     shard = torch.randn(4, 64, dtype=torch.bfloat16)
     padded = torch.empty(8, 72, dtype=torch.bfloat16)[:, :64]
     with pytest.raises(ValueError, match="row stride"):
@@ -133,12 +132,6 @@ class _Workspace:
     def previous_epoch(self):
         return self.epoch - 1
 
-    def barrier(self, parity):
-        self.log.append(("torch barrier",))
-
-    def mark_arrived(self, epoch, stream):
-        self.log.append(("mark_arrived", epoch, stream.name))
-
     def view(self, parity, rank, rows, cols, dtype):
         return self.buffers[rank]
 
@@ -167,16 +160,14 @@ class _Workspace:
 
 
 @pytest.mark.parametrize("captured", [False, True])
-@pytest.mark.parametrize("barrier", ["arrival", "arrival, one wave", "torch"])
+@pytest.mark.parametrize("barrier", ["arrival", "arrival, one wave"])
 @pytest.mark.parametrize("push", [True, False])
 def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, captured):
     """What all_gather_matmul enqueues, in order.  On the arrival (multi-wave): the side stream joins main (the shard
     is ready), main runs the call's arrival (needing the peers at the previous call when pushing, at this call when
     pulling, after this rank's rows went into its buffer), the side stream waits for the arrival's word before it moves
     any bytes, and only the first GEMM is launched as the arrival's programmatic dependent.  One wave (column blocks):
-    the side stream follows the arrival through an event, and no GEMM is a dependent.  With torch's barrier
-    (FLUXINDUCTOR_AG_ARRIVAL=0): the barrier first, and the side stream still records this rank's arrival at the
-    end, for later calls on the arrival.  Once a call of the workspace was captured in a CUDA graph, a push needs the
+    the side stream follows the arrival through an event, and no GEMM is a dependent.  Once a call of the workspace was captured in a CUDA graph, a push needs the
     peers at this call too (their replays may have read either buffer since this rank's previous eager call)."""
     log = []
     world, rank, rows, k = 2, 1, 4, 64
@@ -189,13 +180,13 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, ca
             return 132
 
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
-    monkeypatch.setattr(symm, "extension", lambda: _Ext())
+    monkeypatch.setattr(loader, "extension", lambda: _Ext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: push)
-    monkeypatch.setattr(ag_gemm, "ARRIVAL", barrier != "torch")
-    monkeypatch.setattr(ag_gemm, "ONE_CALL", False)  # the step-by-step enqueue (test_one_call_arguments: the other)
+    # The step-by-step enqueue: a push of more weights than one host call takes (test_one_call_arguments: the other).
+    monkeypatch.setattr(ag_gemm, "MAX_ONE_CALL_GEMMS", 1)
     if barrier == "arrival, one wave":
         monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4)
     monkeypatch.setattr(ag_gemm, "push_shards", lambda *a, **kw: log.append(("push", a[-3].name)))
@@ -211,11 +202,8 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, ca
     gemms = [("gemm", "main", barrier == "arrival", push), ("gemm", "main", False, push)]
     if barrier == "arrival":
         expected = [("wait_stream", "side", "main"), arrival, ("wait_passed", 5, "side"), moved] + gemms
-    elif barrier == "arrival, one wave":
-        expected = [arrival, ("wait_stream", "side", "main"), moved] + gemms
     else:
-        expected = [("torch barrier",), ("wait_stream", "side", "main"), moved] + gemms + \
-            [("mark_arrived", 5, "side")]
+        expected = [arrival, ("wait_stream", "side", "main"), moved] + gemms
     assert log == expected + [("wait_stream", "main", "side")]
     assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]
 
@@ -250,14 +238,12 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
 
     calls = []
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
-    monkeypatch.setattr(symm, "extension", lambda: _Ext())
+    monkeypatch.setattr(loader, "extension", lambda: _Ext())
     monkeypatch.setattr(symm, "error_word", lambda index: (0, 77))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: True)
-    monkeypatch.setattr(ag_gemm, "ARRIVAL", True)
-    monkeypatch.setattr(ag_gemm, "ONE_CALL", True)
     monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4 if one_wave else 1)
     monkeypatch.setattr(ag_gemm, "tail_split_args", lambda *a: (0, 0, 0, 1, 1))
     monkeypatch.setattr(ag_gemm, "_choose_launch", lambda a, w, shard_rows, sm, variant, group: (True, k, 0, 8))
@@ -274,7 +260,7 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
     assert (buffers, flags) == ws.peer_addresses(1, world * rows, k, shard.dtype)  # epoch 5: parity 1
     assert arrival_words == ws.peer_arrival_words() and arrivals is ws.arrivals and passed is ws.passed
     assert epoch_word is ws.epoch_word and events == (11, 12) and (c_main, c_side) == (main, ws.side_stream)
-    assert (chunks, k_chunks) == (min(ag_gemm.CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK), 4 if one_wave else 1)
+    assert (chunks, k_chunks) == (min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK), 4 if one_wave else 1)
     assert len(gemms) == 2
     for gemm, weight, out in zip(gemms, weights, outputs):
         assert len(gemm) == 33  # ag_gemm_run's arguments before the stream

@@ -54,17 +54,14 @@ def test_wave_model_counts_partial_waves_and_split_tails():
     (4096, 49152, 6144, 0),
     (1024, 8192, 4096, 0),      # one wave: the K-chunked waits, variant 0
 ])
-def test_automatic_choice(monkeypatch, m, k, n, expected):
-    monkeypatch.setattr(ag_gemm, "VARIANT", None)
-    monkeypatch.setattr(ag_gemm, "TAIL_SPLIT", 4)
-    monkeypatch.delenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", raising=False)
+def test_automatic_choice(flux_settings, m, k, n, expected):
+    flux_settings(ag_variant=None, ag_tail_split=4, tail_split_waves=1)
     assert ag_gemm.kernel_variant(torch.bfloat16, _weight(k, n), m, sm_count=SMS) == expected
     assert ag_gemm.kernel_variant(torch.bfloat16, _weight(k, n), m, m // 2, sm_count=SMS) == expected
 
 
-def test_choice_keeps_whole_tiles_and_the_other_kernels(monkeypatch):
-    monkeypatch.setattr(ag_gemm, "VARIANT", None)
-    monkeypatch.setattr(ag_gemm, "TAIL_SPLIT", 4)
+def test_choice_keeps_whole_tiles_and_the_other_kernels(flux_settings):
+    flux_settings(ag_variant=None, ag_tail_split=4)
     w = _weight(8192, 14336)
     assert ag_gemm.kernel_variant(torch.bfloat16, w, 4096, 2048, sm_count=SMS) == 6
     # a shard of 128-row tiles that is not whole 256-row ones keeps 128-row tiles (and so the push)
@@ -77,18 +74,16 @@ def test_choice_keeps_whole_tiles_and_the_other_kernels(monkeypatch):
                                   sm_count=SMS) == 0
 
 
-def test_forced_variant(monkeypatch):
-    monkeypatch.setattr(ag_gemm, "VARIANT", 1)
+def test_forced_variant(flux_settings):
+    flux_settings(ag_variant=1)
     assert ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 14336), 4096, sm_count=SMS) == 1
     assert ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 4096), 4096, sm_count=SMS) == 1
     assert ag_gemm.kernel_variant(torch.float16, _weight(8192, 4096, dtype=torch.float16), 4096, sm_count=SMS) == 0
 
 
-@pytest.mark.parametrize("value", [9, -1])
-def test_unknown_forced_variant_raises(monkeypatch, value):
-    """A FLUXINDUCTOR_AG_VARIANT the kernel does not have (-1: not a number) is an error, not a silent variant 0."""
-    monkeypatch.setattr(ag_gemm, "VARIANT", value)
-    with pytest.raises(ValueError, match="FLUXINDUCTOR_AG_VARIANT must be one of"):
-        ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 4096), 4096, sm_count=SMS)
-    with pytest.raises(ValueError, match="FLUXINDUCTOR_AG_VARIANT must be one of"):
-        ag_gemm.use_push(torch.empty(256, 16, dtype=torch.bfloat16), [_weight(16, 64)])
+@pytest.mark.parametrize("value", [9, -1, "x"])
+def test_unknown_forced_variant_raises(flux_settings, value):
+    """An ag_variant the kernel does not have is an error when it is set, not a silent variant 0."""
+    with pytest.raises(ValueError, match=r"ag_variant=.*: expected one of 0, 1, 2, 3, 4, 5, 6, 7"):
+        flux_settings(ag_variant=value)
+    assert ag_gemm.kernel_variant(torch.bfloat16, _weight(8192, 4096), 4096, sm_count=SMS) == 0

@@ -1,6 +1,6 @@
 """``torch.compile(model, backend="flux", mode=...)``: the mode means what it means for inductor, and with CUDA graphs
-on the fused ops stay out of the captured partitions unless FLUXINDUCTOR_CUDA_GRAPHS=1 (tests/gpu/test_cudagraph_mode.py
-runs both on a GPU)."""
+on the fused ops stay out of the captured partitions unless the per-compile option ``cuda_graphs`` is on
+(tests/gpu/test_cudagraph_mode.py runs both on a GPU)."""
 
 from __future__ import annotations
 
@@ -53,24 +53,39 @@ def test_unknown_mode_is_a_clear_error():
         backend.flux_backend(_graph(), [torch.randn(2, 4)], mode="fastest")
 
 
-@pytest.mark.parametrize("cuda_graphs", ["0", "1"])
-def test_fused_ops_are_tagged_cudagraph_unsafe_unless_captured(cuda_graphs):
-    """By default the ops are tagged cudagraph_unsafe (inductor runs them between captured partitions); with
-    FLUXINDUCTOR_CUDA_GRAPHS=1, read when the ops are registered, they are not, and are captured with the rest.  The
-    setting is part of the pass manager's cache key.  In a fresh interpreter: the tag is fixed at registration."""
-    import os
-    import subprocess
-    import sys
+@pytest.mark.parametrize("cuda_graphs", [None, False, True])
+def test_fused_ops_are_partitioned_out_unless_captured(compile_fx_patches, monkeypatch, cuda_graphs):
+    """With CUDA graphs on, the fused ops are listed in inductor's custom_should_partition_ops (inductor runs them
+    between captured partitions), unless the compile's ``cuda_graphs`` option is on: then they are captured with the
+    rest, and their kernels may run under capture from then on in this process.  The ops carry no
+    cudagraph_unsafe tag (it would fix the choice at registration), and the option is part of the pass manager's
+    cache key."""
+    from fluxinductor import ops, settings
 
-    code = ("import torch, fluxinductor; from fluxinductor import config; "
-            "ops = [getattr(torch.ops.fluxinductor, n).default for n in "
-            "('all_gather_matmul', 'matmul_reduce_scatter', 'matmul_all_reduce')]; "
-            "print([torch.Tag.cudagraph_unsafe in op.tags for op in ops], config.cache_key())")
-    env = dict(os.environ, FLUXINDUCTOR_CUDA_GRAPHS=cuda_graphs)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    tagged = cuda_graphs == "0"
-    assert out.stdout.strip() == f"{[tagged] * 3} disabled=False;tp_groups=*;cuda_graphs={not tagged}", out.stdout
+    monkeypatch.setattr(settings, "_cuda_graphs_compiled", False)
+    assert not settings.kernels_under_capture()
+    for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        assert torch.Tag.cudagraph_unsafe not in getattr(torch.ops.fluxinductor, name).default.tags
+    options = {"triton.cudagraphs": True, "custom_should_partition_ops": ["mylib::other"]}
+    if cuda_graphs is not None:
+        options["cuda_graphs"] = cuda_graphs
+    backend.flux_backend(_graph(), [torch.randn(2, 4)], options=options)
+    assert "cuda_graphs" not in compile_fx_patches  # taken out before inductor sees the patches
+    listed = compile_fx_patches["custom_should_partition_ops"]
+    assert listed == (["mylib::other"] if cuda_graphs else ["mylib::other", *ops.FUSED_OPS])
+    assert settings.kernels_under_capture() == bool(cuda_graphs)
+    assert compile_fx_patches["post_grad_custom_post_pass"].cuda_graphs == bool(cuda_graphs)
+
+
+def test_cuda_graphs_option_is_in_the_cache_key():
+    from fluxinductor.passes import FluxPassManager
+
+    assert FluxPassManager(cuda_graphs=True).uuid() != FluxPassManager(cuda_graphs=False).uuid()
+
+
+def test_bad_compile_option_is_a_clear_error(compile_fx_patches):
+    with pytest.raises(ValueError, match=r"options\['split_all_reduce'\]='sometimes': expected one of exact"):
+        backend.flux_backend(_graph(), [torch.randn(2, 4)], options={"split_all_reduce": "sometimes"})
 
 
 def test_torch_compile_with_a_mode_runs():

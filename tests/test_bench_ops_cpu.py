@@ -38,7 +38,7 @@ def _run(tmp_path, world: int, extra=()):
         return json.load(f), proc.stdout, out
 
 
-def test_bench_ops_cpu_two_ranks(tmp_path, monkeypatch):
+def test_bench_ops_cpu_two_ranks(flux_settings, tmp_path, monkeypatch):
     data, stdout, out = _run(tmp_path, 2)
 
     env = data["environment"]
@@ -79,7 +79,7 @@ def test_bench_ops_cpu_two_ranks(tmp_path, monkeypatch):
     table = cost_model.load_table(str(path))
     assert table["world"] == 2 and table["device_key"] == "cpu" and len(table["entries"]) == 4
     assert all(e["choice"] == "sequential" and e["sequential_ms"] > 0 for e in table["entries"])
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path / "tuning"))
+    flux_settings(tuning_dir=str(tmp_path / "tuning"))
     choice, reason = cost_model.choose("all_gather_matmul", "cpu", 2, 64, 40, 48, "float32")
     assert choice == "sequential" and "unavailable" in reason
 

@@ -577,22 +577,23 @@ def test_2d_mesh_without_restriction_fuses_both_groups():
 
 
 def _all_reduce_split_job(rank: int, world: int) -> Dict[str, object]:
-    """The plain-TP Llama-style block under each FLUXINDUCTOR_SPLIT_ALL_REDUCE setting (each compile reads it)."""
-    import os
-
+    """The plain-TP Llama-style block under each split_all_reduce setting (its process-wide default, which each
+    compile reads)."""
     import test_compile_numerics
+
+    from fluxinductor import settings
 
     out: Dict[str, object] = {}
     for mode in ("replicated", "0"):
-        os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = mode
+        settings.configure(split_all_reduce=mode)
         out[mode] = _guarded(run_case, rank, world, "tp_block", "fp32")
     # Inference through LayerNorms (var_mean): nothing saved for a backward, so the rows stay sharded through the
     # residual add and the next block's norm.
-    os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = "replicated"
+    settings.configure(split_all_reduce="replicated")
     out["replicated_layer_norm"] = _guarded(run_case, rank, world, "megatron_mlp_infer", "fp32")
     # The default (exact) with a gradient that differs between ranks, which a replicated output never gets from a
     # real loss: the exact split must still give each rank eager's answer, as it slices nothing.
-    os.environ["FLUXINDUCTOR_SPLIT_ALL_REDUCE"] = "exact"
+    settings.configure(split_all_reduce="exact")
     test_compile_numerics.REPLICATED_OUTPUTS.discard("tp_block")
     out["exact_rank_dependent_grad"] = _guarded(run_case, rank, world, "tp_block", "fp32")
     return out

@@ -37,8 +37,8 @@ ROWS = [
 
 
 @pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def table_dir(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     table = cost_model.make_table(DEVICE, 2, torch.bfloat16, ROWS, source={"test": True})
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)
@@ -65,8 +65,8 @@ def test_global_mkn_convention():
     assert cost_model.global_mkn("matmul_reduce_scatter", 4, 4096, 2048, 8192) == (4096, 8192, 8192)
 
 
-def test_no_table_means_sequential(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def test_no_table_means_sequential(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     choice, reason = choose(AG, 4096, 8192, 28672)
     assert choice == "sequential"
@@ -113,8 +113,8 @@ def test_interpolation_in_log_m(table_dir):
     assert choose(AG, 768, 8192, 28672)[0] == "sequential"
 
 
-def test_interpolation_never_leans_on_a_failed_row(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def test_interpolation_never_leans_on_a_failed_row(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     rows = [_row(AG, 1024, 4096, 4096, 0.1, 0.2), _row(AG, 4096, 4096, 4096, None, 0.5)]
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), cost_model.make_table(DEVICE, 2, "bf16", rows))
     assert choose(AG, 1024, 4096, 4096)[0] == "fused"
@@ -145,8 +145,8 @@ def test_nearest_by_flops_with_similar_kn(table_dir):
     assert choice == "sequential" and "no measured" in reason
 
 
-def test_op_without_rows(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def test_op_without_rows(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     rows = [_row(AG, 4096, 8192, 28672, 1.0, 2.0)]
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), cost_model.make_table(DEVICE, 2, "bf16", rows))
     choice, reason = choose(RS, 4096, 8192, 28672)
@@ -174,8 +174,8 @@ def test_table_reloads_when_the_file_changes(table_dir):
     assert choose(RS, 8192, 8192, 28672)[0] == "sequential"
 
 
-def test_broken_table_raises(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def test_broken_table_raises(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     (tmp_path / "nvidia_h200_tp2.json").write_text('{"format": 99}')
     with pytest.raises(ValueError, match="not a fluxinductor tuning table"):
@@ -222,8 +222,8 @@ ATP_ROWS = [
 
 
 @pytest.fixture
-def atp_table_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def atp_table_dir(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     table = cost_model.make_table(DEVICE, 4, torch.bfloat16, ATP_ROWS)
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp4.json"), table, merge=False)
@@ -292,8 +292,8 @@ def test_answers_are_remembered_per_table_version(table_dir):
     assert choose(RS, 8192, 8192, 28672) == ("sequential", "no tuning table for nvidia_h200 tp2")
 
 
-def test_copy_transport_is_a_path_of_its_own(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+def test_copy_transport_is_a_path_of_its_own(flux_settings, tmp_path, monkeypatch):
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     rows = [
         # the copy engine measured faster than the stores: picked by default

@@ -56,10 +56,10 @@ def test_asynctp_all_gather_matmul_biases_and_gathered_output(fake_asynctp, retu
     assert fake_asynctp == [("ag", 0, "g", return_gathered)]
 
 
-def test_asynctp_is_opt_in(monkeypatch):
-    monkeypatch.delenv("FLUXINDUCTOR_ASYNCTP", raising=False)
+def test_asynctp_is_opt_in(flux_settings, monkeypatch):
+    flux_settings(asynctp=False)
     assert dispatch._asynctp_ops() is None
-    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "0")
+    flux_settings(asynctp="0")
     assert dispatch._asynctp_ops() is None
-    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    flux_settings(asynctp="1")
     assert dispatch._asynctp_ops() is dispatch._asynctp_registered()

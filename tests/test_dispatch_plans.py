@@ -15,7 +15,7 @@ from fluxinductor.kernels import symm
 
 
 @pytest.fixture
-def counted(monkeypatch):
+def counted(flux_settings, monkeypatch):
     """Fakes that count what the dispatcher asks; ``counted.choice`` is what the cost model says."""
     counts = types.SimpleNamespace(peers=0, checks=0, cost=0, runs=[], choice="fused_copy")
 
@@ -48,8 +48,8 @@ def counted(monkeypatch):
     monkeypatch.setattr(dispatch, "_peers_reason", peers_reason)
     monkeypatch.setattr(dispatch, "_cost_model_says", says)
     monkeypatch.setattr(dispatch, "_device_name", lambda index: "a device with no tuning table")
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
-    monkeypatch.delenv("FLUXINDUCTOR_ASYNCTP", raising=False)
+    flux_settings(dispatch="auto")
+    flux_settings(asynctp=False)
     return counts
 
 
@@ -83,7 +83,7 @@ def test_every_call_of_a_remembered_fallback_is_counted(counted):
     assert counted.cost == 1 and counted.runs == []
 
 
-def test_what_the_decision_depends_on_makes_a_new_signature(counted, monkeypatch, tmp_path):
+def test_what_the_decision_depends_on_makes_a_new_signature(flux_settings, counted, monkeypatch, tmp_path):
     a = torch.randn(8, 4)
     rs(a, torch.randn(6, 4).t())
     decided = 1
@@ -96,17 +96,17 @@ def test_what_the_decision_depends_on_makes_a_new_signature(counted, monkeypatch
     decided += 5
     assert counted.cost == decided
     # the environment: async-TP offered, the fused mode (no cost model), another table directory
-    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    flux_settings(asynctp="1")
     rs(a, torch.randn(4, 6))
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    flux_settings(tuning_dir=str(tmp_path))
     rs(a, torch.randn(4, 6))
     decided += 2
     assert counted.cost == decided
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "fused")
+    flux_settings(dispatch="fused")
     rs(a, torch.randn(4, 6))
     assert counted.checks == decided + 1 and counted.cost == decided
     # back to auto: remembered; then the table file appears, and changes
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
+    flux_settings(dispatch="auto")
     rs(a, torch.randn(4, 6))
     assert counted.cost == decided
     table = tmp_path / "a_device_with_no_tuning_table_tp2.json"

@@ -1,5 +1,5 @@
 """The GEMM+RS transport the cost model picks reaches the kernel: ``fused_copy`` runs the fused kernel with
-the copy-engine transport, ``fused`` with NVLink stores, and FLUXINDUCTOR_GEMM_RS_PUSH still overrides both
+the copy-engine transport, ``fused`` with NVLink stores, and ``settings.tuning.gemm_rs_push`` still overrides both
 (kernel module and cost model replaced by fakes: the real ones need Hopper GPUs)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fluxinductor import dispatch
 
 
 @pytest.fixture
-def fake_kernels(monkeypatch):
+def fake_kernels(flux_settings, monkeypatch):
     calls = []
 
     def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store",
@@ -31,7 +31,7 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
     monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)  # tests/test_peers.py
     monkeypatch.setattr(dispatch, "_device_name", lambda index: "a device with no tuning table")
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
+    flux_settings(dispatch="auto")
     return calls
 
 
@@ -52,14 +52,14 @@ def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice
 
 
 @pytest.fixture
-def rs_table(tmp_path, monkeypatch):
+def rs_table(flux_settings, tmp_path, monkeypatch):
     """A measured table in which the split transport wins one GEMM+RS shape and the other transports lose to
     NCCL-then-cuBLAS there (as 4096x57344x8192 in the packaged TP=2 table), on a device named as the table's."""
     from fluxinductor import cost_model
 
     rows = [dict(op="matmul_reduce_scatter", m=64, k=64, n=n, fused_ms=2.89, fused_copy_ms=2.85, fused_split_ms=2.50,
                  sequential_ms=2.64) for n in (8, 12)]
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     table = cost_model.make_table("NVIDIA H200", 2, torch.float32, rows, source={"test": True})
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)
@@ -84,12 +84,12 @@ def test_split_is_offered_only_for_calls_it_takes(fake_kernels, rs_table):
     assert dispatch.overlapped_paths("all_gather_matmul", split_eligible=False) == ("fused",)
 
 
-def test_only_the_stores_transport_under_capture(monkeypatch):
+def test_only_the_stores_transport_under_capture(flux_settings, monkeypatch):
     """Under CUDA graph capture the cost model chooses between the fused kernel with NVLink stores, the one transport
     a replay can repeat, and the decomposition (not the copy or split transports, nor async-TP)."""
     from fluxinductor.kernels import symm
 
-    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    flux_settings(asynctp="1")
     monkeypatch.setattr(dispatch, "_asynctp_registered", lambda: ("ag", "rs"))
     monkeypatch.setattr(symm, "capturing", lambda: True)
     assert dispatch.overlapped_paths("matmul_reduce_scatter") == ("fused",)
@@ -103,18 +103,17 @@ def test_sequential_choice_runs_no_kernel(fake_kernels, monkeypatch):
     assert fake_kernels == []
 
 
-def test_environment_overrides_the_transport(monkeypatch):
+def test_tuning_overrides_the_transport(flux_settings):
     from fluxinductor.kernels import gemm_rs
 
-    monkeypatch.delenv("FLUXINDUCTOR_GEMM_RS_PUSH", raising=False)
     assert gemm_rs.push_mode() == "store" and gemm_rs.push_mode("copy") == "copy"
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "store")
+    flux_settings(gemm_rs_push="store")
     assert gemm_rs.push_mode("copy") == "store"
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "copy")
+    flux_settings(gemm_rs_push="copy")
     assert gemm_rs.push_mode("store") == "copy"
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_PUSH", "pigeon")
-    with pytest.raises(ValueError, match="FLUXINDUCTOR_GEMM_RS_PUSH"):
-        gemm_rs.push_mode()
+    with pytest.raises(ValueError, match=r"gemm_rs_push='pigeon': expected one of store, copy, split"):
+        flux_settings(gemm_rs_push="pigeon")
+    assert gemm_rs.push_mode("store") == "copy"
 
 
 def test_split_reason():
@@ -135,14 +134,14 @@ def test_split_reason():
     assert "out" in gemm_rs.split_reason(2, k_major, None, torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:68])
 
 
-def test_ag_k_chunk_bounds_and_choice(monkeypatch):
+def test_ag_k_chunk_bounds_and_choice(flux_settings):
     """AG+GEMM's column blocks (the kernel's ceil(K tiles / blocks) split) and when one-wave problems use them
-    (FLUXINDUCTOR_AG_K_CHUNKS, default 4; 1 turns it off)."""
+    (``settings.tuning.ag_k_chunks``, default 4; 1 turns it off)."""
     from fluxinductor.kernels import ag_gemm
 
-    monkeypatch.setattr(ag_gemm, "K_CHUNKS", 1)
+    flux_settings(ag_k_chunks=1)
     assert ag_gemm.use_k_chunks(1024, 4096, 132, 8 << 20) == 1  # off: row chunks even for one wave
-    monkeypatch.setattr(ag_gemm, "K_CHUNKS", 4)
+    flux_settings(ag_k_chunks=4)
     assert ag_gemm.k_chunk_bounds(264, 3) == [(0, 128), (128, 256), (256, 264)]
     assert ag_gemm.k_chunk_bounds(128, 4) == [(0, 64), (64, 128), (128, 128), (128, 128)]
     mb = 1 << 20
@@ -168,7 +167,7 @@ def test_transport_notes_are_logged_once_and_are_not_fallbacks(caplog):
     assert log.rewrite_stats()["fallbacks"] == before
 
 
-def test_split_config_from_the_table_reaches_the_kernel(fake_kernels, tmp_path, monkeypatch):
+def test_split_config_from_the_table_reaches_the_kernel(flux_settings, fake_kernels, tmp_path, monkeypatch):
     """A table row that recorded the split GEMMs' faster configuration (split_config) hands it to the kernel for
     its shape and the shapes nearest it; rows without one (older tables) leave the kernel's default."""
     from fluxinductor import cost_model
@@ -176,7 +175,7 @@ def test_split_config_from_the_table_reaches_the_kernel(fake_kernels, tmp_path, 
     rows = [dict(op="matmul_reduce_scatter", m=m, k=64, n=8, fused_ms=2.9, fused_split_ms=2.5, sequential_ms=2.6,
                  split_config=config) for m, config in ((64, 0), (256, 2))]
     rows.append(dict(op="matmul_reduce_scatter", m=64, k=64, n=16, fused_ms=2.9, fused_split_ms=2.5, sequential_ms=2.6))
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     table = cost_model.make_table("NVIDIA H200", 2, torch.float32, rows, source={"test": True})
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)

@@ -1176,7 +1176,7 @@ def test_manager_does_not_veto_cpu_graphs_and_keys_settings():
     assert FluxPassManager(frozenset({"1"})).uuid() != FluxPassManager().uuid()
 
 
-def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypatch):
+def test_manager_veto_offers_split_only_for_weights_it_takes(flux_settings, tmp_path, monkeypatch):
     """On a GPU the veto asks the cost model with the paths that can run the match: the split GEMM+RS transport
     for the forward's x @ W.t() (K-major) and the backward's grad @ W (N-major), not for a weight it cannot take
     (N not a multiple of 8) or an unknown one, where a shape whose only winner is split then stays unfused."""
@@ -1186,8 +1186,7 @@ def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypat
 
     row = dict(op="matmul_reduce_scatter", m=4096, k=16384, n=8192, fused_ms=2.89, fused_copy_ms=2.85,
                fused_split_ms=2.50, sequential_ms=2.64)
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "auto")
+    flux_settings(tuning_dir=str(tmp_path), dispatch="auto")
     cost_model.clear_cache()
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"),
                            cost_model.make_table("NVIDIA H200", 2, torch.bfloat16, [row], source={"test": True}),
@@ -1213,16 +1212,16 @@ def test_manager_veto_offers_split_only_for_weights_it_takes(tmp_path, monkeypat
         cost_model.clear_cache()
 
 
-def test_manager_keys_the_async_tp_setting(monkeypatch):
-    """FLUXINDUCTOR_ASYNCTP=1 lets the GPU veto keep matches the cost model sends to async-TP: a cached graph
+def test_manager_keys_the_async_tp_setting(flux_settings, monkeypatch):
+    """``settings.tuning.asynctp`` lets the GPU veto keep matches the cost model sends to async-TP: a cached graph
     compiled without it must not be reused with it."""
     from fluxinductor import dispatch
     from fluxinductor.passes import FluxPassManager
 
     monkeypatch.setattr(dispatch, "_asynctp_registered", lambda: ("ag", "rs"))
-    monkeypatch.delenv("FLUXINDUCTOR_ASYNCTP", raising=False)
+    flux_settings(asynctp=False)
     off = FluxPassManager().uuid()
-    monkeypatch.setenv("FLUXINDUCTOR_ASYNCTP", "1")
+    flux_settings(asynctp="1")
     assert FluxPassManager().uuid() != off
 
 
@@ -1231,7 +1230,7 @@ def test_reduce_scatter_of_sum_of_matmuls_can_be_turned_off():
     fuse_all_gather_matmul(gm.graph, lambda name: True)
     fuse_matmul_reduce_scatter(gm.graph, lambda name: True, fuse_sums=False)
     assert fused("matmul_reduce_scatter") == 0
-    assert skipped("matmul_reduce_scatter") == {"sum of matmuls (FLUXINDUCTOR_FUSE_MATMUL_SUMS=0)": 1}
+    assert skipped("matmul_reduce_scatter") == {"sum of matmuls (fuse_matmul_sums=False)": 1}
     assert count(gm, c10d.reduce_scatter_tensor.default) == 1
 
 
@@ -1451,18 +1450,21 @@ def test_all_reduce_split_respects_the_group_restriction():
     assert skipped("all_reduce_split") == {"group not allowed": 1}
 
 
-def test_split_all_reduce_setting(monkeypatch):
-    from fluxinductor import config
+def test_split_all_reduce_setting(flux_settings):
+    """The per-compile option, its process-wide default and their values; each value its own cache key."""
+    from fluxinductor import settings
     from fluxinductor.passes import FluxPassManager
 
-    for value, mode in (("", "off"), ("0", "off"), ("1", "exact"), ("exact", "exact"), ("replicated", "replicated")):
-        monkeypatch.setenv("FLUXINDUCTOR_SPLIT_ALL_REDUCE", value)
-        assert config.split_all_reduce() == mode
-    monkeypatch.delenv("FLUXINDUCTOR_SPLIT_ALL_REDUCE")
-    assert config.split_all_reduce() == "exact"
-    monkeypatch.setenv("FLUXINDUCTOR_SPLIT_ALL_REDUCE", "sometimes")
-    with pytest.raises(ValueError, match="expected exact, replicated or 0"):
-        config.split_all_reduce()
+    assert FluxPassManager().split_all_reduce == "exact"
+    for value, mode in (("", "off"), ("0", "off"), ("1", "exact"), ("exact", "exact"), ("replicated", "replicated"),
+                        ("off", "off")):
+        flux_settings(split_all_reduce=value)
+        assert settings.current.split_all_reduce == mode and FluxPassManager().split_all_reduce == mode
+        assert FluxPassManager(split_all_reduce="exact").split_all_reduce == "exact"  # the option wins
+    with pytest.raises(ValueError, match="split_all_reduce='sometimes': expected one of exact, replicated, off"):
+        flux_settings(split_all_reduce="sometimes")
+    with pytest.raises(ValueError, match=r"options\['split_all_reduce'\]='sometimes'"):
+        FluxPassManager(split_all_reduce="sometimes")
     uuids = {FluxPassManager(split_all_reduce=mode).uuid() for mode in ("off", "exact", "replicated")}
     assert len(uuids) == 3
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from fluxinductor import dispatch
+from fluxinductor import dispatch, settings
 from fluxinductor.kernels import peers
 from tests._dist import run_ranks
 
@@ -106,25 +106,21 @@ def _verdicts_on_two_ranks(rank, world):
     out["recreated"] = (peers.group_reason(group.group_name, cpu, identify=counting, nvlink=linked), len(calls))
     # only rank 0 asks (rank 1 decomposes, say): rank 0 gets an error naming rank 1 instead of waiting forever
     lonely = dist.new_group([0, 1])
-    os.environ["FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S"] = "2"
     try:
-        peers.group_reason(lonely.group_name, cpu, identify=counting, nvlink=linked) if rank == 0 else None
+        with settings.override(peer_check_timeout_s=2):
+            peers.group_reason(lonely.group_name, cpu, identify=counting, nvlink=linked) if rank == 0 else None
         out["lonely"] = None
     except peers.PeerCheckError as e:
         out["lonely"] = str(e)
-    del os.environ["FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S"]
     # the real NVML query: on a CPU machine the library is missing; on a GPU machine it finds no GPU at these bus ids
     out["no_nvml"] = peers.group_reason(dist.new_group([0, 1]).group_name, cpu,
                                         identify=lambda d: Identity(host, f"0000:0{rank}:00.0"))
     # FLUXINDUCTOR_ASSUME_NVLINK=1 vouches for the links where NVML cannot answer, and only for the links
-    os.environ["FLUXINDUCTOR_ASSUME_NVLINK"] = "1"
-    try:
+    with settings.override(assume_nvlink=True):
         out["assumed"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"), lambda a, b: (None, "no NVML"))
         out["assumed_pcie"] = ask(lambda d: Identity(host, f"0000:0{rank}:00.0"), lambda a, b: (False, "status 5"))
         out["assumed_shared"] = ask(lambda d: Identity(host, "0000:07:00.0"))
         out["assumed_hosts"] = ask(lambda d: Identity(f"node{rank}/boot{rank}", "0000:00:00.0"))
-    finally:
-        del os.environ["FLUXINDUCTOR_ASSUME_NVLINK"]
     return out
 
 
@@ -150,7 +146,7 @@ def test_group_verdict_is_the_same_on_every_rank():
 
 
 @pytest.fixture
-def fake_kernels(monkeypatch):
+def fake_kernels(flux_settings, monkeypatch):
     """Kernel modules that would run (unsupported_reason None) and record the call if they did."""
     ran = []
     module = types.SimpleNamespace(
@@ -161,7 +157,7 @@ def fake_kernels(monkeypatch):
     )
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "fused")
+    flux_settings(dispatch="fused")
     return ran
 
 

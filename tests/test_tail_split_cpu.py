@@ -39,22 +39,22 @@ def test_off_below_two_parts():
     assert tail_split.OFF[3] == 1
 
 
-@pytest.mark.parametrize("variable,read,default,other,bad,message", [
-    ("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "gemm_rs_parts", 4, 1, "0", "at least 1"),
-    ("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "waves", 1, 2, "0", r"\[1, 4\]"),
+@pytest.mark.parametrize("field,read,default,other,bad,message", [
+    ("gemm_rs_tail_split", "gemm_rs_parts", 4, 1, "0", r"gemm_rs_tail_split='0': expected an integer >= 1"),
+    ("tail_split_waves", "waves", 1, 2, "0", r"tail_split_waves='0': expected an integer \[1, 4\]"),
 ])
-def test_knobs(variable, read, default, other, bad, message, monkeypatch):
-    """The GEMM+RS tail split's parts and the waves any tail split may take: default, another value, a refused one."""
+def test_knobs(field, read, default, other, bad, message, flux_settings):
+    """The GEMM+RS tail split's parts and the waves any tail split may take: default, another value, a refused one
+    (refused when set, naming the field, and the value in force stays)."""
     from fluxinductor.kernels import gemm_rs
 
     knob = {"gemm_rs_parts": gemm_rs.tail_split_parts, "waves": tail_split.waves}[read]
-    monkeypatch.delenv(variable, raising=False)
     assert knob() == default
-    monkeypatch.setenv(variable, str(other))
+    flux_settings(**{field: other})
     assert knob() == other
-    monkeypatch.setenv(variable, bad)
     with pytest.raises(ValueError, match=message):
-        knob()
+        flux_settings(**{field: bad})
+    assert knob() == other
 
 
 def _simulated_parts(tail: int, clusters: int, max_parts: int, max_waves: int) -> int:

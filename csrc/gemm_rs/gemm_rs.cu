@@ -95,11 +95,6 @@ constexpr int kLargeSegmentRows = 2048;
 constexpr TileOrder kLargeSegmentOrder{4, 2};
 constexpr TileOrder kSmallSegmentOrder{1, 0};
 
-int env_int(char const* name, int fallback) {
-  char const* value = std::getenv(name);
-  return value != nullptr && *value != '\0' ? std::atoi(value) : fallback;
-}
-
 int device_sm_count() {
   static int count = [] {
     int device = 0;
@@ -296,11 +291,11 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
 
   typename Gemm::GemmKernel::TileSchedulerArguments scheduler;
   scheduler.rotate_l = args.world > 1 ? (args.rank + 1) % args.world : 0;
-  // Tile order inside a segment (L2 reuse): FLUXINDUCTOR_GEMM_RS_SWIZZLE (1, 2, 4, 8) and
-  // FLUXINDUCTOR_GEMM_RS_RASTER (0 heuristic, 1 along M, 2 along N) override the measured defaults.
+  // Tile order inside a segment (L2 reuse): args.swizzle (1, 2, 4, 8) and args.raster (0 heuristic, 1 along M,
+  // 2 along N) override the measured defaults.
   TileOrder const order = segment_rows >= kLargeSegmentRows ? kLargeSegmentOrder : kSmallSegmentOrder;
-  scheduler.max_swizzle_size = env_int("FLUXINDUCTOR_GEMM_RS_SWIZZLE", order.swizzle);
-  switch (env_int("FLUXINDUCTOR_GEMM_RS_RASTER", order.raster)) {
+  scheduler.max_swizzle_size = args.swizzle > 0 ? args.swizzle : order.swizzle;
+  switch (args.raster >= 0 ? args.raster : order.raster) {
     case 1: scheduler.raster_order = decltype(scheduler.raster_order)::AlongM; break;
     case 2: scheduler.raster_order = decltype(scheduler.raster_order)::AlongN; break;
     default: scheduler.raster_order = decltype(scheduler.raster_order)::Heuristic; break;
@@ -343,9 +338,7 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   // With the stores transport the GEMM directly follows the handshake on the stream: launched as its programmatic
   // dependent, its mainloop runs while the handshake waits for the peers (the epilogue waits for the handshake).  Not
   // in copy-engine mode, which puts the counters' reset and the copy stream's event between the two.
-  // FLUXINDUCTOR_GEMM_RS_HELLO_PDL=0 launches it normally (A/B).
-  static bool const hello_pdl = env_int("FLUXINDUCTOR_GEMM_RS_HELLO_PDL", 1) != 0;
-  status = gemm.run(stream, nullptr, hello_pdl && args.world > 1 && !copy_engine);
+  status = gemm.run(stream, nullptr, args.world > 1 && !copy_engine);
   if (status != cutlass::Status::kSuccess) {
     cudaError_t launch = cudaGetLastError();
     return fail(std::string("GEMM+RS launch failed: ") + cutlassGetStatusString(status) + " / " +
@@ -369,17 +362,13 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
 // Tuning builds (CUDAFLAGS=-DFLUXINDUCTOR_GEMM_RS_TUNING) add bf16 K-major variants, picked per call by
-// FLUXINDUCTOR_GEMM_RS_CONFIG (every rank must pick the same); CI and releases build the default alone.
+// GemmRsArgs::tuning_config (every rank must pick the same); CI and releases build the default alone.
 using TuningShape1 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 128, 256, 2, 1>;
 using TuningShape2 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 1, 2>;
 using TuningShape3 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 256, 128, 2, 1>;
 using TuningShape4 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 192, 2, 1>;
 using TuningShape5 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, 128, 1, 1>;
 using TuningShape6 = GemmRsShape<cutlass::gemm::KernelTmaWarpSpecializedCooperative, 128, 256, 2, 1, true>;
-int tuning_config() {
-  char const* env = std::getenv("FLUXINDUCTOR_GEMM_RS_CONFIG");
-  return env ? std::atoi(env) : 0;
-}
 // The one list of tuning configurations: calls f(Shape{}) for `config`; false when there is no such config.
 template <class F>
 bool visit_tuning_shape(int config, F&& f) {
@@ -402,17 +391,19 @@ struct TileMN {
   int n;
 };
 
-// The tile of the kernel gemm_rs_run picks (the flag layout follows it).
-TileMN current_tile() {
+// The tile of the kernel gemm_rs_run picks for `tuning_config` (the flag layout follows it).
+TileMN current_tile(int tuning_config) {
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
   TileMN tile{DefaultShape::kTileM, DefaultShape::kTileN};
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  visit_tuning_shape(tuning_config(), [&](auto shape) {
+  visit_tuning_shape(tuning_config, [&](auto shape) {
     tile = {decltype(shape)::kTileM, decltype(shape)::kTileN};
   });
 #endif
+  (void)tuning_config;
   return tile;
 #else
+  (void)tuning_config;
   return {128, 128};
 #endif
 }
@@ -548,7 +539,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   SplitBands const bands = split_bands(segment_rows, args.n, args.bands, tiling);
   // Flags live where the default kernel's layout (gemm_rs.py's buffer_layout) put them: [world][its tiles], here
   // [step][band].
-  TileMN const layout_tile = current_tile();
+  TileMN const layout_tile = current_tile(args.tuning_config);
   int64_t const flags_per_src = int64_t((segment_rows + layout_tile.m - 1) / layout_tile.m) *
                                 ((args.n + layout_tile.n - 1) / layout_tile.n);
   if (bands.count() > flags_per_src) {
@@ -656,8 +647,8 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
 #endif  // CUTLASS_ARCH_MMA_SM90_SUPPORTED
 }  // namespace
 
-int gemm_rs_tile_m() { return current_tile().m; }
-int gemm_rs_tile_n() { return current_tile().n; }
+int gemm_rs_tile_m(int tuning_config) { return current_tile(tuning_config).m; }
+int gemm_rs_tile_n(int tuning_config) { return current_tile(tuning_config).n; }
 int gemm_rs_warps_per_tile() { return 1; }  // one flag per tile
 bool gemm_rs_tuning_build() {
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING) && defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
@@ -730,7 +721,7 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
   using ColumnMajor = cutlass::layout::ColumnMajor;  // B K-major: the transposed nn.Linear weight
   using RowMajor = cutlass::layout::RowMajor;        // B N-major
 #if defined(FLUXINDUCTOR_GEMM_RS_TUNING)
-  if (int config = tuning_config(); config != 0 && !args.out_float) {
+  if (int config = args.tuning_config; config != 0 && !args.out_float) {
     if (args.dtype != 0 || !args.b_k_major) {
       return fail("tuning configurations exist for bf16 with a K-major weight only");
     }
@@ -738,7 +729,7 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     if (!visit_tuning_shape(config, [&](auto shape) {
           rc = run_config<GemmRsConfig<bfloat16_t, ColumnMajor, decltype(shape)>>(args, stream);
         })) {
-      return fail("FLUXINDUCTOR_GEMM_RS_CONFIG must be 0..6");
+      return fail("the GEMM+RS tuning configuration (gemm_rs_config) must be 0..6");
     }
     return rc;
   }

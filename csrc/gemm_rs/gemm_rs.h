@@ -77,6 +77,10 @@ struct GemmRsArgs {
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
   bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent
   int split_config = 0;               // the split GEMMs' configuration (gemm_rs/split.h kSplitTilings; same on every rank)
+  // Tuning (fluxinductor.settings.tuning; same on every rank):
+  int tuning_config = 0;  // tuning builds: the kernel configuration (0 the default; 1..6 gemm_rs.cu TuningShape*)
+  int swizzle = 0;        // tile-order swizzle inside a segment (1, 2, 4, 8); 0: the measured default
+  int raster = -1;        // 0 heuristic, 1 along M, 2 along N; -1: the measured default
   // Split transport, optional: each GEMM's partial last wave split along K into up to tail_split_parts parts (> 1),
   // in up to tail_split_waves waves, with the AG+GEMM tail split's scratch (ag_gemm.h sizes it for sm_count and the
   // waves), which must belong to `stream`.  The call uses the epochs tail_split_epoch, +1, ... one per GEMM (world of
@@ -89,11 +93,12 @@ struct GemmRsArgs {
   int tail_split_waves = 1;
 };
 
-// The tile shape and flags per tile (1) fix the flag layout (the launcher and Python agree through these).
-int gemm_rs_tile_m();
-int gemm_rs_tile_n();
+// The tile shape of configuration `tuning_config` and flags per tile (1) fix the flag layout (the launcher and Python
+// agree through these).
+int gemm_rs_tile_m(int tuning_config);
+int gemm_rs_tile_n(int tuning_config);
 int gemm_rs_warps_per_tile();
-// True in tuning builds (-DFLUXINDUCTOR_KERNEL_TUNING=ON): FLUXINDUCTOR_GEMM_RS_CONFIG picks a variant.
+// True in tuning builds (-DFLUXINDUCTOR_KERNEL_TUNING=ON): GemmRsArgs::tuning_config picks a variant.
 bool gemm_rs_tuning_build();
 
 // Enqueues the call on `stream` (a cudaStream_t). Returns 0, or a negative code with a message in gemm_rs_last_error().

@@ -15,7 +15,8 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
                  int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
                  int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl,
                  int64_t tail_split_partials, int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts,
-                 int tail_split_waves, int split_config, bool out_float, bool capture) {
+                 int tail_split_waves, int split_config, bool out_float, bool capture, int tuning_config,
+                 int swizzle, int raster) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.out_float = out_float;
@@ -52,13 +53,16 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
   args.tail_split_waves = tail_split_waves;
   args.split_config = split_config;
   args.capture = capture;
+  args.tuning_config = tuning_config;
+  args.swizzle = swizzle;
+  args.raster = raster;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }
 }
 
-std::tuple<int, int, int> gemm_rs_tile_shape() {
-  return {fluxinductor::gemm_rs_tile_m(), fluxinductor::gemm_rs_tile_n(), fluxinductor::gemm_rs_warps_per_tile()};
+std::tuple<int, int, int> gemm_rs_tile_shape(int tuning_config) {
+  return {fluxinductor::gemm_rs_tile_m(tuning_config), fluxinductor::gemm_rs_tile_n(tuning_config), fluxinductor::gemm_rs_warps_per_tile()};
 }
 
 std::tuple<int64_t, int64_t> gemm_rs_alloc_host_word() {

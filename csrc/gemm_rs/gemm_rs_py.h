@@ -16,10 +16,12 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
                  int64_t timeout_ns, int sm_count, int64_t stream, int64_t outbox, int64_t counters, int64_t epoch_word,
                  int bands, int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl,
                  int64_t tail_split_partials, int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts,
-                 int tail_split_waves, int split_config, bool out_float, bool capture);
+                 int tail_split_waves, int split_config, bool out_float, bool capture, int tuning_config,
+                 int swizzle, int raster);
 
-// (tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel: they fix its flag layout.
-std::tuple<int, int, int> gemm_rs_tile_shape();
+// (tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel of tuning configuration `tuning_config`: they fix its
+// flag layout.
+std::tuple<int, int, int> gemm_rs_tile_shape(int tuning_config);
 
 // (host address, device address) of a new zeroed host-mapped int32 error word.
 std::tuple<int64_t, int64_t> gemm_rs_alloc_host_word();

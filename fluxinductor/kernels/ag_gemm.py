@@ -33,148 +33,29 @@ stream may neither write into that peer nor wait forever), as torch symmetric me
 from __future__ import annotations
 
 import functools
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from fluxinductor import config
-from fluxinductor.kernels import symm
+from fluxinductor import settings
+from fluxinductor.kernels import loader, symm
+# The variants and the shard transfers, re-exported: this module is the AG+GEMM interface.
+from fluxinductor.kernels.ag_gemm_transfer import (  # noqa: F401
+    _MIN_K_BLOCK_BYTES, _push_flag, assemble_gathered, chunk_bounds, k_chunk_bounds, pull_k_block, pull_row_chunk,
+    pull_shards, push_call, push_shards, use_k_chunks)
+from fluxinductor.kernels.ag_gemm_variants import (  # noqa: F401
+    _K_TILE, _TAIL_SPLITTING, _TILES, WIDE_MIN_GAIN, _automatic_variant, _cluster_row_height, _forced_variant,
+    _has_variants, _tile_m, _weight_layout, group_cluster_rows, kernel_variant, modelled_time)
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
-from fluxinductor.kernels.tail_split import waves as tail_split_waves
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
-_ERROR_SPLIT_TIMEOUT = 3  # ag_gemm/scheduler.cuh kErrorSplitTimeout
+_ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
 _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
-# Tunables (measured on 2 x H200, see docs/design_ag_gemm.md).
-CHUNKS_PER_RANK = int(os.environ.get("FLUXINDUCTOR_AG_CHUNKS", "2"))
-GROUP_CLUSTER_ROWS = int(os.environ.get("FLUXINDUCTOR_AG_GROUP_ROWS", "8"))
-# Kernel variant for bf16 with a K-contiguous weight (csrc/ag_gemm/ag_gemm.h Variant): 0 cooperative 128x256
-# cluster 2x1, 1 cooperative 256x128 cluster 1x2, 2 ping-pong 128x128 cluster 1x2, 6 cooperative 256x160 cluster 1x2;
-# tuning builds add 3 cooperative 256x128 cluster 2x1, 4 cooperative 128x256 cluster 1x2, 5 ping-pong 128x192
-# cluster 2x1 and 7 cooperative 256x160 cluster 2x1.  Unset (None): per shape, 0 or 6 (kernel_variant).
-_VARIANT_ENV = os.environ.get("FLUXINDUCTOR_AG_VARIANT", "").strip()
-VARIANT: Optional[int] = (int(_VARIANT_ENV) if _VARIANT_ENV.isdigit() else -1) if _VARIANT_ENV else None
-# The automatic choice takes variant 6 where the wave model below says it ends at least this much sooner than 0.
-WIDE_MIN_GAIN = 0.01
-# Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
-# shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
-# loop (docs/design_ag_gemm.md): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
-# FLUXINDUCTOR_AG_K_CHUNKS=1 turns it off (row chunks for every shape).
-K_CHUNKS = int(os.environ.get("FLUXINDUCTOR_AG_K_CHUNKS", "4"))
-_K_TILE = 64  # every variant's K tile
-# Each column block moves at least this many bytes; smaller shards keep row chunks.  The K-chunked pull was measured
-# with blocks of 1-4 MB only, and a 2-D copy's fixed cost weighs more on smaller blocks.
-_MIN_K_BLOCK_BYTES = 1 << 20
-# Tail split: when the last wave of tiles is partial (after at least one full wave), its tiles are split along K into
-# up to this many parts on the wave's idle clusters, the parts' fp32 sums added by the last part
-# (csrc/include/fluxinductor/ag_gemm/scheduler.cuh; cooperative variants).  1 turns it off.
-TAIL_SPLIT = int(os.environ.get("FLUXINDUCTOR_AG_TAIL_SPLIT", "4"))
-# Each variant's tiling (csrc/include/fluxinductor/ag_gemm/kernel.cuh): tile M, tile N, cluster M, cluster N.
-_TILES = {0: (128, 256, 2, 1), 1: (256, 128, 1, 2), 2: (128, 128, 1, 2), 3: (256, 128, 2, 1), 4: (128, 256, 1, 2),
-          5: (128, 192, 2, 1), 6: (256, 160, 1, 2), 7: (256, 160, 2, 1)}
-# The variants whose partial last wave the kernel splits (ag_gemm/scheduler.cuh supports_tail_split: cooperative,
-# tiles of at most 128 x 256).
-_TAIL_SPLITTING = (0, 1, 3, 4)
-
-
-def _tile_m(variant: int) -> int:
-    return _TILES[variant][0]
-
-
-def _cluster_row_height(variant: int) -> int:
-    """Rows of A one cluster row covers: tile M x cluster M."""
-    return _TILES[variant][0] * _TILES[variant][2]
-# Push each shard from the caller's tensor into the peers' buffers and read this rank's rows in place (when the
-# shard's rows are a multiple of the tile's M); 0 = the pull for every call.
-PUSH = os.environ.get("FLUXINDUCTOR_AG_PUSH", "1").strip() not in ("0", "false", "no", "")
-# 1 (default): the call's barrier is the arrival kernel (csrc/ag_gemm/arrival.cu), which the side stream waits for and the
-# GEMM does not; 0: torch symmetric memory's barrier on the main stream in front of the GEMM (the earlier design, kept
-# for A/B measurements and as a fallback).  Every rank must use the same (the check of the first call of a layout).
-ARRIVAL = os.environ.get("FLUXINDUCTOR_AG_ARRIVAL", "1").strip() not in ("0", "false", "no", "")
-# 1 (default): an eager push call on the arrival is enqueued by one host call (csrc/ag_gemm/ag_gemm.h push_call: the fork,
-# the arrival, the push, the GEMMs, the join); 0: each step from Python (the earlier code, kept for A/B measurements
-# of the host time).  Only the host side differs: the GPU gets the same work in the same order.
-ONE_CALL = os.environ.get("FLUXINDUCTOR_AG_ONE_CALL", "1").strip() not in ("0", "false", "no", "")
-MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms: calls with more weights take the step-by-step path
-
-
-def group_cluster_rows(shard_rows: int, variant: int, limit: Optional[int] = None) -> int:
-    """Tile-order group height (cluster rows) that never spans two shards when shards are whole cluster rows.
-
-    Inside a group the walk visits every row before moving to the next column, so a group that reached into
-    a peer's shard would make the first wave wait for the pull.
-    """
-    limit = GROUP_CLUSTER_ROWS if limit is None else limit
-    per_shard = shard_rows // _cluster_row_height(variant)
-    if per_shard < 1:
-        return 1
-    if shard_rows % _cluster_row_height(variant):
-        return max(1, min(limit, per_shard))
-    return max(g for g in range(1, min(limit, per_shard) + 1) if per_shard % g == 0)
-
-
-def modelled_time(m: int, n: int, k: int, variant: int, sm_count: int, tail_parts: int = 1,
-                  tail_waves: int = 1) -> float:
-    """A persistent GEMM's time in units of one output element's K loop: waves of tiles x the tile's area.  A wave is
-    one tile per cluster of the grid; a partial last wave counts whole, or, where the variant splits its tail (into
-    at most ``tail_parts`` parts over ``tail_waves`` waves, after a full wave), as the split's parts
-    (ag_gemm/scheduler.cuh tail_split_parts)."""
-    tile_m, tile_n, cluster_m, cluster_n = _TILES[variant]
-    cluster = cluster_m * cluster_n
-    tiles = -(-m // tile_m) * -(-n // tile_n)
-    clusters = max(1, sm_count // cluster)
-    full, tail = divmod(-(-tiles // cluster), clusters)
-    waves = float(full)
-    if tail and full and variant in _TAIL_SPLITTING and tail_parts > 1:
-        k_tiles = -(-k // _K_TILE)
-        parts = symm.extension().ag_tail_split_parts(tail, clusters, min(tail_parts, k_tiles), tail_waves)
-        waves += -(-(parts * tail) // clusters) / parts
-    elif tail:
-        waves += 1
-    return waves * tile_m * tile_n
-
-
-def _has_variants(dtype: torch.dtype, weight: Tensor) -> bool:
-    """Whether launches with this weight have variants (csrc/ag_gemm/ag_gemm.cu: bf16 with a K-contiguous weight)."""
-    layout = _weight_layout(weight)
-    return dtype == torch.bfloat16 and layout is not None and layout[0]
-
-
-def _forced_variant(dtype: torch.dtype, weight: Tensor) -> int:
-    """FLUXINDUCTOR_AG_VARIANT where launches with this weight have variants, else 0."""
-    if VARIANT is not None and VARIANT not in _TILES:
-        raise ValueError(f"FLUXINDUCTOR_AG_VARIANT must be one of {sorted(_TILES)} (csrc/ag_gemm/ag_gemm.h Variant), "
-                         f"got {os.environ.get('FLUXINDUCTOR_AG_VARIANT')!r}")
-    return VARIANT if VARIANT is not None and _has_variants(dtype, weight) else 0
-
-
-def kernel_variant(dtype: torch.dtype, weight: Tensor, m: int, shard_rows: Optional[int] = None,
-                   sm_count: Optional[int] = None) -> int:
-    """The variant a launch of ``[m, K] @ weight`` runs.  FLUXINDUCTOR_AG_VARIANT (``VARIANT``) when set; else 0,
-    or 6 (256x160 tiles) where :func:`modelled_time` says it ends WIDE_MIN_GAIN sooner: a 4096 x 14336 output is
-    14 waves of 128x256 tiles on 132 SMs (the last 58% full, too full to split) and 10.9 of the 1.25x larger
-    256x160 ones; measured on one H200 with communication off, 1.027 -> 0.999x cuBLAS (docs/design_ag_gemm.md),
-    and on 2xH200 with communication on, E 0.787 -> 0.999.  Only for bf16 with a
-    K-contiguous weight (the other kernels have one variant), and, in a call (``shard_rows`` given), for shards of
-    whole 256-row tiles, so that the push and the tile order's groups keep whole tiles.  Never for a problem of one
-    wave of 128x256 tiles (those take the K-chunked waits, measured with 0 only): there the model's one wave of
-    256x160 tiles is the longer one."""
-    if VARIANT is not None or not _has_variants(dtype, weight):
-        return _forced_variant(dtype, weight)
-    if shard_rows is not None and shard_rows % _tile_m(6):
-        return 0
-    k, n = weight.shape
-    sm_count = symm.extension().ag_device_sm_count() if sm_count is None else sm_count
-    return _automatic_variant(m, n, k, sm_count, TAIL_SPLIT, tail_split_waves())
-
-
-@functools.lru_cache(maxsize=4096)
-def _automatic_variant(m: int, n: int, k: int, sm_count: int, tail_parts: int, tail_waves: int) -> int:
-    wide = modelled_time(m, n, k, 6, sm_count)
-    return 6 if wide * (1 + WIDE_MIN_GAIN) <= modelled_time(m, n, k, 0, sm_count, tail_parts, tail_waves) else 0
+# An eager push call is enqueued by one host call (csrc/ag_gemm/ag_gemm.h push_call: the fork, the arrival, the push, the
+# GEMMs, the join); calls with more weights than this take the same steps from Python.
+MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms
 
 
 class AllGatherGemmError(RuntimeError):
@@ -186,24 +67,13 @@ class AllGatherGemmError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _weight_layout(weight: Tensor) -> Optional[Tuple[bool, int]]:
-    """(k_contiguous, leading stride) of weight [K, N], or None when neither dim is contiguous."""
-    k, n = weight.shape
-    s0, s1 = weight.stride()
-    if s0 == 1 and s1 >= k:  # the transposed view of an nn.Linear weight [N, K]
-        return True, s1
-    if s1 == 1 and s0 >= n:  # a row-major [K, N]
-        return False, s0
-    return None
-
-
 def _kernel_reason(m: int, k: int, lda: int, a_ptr: int, weight: Tensor, bias: Optional[Tensor], out_ptr: int,
                    ldo: int) -> Optional[str]:
     layout = _weight_layout(weight)
     if layout is None:
         return f"weight strides {tuple(weight.stride())} have no contiguous dim"
     k_contiguous, ldb = layout
-    why = symm.extension().ag_gemm_unsupported(
+    why = loader.extension().ag_gemm_unsupported(
         dtype=_DTYPE_CODES[weight.dtype], a=a_ptr, m=m, k=k, lda=lda, b=weight.data_ptr(), n=weight.shape[1],
         ldb=ldb, b_k_contiguous=k_contiguous, bias=0 if bias is None else bias.data_ptr(), out=out_ptr, ldo=ldo)
     return why or None
@@ -215,7 +85,7 @@ def _capability(index: int) -> Tuple[int, int]:
 
 
 def _operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> Optional[str]:
-    reason = symm.extension_available()
+    reason = loader.extension_available()
     if reason is not None:
         return reason
     if not a2d.is_cuda:
@@ -272,12 +142,10 @@ def capture_reason(shard2d: Tensor, weights: Sequence[Tensor], group_name: str, 
     A capture may not take a collective step, so an eager call of the same shape must have set up the group's
     workspace first (CUDA graph trees and ``torch.cuda.graph`` users warm up eagerly before capturing); every rank
     sees the same calls, so every rank gives the same answer."""
-    if not config.capture_kernels():
-        return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
+    if not settings.kernels_under_capture():
+        return "CUDA graph capture (the per-compile option cuda_graphs=True captures the fused kernels)"
     if world == 1:
         return None  # nothing to gather: the call is its GEMMs
-    if not ARRIVAL:
-        return "CUDA graph capture with torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0)"
     if not use_push(shard2d, weights):
         return "CUDA graph capture of a pull (shard rows not a multiple of the kernel's tile M)"
     ws = symm.existing_workspace(group_name, shard2d.device)
@@ -325,15 +193,16 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
     ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).  Under
     CUDA graph capture the tail split is off (``capturing``: whether the caller knows it is capturing; None: ask).
-    ``group_rows``/``variant``/``tail_split`` default to the module's tuning (GROUP_CLUSTER_ROWS, kernel_variant,
-    TAIL_SPLIT: the most parts a tile of a partial last wave is split into along K; 1 = off).
+    ``chunks_per_rank``/``group_rows``/``variant``/``tail_split`` default to ``settings.tuning`` (ag_chunks,
+    ag_group_rows, kernel_variant, ag_tail_split: the most parts a tile of a partial last wave is split into along K;
+    1 = off).
     """
     stream = torch.cuda.current_stream(a.device) if stream is None else stream
     args = gemm_args(a, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world, shard_rows=shard_rows,
                      chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, sm_count=sm_count, group_rows=group_rows,
                      variant=variant, timeout_s=timeout_s, stream=stream, tail_split=tail_split, a_local=a_local,
                      pdl=pdl, trap_on_timeout=trap_on_timeout, capturing=capturing)
-    symm.extension().ag_gemm_run(*args, stream.cuda_stream)
+    loader.extension().ag_gemm_run(*args, stream.cuda_stream)
     return out
 
 
@@ -347,12 +216,13 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
     binding's order (csrc/bindings.cpp), passed positionally, as keyword parsing of its 34 arguments costs pybind11
     several microseconds per launch.  The tail split's epochs are taken from ``stream``'s scratch here, so the
     launch must follow on that stream (ag_push_call takes a list of these)."""
-    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
-    tail_split = TAIL_SPLIT if tail_split is None else tail_split
+    tuning = settings.tuning
+    chunks_per_rank = tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
+    tail_split = tuning.ag_tail_split if tail_split is None else tail_split
     if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
         tail_split = 1  # its scratch is per stream and its flags take a new epoch per launch: not for a graph
-    key = (a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0], shard_rows if flags is not None else None,
-           sm_count, variant, group_rows, VARIANT, TAIL_SPLIT, GROUP_CLUSTER_ROWS, tail_split_waves())
+    key = (a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0],
+           shard_rows if flags is not None else None, sm_count, variant, group_rows, tuning)
     choices = _launch_choices.get(key)
     if choices is None:
         if len(_launch_choices) >= 4096:
@@ -372,9 +242,8 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
         pdl, trap_on_timeout)
 
 
-# (k_contiguous, ldb, variant, group_rows) per launch shape and the module's tunables it reads (VARIANT, TAIL_SPLIT,
-# GROUP_CLUSTER_ROWS, the tail's waves): the variant choice's wave model and the weight's layout cost ~10 us of host
-# time per launch.
+# (k_contiguous, ldb, variant, group_rows) per launch shape and the tuning it reads (settings.tuning, hashed once per
+# value): the variant choice's wave model and the weight's layout cost ~10 us of host time per launch.
 _launch_choices: Dict[tuple, Tuple[bool, int, int, int]] = {}
 
 
@@ -387,171 +256,17 @@ def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_coun
         with torch.cuda.device(a.device):
             variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows, sm_count or None)
     if group_rows is None:
-        group_rows = group_cluster_rows(shard_rows, variant) if shard_rows is not None else GROUP_CLUSTER_ROWS
+        group_rows = (group_cluster_rows(shard_rows, variant) if shard_rows is not None
+                      else settings.tuning.ag_group_rows)
     return layout[0], layout[1], variant, group_rows
 
 
-def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:
-    """Row ranges [start, end) of the chunks of one shard (the kernel's split: ceil(S / chunks) rows each)."""
-    rows = -(-shard_rows // chunks_per_rank)
-    return [(min(c * rows, shard_rows), min((c + 1) * rows, shard_rows)) for c in range(chunks_per_rank)]
-
-
-def k_chunk_bounds(k: int, k_chunks: int) -> List[Tuple[int, int]]:
-    """Column ranges [start, end) of the K blocks (the kernel's split: ceil(K tiles / k_chunks) tiles each)."""
-    k_tiles = -(-k // _K_TILE)
-    cols = -(-k_tiles // k_chunks) * _K_TILE
-    return [(min(c * cols, k), min((c + 1) * cols, k)) for c in range(k_chunks)]
-
-
-def use_k_chunks(m: int, n: int, sm_count: int, shard_bytes: int) -> int:
-    """The K blocks per shard for an [M, N] output: up to K_CHUNKS when its 128x256 tiles fit one wave and each
-    block keeps _MIN_K_BLOCK_BYTES of the shard's ``shard_bytes``, else 1 (row chunks)."""
-    tiles = -(-m // 128) * -(-n // 256)
-    chunks = min(K_CHUNKS, symm.MAX_CHUNKS_PER_RANK, shard_bytes // _MIN_K_BLOCK_BYTES)
-    return chunks if tiles <= sm_count and chunks >= 2 else 1
-
-
-def pull_k_block(dst: Tensor, source: Tensor, peer: int, shard_rows: int, k_chunks: int, block: int, flags: Tensor,
-                 epoch: int, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy column block ``block`` (of ``k_chunks``, :func:`k_chunk_bounds`) of ``peer``'s
-    shard rows from ``source`` into ``dst`` (a 2-D copy-engine copy), then set flags[peer * k_chunks + block] to
-    ``epoch``.  dst, source: [M, K] with the same strides."""
-    ext = symm.extension()
-    row_bytes = dst.stride(0) * dst.element_size()
-    c0, c1 = k_chunk_bounds(dst.shape[1], k_chunks)[block]
-    offset = peer * shard_rows * row_bytes + c0 * dst.element_size()
-    if c1 > c0:
-        ext.ag_memcpy2d_async(dst.data_ptr() + offset, source.data_ptr() + offset, row_bytes,
-                              (c1 - c0) * dst.element_size(), shard_rows, stream.cuda_stream)
-    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * k_chunks + block), epoch, stream.cuda_stream)
-
-
-def pull_row_chunk(dst: Tensor, source: Tensor, peer: int, shard_rows: int, chunks_per_rank: int, chunk: int,
-                   flags: Tensor, epoch: int, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy row chunk ``chunk`` (of ``chunks_per_rank``, :func:`chunk_bounds`) of ``peer``'s
-    shard from ``source`` into ``dst`` (one copy-engine copy), then set flags[peer * chunks_per_rank + chunk] to
-    ``epoch``.  dst, source: [M, K] with the same strides."""
-    ext = symm.extension()
-    row_bytes = dst.stride(0) * dst.element_size()
-    start, end = chunk_bounds(shard_rows, chunks_per_rank)[chunk]
-    offset = (peer * shard_rows + start) * row_bytes
-    if end > start:
-        ext.ag_memcpy_async(dst.data_ptr() + offset, source.data_ptr() + offset, (end - start) * row_bytes,
-                            stream.cuda_stream)
-    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * chunks_per_rank + chunk), epoch, stream.cuda_stream)
-
-
-def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
-                epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                gathered_out: Optional[Tensor] = None, k_chunks: int = 1) -> None:
-    """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
-
-    dst: [M, K] (this rank's gathered buffer); sources[q]: [M, K] view of rank q's buffer (only rows of q
-    are read; sources[rank] is not used).  Peers are pulled in the order r+1, r+2, ... (the kernel's tile
-    order); chunk c of rank q sets flags[q * chunks_per_rank + c].  With ``k_chunks`` > 1 the whole shard moves in
-    column blocks instead (2-D copies), block c setting flags[q * k_chunks + c].  Then copies dst into
-    ``gathered_out``.
-    """
-    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
-    world = len(sources)
-    for step in range(1, world):
-        peer = (rank + step) % world
-        if k_chunks > 1:
-            for c in range(k_chunks):
-                pull_k_block(dst, sources[peer], peer, shard_rows, k_chunks, c, flags, epoch, stream)
-        else:
-            for c in range(chunks_per_rank):
-                pull_row_chunk(dst, sources[peer], peer, shard_rows, chunks_per_rank, c, flags, epoch, stream)
-    if gathered_out is not None and gathered_out.numel():
-        symm.extension().ag_memcpy_async(gathered_out.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size(),
-                                         stream.cuda_stream)
-
-
-def _push_flag(peer_flags: Tensor, index: int, epoch_word: Tensor, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy the epoch word into peer_flags[index] (copy engine; after the chunk's bytes)."""
-    symm.extension().ag_memcpy_async(peer_flags.data_ptr() + 4 * index, epoch_word.data_ptr(), 4, stream.cuda_stream)
-
-
-def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Sequence[Tensor], rank: int, epoch: int,
-                epoch_word: Tensor, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                k_chunks: int = 1) -> None:
-    """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
-    every peer's buffer, raising the peer's flag of each chunk to ``epoch`` after its bytes.
-
-    peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
-    used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
-    other shards).  Row chunk c sets flags[rank * chunks_per_rank + c]; with ``k_chunks`` > 1 the shard moves in
-    column blocks instead (2-D copies), block c setting flags[rank * k_chunks + c].  ``epoch_word``: one int32 on
-    this device, written here and copied into the flags.
-    """
-    ext = symm.extension()
-    chunks_per_rank = CHUNKS_PER_RANK if chunks_per_rank is None else chunks_per_rank
-    shard_rows, k = shard.shape
-    world = len(peer_buffers)
-    element = shard.element_size()
-    row_bytes = k * element
-    ext.ag_stream_write_value32(epoch_word.data_ptr(), epoch, stream.cuda_stream)
-    for step in range(1, world):
-        peer = (rank - step) % world
-        dst = peer_buffers[peer]
-        if dst.stride(0) != k:
-            raise ValueError(f"peer buffer row stride {dst.stride(0)} != K = {k}")
-        base = dst.data_ptr() + rank * shard_rows * row_bytes
-        if k_chunks > 1:
-            for c, (c0, c1) in enumerate(k_chunk_bounds(k, k_chunks)):
-                if c1 > c0:
-                    ext.ag_memcpy2d_async(base + c0 * element, shard.data_ptr() + c0 * element, row_bytes,
-                                          (c1 - c0) * element, shard_rows, stream.cuda_stream)
-                _push_flag(peer_flags[peer], rank * k_chunks + c, epoch_word, stream)
-            continue
-        for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
-            if end > start:
-                ext.ag_memcpy_async(base + start * row_bytes, shard.data_ptr() + start * row_bytes,
-                                    (end - start) * row_bytes, stream.cuda_stream)
-            _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch_word, stream)
-
-
-def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
-              arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, epoch_word: Tensor,
-              gemms: Sequence[tuple], events: Tuple[int, int], main: torch.cuda.Stream, side: torch.cuda.Stream,
-              chunks_per_rank: int, k_chunks: int, timeout_s: Optional[float] = None) -> None:
-    """Enqueue one eager push call with one host call (csrc/ag_gemm/ag_gemm.h push_call): what :func:`all_gather_matmul`
-    otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
-    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, the GEMMs on ``main``
-    (``gemms``: :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), ``main``
-    follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.
-
-    peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
-    parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
-    two events of :func:`symm.push_events`.  Entries for q == rank are not used."""
-    _, error_device = symm.error_word(shard.device.index)
-    timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
-    symm.extension().ag_push_call(  # positional, in the binding's order
-        peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
-        shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
-        epoch_word.data_ptr(), chunks_per_rank, k_chunks, _K_TILE, gemms, events[0], events[1], main.cuda_stream,
-        side.cuda_stream)
-
-
-def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:
-    """gathered[M, K] = the peers' rows of ``buffer`` with ``shard`` as this rank's rows (on the current stream,
-    once the GEMM has waited for every chunk)."""
-    rows = shard.shape[0]
-    lo, hi = rank * rows, (rank + 1) * rows
-    if lo:
-        gathered[:lo].copy_(buffer[:lo])
-    gathered[lo:hi].copy_(shard)
-    if hi < gathered.shape[0]:
-        gathered[hi:].copy_(buffer[hi:])
-
-
 def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
-    """Whether a call pushes (see the module docstring): PUSH, and the shard's rows a multiple of every launch's
-    tile M (a tile never straddles this rank's rows and a peer's).  The automatic variant choice takes 256-row tiles
-    only for shards of whole 256-row tiles, so without FLUXINDUCTOR_AG_VARIANT the 128-row tile decides."""
+    """Whether a call pushes (see the module docstring): the shard's rows a multiple of every launch's tile M (a tile
+    never straddles this rank's rows and a peer's).  The automatic variant choice takes 256-row tiles only for shards
+    of whole 256-row tiles, so without ``settings.tuning.ag_variant`` the 128-row tile decides."""
     rows = shard2d.shape[0]
-    return PUSH and shard2d.is_contiguous() and all(rows % _tile_m(_forced_variant(shard2d.dtype, w)) == 0
+    return shard2d.is_contiguous() and all(rows % _tile_m(_forced_variant(shard2d.dtype, w)) == 0
                                                     for w in weights)
 
 
@@ -567,13 +282,13 @@ def _group_size(group_name: str) -> int:
 
 
 def _layout_key(shard2d: Tensor, push: bool) -> tuple:
-    return shard2d.shape[0], shard2d.shape[1], shard2d.dtype, int(push) + 2 * int(ARRIVAL)
+    return shard2d.shape[0], shard2d.shape[1], shard2d.dtype, int(push)
 
 
 def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool) -> None:
-    """Once per (rows, K, dtype, push, barrier): make sure every rank calls with the same layout and moves shards the
-    same way (a pulling rank would read a pushing peer's slot, which that peer never fills; a rank on the arrival and
-    one on torch's barrier never meet): else raise, not hang or compute with stale rows."""
+    """Once per (rows, K, dtype, push): make sure every rank calls with the same layout and moves shards the same way
+    (a pulling rank would read a pushing peer's slot, which that peer never fills, e.g. with another
+    ``settings.tuning.ag_variant``): else raise, not hang or compute with stale rows."""
     key = _layout_key(shard2d, push)
     moves = key[3]
     if key in ws.checked_layouts:
@@ -586,7 +301,7 @@ def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: boo
     dist.all_gather_into_tensor(everyone, mine, group=ws.group)
     rows = everyone.view(ws.world, 4).tolist()
     if any(r != rows[0] for r in rows):
-        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push + 2 * arrival): "
+        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push): "
                          f"{rows}")
     ws.checked_layouts.add(key)
 
@@ -623,7 +338,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     ws.reserve(m * k * shard2d.element_size())
     epoch = ws.next_epoch()
     parity = epoch & 1
-    chunks = max(1, min(CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK))
+    chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
 
     main = torch.cuda.current_stream(device)
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
@@ -632,14 +347,14 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
-    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
+    k_chunks = use_k_chunks(m, weights[0].shape[1], loader.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     # The barrier: every peer done with the buffer this call writes into (pushing: the peer reached the previous call;
     # pulling: this call, so every slot is written).  Once calls were captured, a peer's replay may have read either
     # buffer since the previous eager call: every peer must reach this one.
     need = ws.previous_epoch() if push and not ws.captured else epoch
     pdl = False
-    if push and ARRIVAL and ONE_CALL and len(weights) <= MAX_ONE_CALL_GEMMS:
+    if push and len(weights) <= MAX_ONE_CALL_GEMMS:
         outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
         gemms = [gemm_args(buffer, w, b, out, stream=main, flags=flags, epoch=epoch, rank=rank, world=world,
                            shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, a_local=shard2d,
@@ -650,10 +365,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         if gathered.numel():
             assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMMs waited for every peer's chunk
         return outputs, gathered
-    if not ARRIVAL:
-        ws.barrier(parity)
-        side.wait_stream(main)
-    elif k_chunks > 1:
+    if k_chunks > 1:
         # One wave: the peers' tiles wait for the first column block from the start, so the push's start is the
         # critical path, and the side stream follows the arrival through an event (a stream wait on the passed word
         # started the push later: docs/design_ag_gemm.md).
@@ -681,8 +393,6 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         outputs.append(out)
     if push and gathered.numel():
         assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
-    if not ARRIVAL:
-        ws.mark_arrived(epoch, side)  # so that a later call on the arrival finds this one
     main.wait_stream(side)
     return outputs, gathered
 
@@ -697,8 +407,8 @@ def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequen
     m, dtype = world * shard_rows, shard2d.dtype
     parity = symm.CAPTURE_PARITY
     peers = [ws.view(parity, q, m, k, dtype) for q in range(world)]
-    chunks = max(1, min(CHUNKS_PER_RANK, symm.MAX_CHUNKS_PER_RANK))
-    k_chunks = use_k_chunks(m, weights[0].shape[1], symm.extension().ag_device_sm_count(),
+    chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
+    k_chunks = use_k_chunks(m, weights[0].shape[1], loader.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
@@ -740,7 +450,7 @@ def captured_push_call(shard: Tensor, weights: Sequence[Tensor], biases: Sequenc
             assemble_gathered(gathered, peer_buffers[rank], shard, rank)
         main.wait_stream(side)
         per_rank = k_chunks if k_chunks > 1 else chunks
-        ext = symm.extension()
+        ext = loader.extension()
         for q in range(world):
             for c in range(per_rank if q != rank else 0):
                 ext.ag_stream_wait_value32_eq(flags.data_ptr() + 4 * (q * per_rank + c), epoch, main.cuda_stream)

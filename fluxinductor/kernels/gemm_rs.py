@@ -10,10 +10,10 @@ tile (staged in shared memory, written with 16-byte stores) straight into that p
 writes the output, so the reduction needs no extra kernel and no extra pass over memory.
 
 How the peer tiles travel (``transport``: the dispatcher passes the cost model's choice per shape;
-``FLUXINDUCTOR_GEMM_RS_PUSH``, when set, decides for every call; ranks that differ get an error):
+``settings.tuning.gemm_rs_push``, when set, decides for every call; ranks that differ get an error):
   - ``store``: as above, 16-byte NVLink stores from the epilogue and one flag per tile;
   - ``copy``: the epilogue stores a peer's tile in a local outbox and counts it per band of tile rows
-    (``FLUXINDUCTOR_GEMM_RS_BANDS`` bands per segment, default 4); a copy stream waits for each band's
+    (``settings.tuning.gemm_rs_bands`` bands per segment, default 4); a copy stream waits for each band's
     count, copies the band into the owner's slot with the copy engine (no SMs) and raises the owner's flag
     of that band.  It wins where the output per rank is largest (docs/design_gemm_rs.md);
   - ``split`` (N a multiple of 8): one stock CUTLASS GEMM per row segment instead of one kernel
@@ -38,210 +38,38 @@ rank sees them, so a growth (a collective) never leaves one rank waiting alone.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import struct
-import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from fluxinductor import config as _config
-from fluxinductor import log
+from fluxinductor import log, settings
 from fluxinductor.kernels import symm as _symm
+# The pieces of the kernel, its transports and its workspace, re-exported: this module is the GEMM+RS interface.
+from fluxinductor.kernels.gemm_rs_copy import CopyEngineWorkspace, bands  # noqa: F401
+from fluxinductor.kernels.gemm_rs_group import _GroupState, _generations, _state, _states, check_error, reset  # noqa: F401
+from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
+    _DTYPES, _ELEMENT_SIZES, _ERRORS, _MIN_BUFFER_BYTES, CAPTURE_EPOCH, HEADER_BYTES, MAX_WORLD, REDUCE_OPS, ErrorWord,
+    _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature, timeout_ns)
+from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
+    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, split_reason, tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
-REDUCE_OPS = ("sum", "avg")
-_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-_ELEMENT_SIZES = {torch.bfloat16: 2, torch.float16: 2}
-MAX_WORLD = 8
-HEADER_BYTES = 4096
-_MIN_BUFFER_BYTES = 1 << 20
-_ERRORS = {
-    1: "a peer never entered the call (it crashed, hung, or made a different sequence of calls)",
-    2: "ranks called matmul_reduce_scatter with different shapes or dtypes",
-    3: "a peer entered the call but never delivered its tiles",
-    4: "a split GEMM's tail tile waited too long for its other parts",
-}
-
-# The epoch of every call captured in a CUDA graph (replays repeat it): eager calls never take it, so what they leave
-# in the hello words and flags never reads as a captured call's (which set those back to 0 after use).
-CAPTURE_EPOCH = 0xFFFFFFFE
-
-PUSH_MODES = ("store", "copy", "split")
-DEFAULT_BANDS = 4
-
-_ext = None
-_ext_reason: Optional[str] = None
-_ext_tried = False
-_lock = threading.Lock()
-
-
-def _extension():
-    global _ext, _ext_reason, _ext_tried
-    if not _ext_tried:
-        with _lock:
-            if not _ext_tried:
-                try:
-                    from fluxinductor import _C  # noqa: PLC0415 - lazy: importing must not need CUDA
-
-                    if not hasattr(_C, "gemm_rs_run"):
-                        _ext_reason = "fluxinductor._C was built without the GEMM+RS kernel"
-                    else:
-                        _ext = _C
-                except ImportError as e:
-                    _ext_reason = f"fluxinductor._C is not built or does not load ({e})"
-                _ext_tried = True
-    if _ext is None:
-        raise RuntimeError(_ext_reason)
-    return _ext
-
-
-def timeout_ns() -> int:
-    """How long a wait may take before the call is aborted (FLUXINDUCTOR_TIMEOUT_S, default 10 s)."""
-    return int(float(_config.env("FLUXINDUCTOR_TIMEOUT_S", "10")) * 1e9)
+PUSH_MODES = settings.GEMM_RS_PUSH_MODES
 
 
 def push_mode(default: str = "store") -> str:
-    """"store", "copy" or "split": how this call's peer tiles travel (module docstring).  FLUXINDUCTOR_GEMM_RS_PUSH,
-    when set, decides for every call; else ``default`` (the dispatcher passes the cost model's choice)."""
-    value = _config.env("FLUXINDUCTOR_GEMM_RS_PUSH", "").strip().lower() or default
-    if value not in PUSH_MODES:
-        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_PUSH must be one of {PUSH_MODES}, got {value!r}")
-    return value
+    """"store", "copy" or "split": how this call's peer tiles travel (module docstring).
+    ``settings.tuning.gemm_rs_push``, when set, decides for every call; else ``default`` (the dispatcher passes the
+    cost model's choice)."""
+    return settings.tuning.gemm_rs_push or default
 
-
-def bands() -> int:
-    value = int(_config.env("FLUXINDUCTOR_GEMM_RS_BANDS", str(DEFAULT_BANDS)))
-    if not 1 <= value <= _extension().GEMM_RS_MAX_BANDS:
-        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_BANDS must be in [1, {_extension().GEMM_RS_MAX_BANDS}], got {value}")
-    return value
-
-
-def split_pdl() -> bool:
-    """Whether the split transport launches its second GEMM as a programmatic dependent of the first, so it takes
-    SMs as the first one's CTAs finish (FLUXINDUCTOR_GEMM_RS_SPLIT_PDL, default 1)."""
-    return _config.env("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", "1").strip() not in ("0", "false", "no", "")
-
-
-def tail_split_parts() -> int:
-    """The most parts the split transport's GEMMs split a partial last wave's tiles into along K
-    (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
-    (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as programmatic dependents.  The
-    two GEMMs with communication off went from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
-    (one H200, docs/design_gemm_rs.md)."""
-    value = int(_config.env("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "4"))
-    if value < 1:
-        raise ValueError(f"FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT must be at least 1, got {value}")
-    return value
-
-
-# The split GEMMs' configurations (csrc/gemm_rs/split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
-# (bf16); 1 (ping-pong 64x256) only in tuning builds.
-SPLIT_CONFIGS = (0, 2)
-_TAIL_SPLIT_CONFIGS = (0,)  # the cooperative configuration (ag_gemm::supports_tail_split)
-
-
-def resolve_split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:
-    """The split GEMMs' configuration for a call: FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG when set (A/B runs, tuning
-    builds), else ``chosen`` (the cost model's per-shape pick), else 0; 0 for any dtype but bf16, which has only that
-    one.  Every rank must use the same (the call's handshake includes it)."""
-    env = _config.env("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", "").strip()
-    config = int(env) if env else (0 if chosen is None else int(chosen))
-    return config if dtype == torch.bfloat16 else 0
-
-
-def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
-    """None when the split transport can run this call, else why not (then ``copy`` runs)."""
-    if world < 2:
-        return f"the split transport needs 2 or more ranks, not {world}"
-    if _weight_layout(weight) is None:
-        return "the weight has neither dim contiguous"
-    n = weight.shape[1]
-    if n % 8:
-        return f"N={n} is not a multiple of 8 (the split transport's TMA stores need 16-byte rows)"
-    if bias is not None and bias.data_ptr() % 16:
-        return "bias is not 16-byte aligned"
-    if out is not None and (out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16):
-        return "out is not a 16-byte aligned row-major tensor with a row stride of a multiple of 8"
-    if out is not None and out.dtype != weight.dtype:
-        return f"the split transport writes {weight.dtype}, not {out.dtype}"
-    return None
-
-
-class CopyEngineWorkspace:
-    """One rank's copy-engine resources: the outbox (grown to the next power of two bytes), the band counters,
-    the epoch word the flag copies read, and the copy stream."""
-
-    def __init__(self, device: torch.device, world: int):
-        self.device = device
-        count = world * _extension().GEMM_RS_MAX_BANDS
-        self.counters = _symm.persistent(lambda: torch.zeros(count, dtype=torch.int32, device=device), device)
-        self.epoch_word = _symm.persistent(lambda: torch.zeros(1, dtype=torch.int32, device=device), device)
-        self.stream = torch.cuda.Stream(device)
-        self.outbox: Optional[Tensor] = None
-
-    def outbox_address(self, nbytes: int) -> int:
-        if self.outbox is None or self.outbox.numel() < nbytes:
-            capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
-            self.outbox = _symm.persistent(lambda: torch.empty(capacity, dtype=torch.uint8, device=self.device),
-                                           self.device)
-            # The copy stream reads it after the caller's stream moved on: keep it from reuse until then.
-            self.outbox.record_stream(self.stream)
-        return self.outbox.data_ptr()
 
 
 # ---------------------------------------------------------------------------------------------------
-# Layout and launch (raw pointers: also what the single-GPU N-rank tests drive).
+# Launch (raw pointers: also what the single-GPU N-rank tests drive).
 # ---------------------------------------------------------------------------------------------------
-
-
-_tile_shapes: Dict[Optional[str], Tuple[int, int, int]] = {}
-
-
-def _tile_shape() -> Tuple[int, int, int]:
-    # Tuning builds pick the kernel by FLUXINDUCTOR_GEMM_RS_CONFIG; the flag layout follows its tile.
-    config = _config.env("FLUXINDUCTOR_GEMM_RS_CONFIG")
-    shape = _tile_shapes.get(config)
-    if shape is None:
-        shape = _tile_shapes[config] = tuple(_extension().gemm_rs_tile_shape())
-    return shape
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(m: int, n: int, world: int, element: int, tile: Tuple[int, int, int]) -> Tuple[int, int, int]:
-    tile_m, tile_n, flags_per_tile = tile
-    segment_rows = m // world
-    tiles = -(-segment_rows // tile_m) * -(-n // tile_n)
-    flags_offset = HEADER_BYTES
-    data_offset = flags_offset + world * tiles * flags_per_tile * 4
-    data_offset = -(-data_offset // 256) * 256
-    return flags_offset, data_offset, data_offset + world * segment_rows * n * element
-
-
-def buffer_layout(m: int, n: int, world: int, dtype: torch.dtype) -> Tuple[int, int, int]:
-    """(flags_offset, data_offset, total_bytes) of one rank's buffer for a global [m, n] output."""
-    return _layout(m, n, world, _ELEMENT_SIZES[dtype], _tile_shape())
-
-
-@functools.lru_cache(maxsize=256)
-def signature(m: int, n: int, k: int, world: int, dtype: torch.dtype, transport: str = "store") -> int:
-    """64-bit digest of what every rank must agree on (``transport``: "store", or "copy/<bands>")."""
-    packed = struct.pack("<qqqqq", m, n, k, world, _DTYPES[dtype]) + transport.encode()
-    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
-
-
-def _weight_layout(weight: Tensor) -> Optional[Tuple[bool, int]]:
-    """(b_k_major, ldb) for weight [K, N] read in place, or None when neither dim is contiguous."""
-    k, n = weight.shape
-    if weight.stride(0) == 1 and (n == 1 or weight.stride(1) >= k):
-        return True, max(weight.stride(1), k)  # transposed nn.Linear weight: column (k) contiguous
-    if weight.stride(1) == 1 and (k == 1 or weight.stride(0) >= n):
-        return False, max(weight.stride(0), n)
-    return None
 
 
 def launch(
@@ -303,159 +131,18 @@ def launch(
     tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
                             launches=max(world, 2)) \
         if split and config in _TAIL_SPLIT_CONFIGS and not _symm.capturing() else tail_split_off
+    tuning = settings.tuning
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
         timeout_ns() if timeout is None else timeout, sm_count, stream.cuda_stream,
-        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), split_pdl(), *tails,
-        config, out.dtype != a.dtype, capture,
+        *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), True, *tails,  # True: split_pdl
+        config, out.dtype != a.dtype, capture, tuning.gemm_rs_config,
+        0 if tuning.gemm_rs_swizzle is None else tuning.gemm_rs_swizzle,
+        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster,
     )
-
-
-class ErrorWord:
-    """A host-mapped int32 the kernels write error codes into; read without synchronizing."""
-
-    def __init__(self) -> None:
-        self.host, self.device = _extension().gemm_rs_alloc_host_word()
-
-    def read(self) -> int:
-        return ctypes.c_int32.from_address(self.host).value
-
-    def clear(self) -> None:
-        ctypes.c_int32.from_address(self.host).value = 0
-
-
-def error_message(code: int) -> str:
-    return f"fused matmul_reduce_scatter failed (code {code}): {_ERRORS.get(code, 'unknown error')}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Per-group state: symmetric buffer, epoch, error word, shapes known to agree.
-# ---------------------------------------------------------------------------------------------------
-
-
-class _GroupState:
-    def __init__(self, group_name: str, device: torch.device):
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        self.group_name = group_name
-        self.group = _resolve_process_group(group_name)
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
-        self.device = device
-        self.capacity = 0
-        self.buffer: Optional[Tensor] = None
-        self.handle = None
-        self.buffer_ptrs: List[int] = []
-        self.retired: list = []  # earlier buffers: a peer may still touch them until the device drains
-        self.epoch = 0
-        self.agreed: set = set()
-        self.agree_calls = 0
-        self.generation = _generations.get(group_name, 0)  # store keys of a reset state never collide
-        self.copy: Optional[CopyEngineWorkspace] = None
-        with torch.cuda.device(device):
-            self.error = ErrorWord()
-
-    def raise_if_error(self) -> None:
-        code = self.error.read()
-        if code:
-            raise RuntimeError(error_message(code) + f" on group {self.group_name!r} rank {self.rank}")
-
-    def agree(self, sig: int) -> None:
-        """Check, once per new signature, that every rank is in the same call with the same problem."""
-        if sig in self.agreed or self.world == 1:
-            return
-        import torch.distributed as dist
-        from datetime import timedelta
-
-        store = dist.distributed_c10d._get_default_store()
-        self.agree_calls += 1
-        prefix = f"fluxinductor/gemm_rs/{self.group_name}/{self.generation}/{self.agree_calls}"
-        store.set(f"{prefix}/{self.rank}", str(sig))
-        old_timeout = store.timeout
-        try:
-            store.set_timeout(timedelta(seconds=timeout_ns() / 1e9))
-            keys = [f"{prefix}/{r}" for r in range(self.world)]
-            try:
-                store.wait(keys)
-            except Exception as e:  # noqa: BLE001 - the store raises its own timeout types
-                raise RuntimeError(
-                    f"matmul_reduce_scatter: not every rank of group {self.group_name!r} reached the same call "
-                    f"within the timeout ({e})"
-                ) from e
-            values = [int(store.get(key)) for key in keys]
-        finally:
-            store.set_timeout(old_timeout)
-        if any(v != sig for v in values):
-            raise RuntimeError(
-                f"matmul_reduce_scatter: ranks of group {self.group_name!r} disagree on the problem "
-                "(shape, dtype or world); every rank must call with the same shapes"
-            )
-        self.agreed.add(sig)
-
-    def reserve(self, nbytes: int) -> None:
-        """Make the symmetric buffer hold ``nbytes`` (collective on growth; every rank grows on the same call
-        because shapes were agreed first)."""
-        if nbytes > self.capacity and self.world > 1:
-            _symm.outside_graph_pools(lambda: self._grow(nbytes), self.device)
-
-    def _grow(self, nbytes: int) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        if self.handle is not None:
-            torch.cuda.synchronize(self.device)
-            self.handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)
-            self.retired.append((self.buffer, self.handle))
-        capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
-        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, self.group_name)
-        buffer.zero_()  # hello words, status and flags start below every epoch
-        handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)  # peers zeroed before anyone writes
-        self.buffer, self.handle, self.capacity = buffer, handle, capacity
-        self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
-
-    def copy_workspace(self) -> CopyEngineWorkspace:
-        if self.copy is None:
-            self.copy = CopyEngineWorkspace(self.device, self.world)
-        return self.copy
-
-    def next_epoch(self) -> int:
-        """1, 2, ... 0xFFFFFFFD, 1, ...: never 0 (a zeroed word), CAPTURE_EPOCH or the aborted status."""
-        self.epoch = (self.epoch % (CAPTURE_EPOCH - 1)) + 1
-        return self.epoch
-
-
-_states: Dict[Tuple[str, int], _GroupState] = {}
-_generations: Dict[str, int] = {}
-
-
-def _state(group_name: str, device: torch.device) -> _GroupState:
-    key = (group_name, device.index)
-    state = _states.get(key)
-    if state is None:
-        state = _GroupState(group_name, device)
-        _states[key] = state
-    return state
-
-
-def check_error(group_name: str, device: Optional[torch.device] = None, synchronize: bool = True) -> None:
-    """Raise if a fused call on ``group_name`` failed (after syncing the device when ``synchronize``)."""
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    if synchronize:
-        torch.cuda.synchronize(device)
-    state = _states.get((group_name, device.index))
-    if state is not None:
-        state.raise_if_error()
-
-
-def reset(group_name: str) -> None:
-    """Forget the state of ``group_name`` (after an error; the next call starts afresh, collectively)."""
-    for key in [k for k in _states if k[0] == group_name]:
-        del _states[key]
-    _generations[group_name] = _generations.get(group_name, 0) + 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -537,10 +224,8 @@ def capture_reason(a2d: Tensor, weight: Tensor, group_name: str) -> Optional[str
     buffer (a collective step), so an eager call of this shape, with any transport, must have grown it first; every
     rank sees the same calls, so every rank gives the same answer.  (The shape's agreement through the c10d store is
     not needed: the handshake checks the signature on the device every call, and traps on a mismatch when captured.)"""
-    from fluxinductor import config
-
-    if not config.capture_kernels():
-        return "CUDA graph capture (FLUXINDUCTOR_CUDA_GRAPHS=1 captures the fused kernels)"
+    if not settings.kernels_under_capture():
+        return "CUDA graph capture (the per-compile option cuda_graphs=True captures the fused kernels)"
     state = _states.get((group_name, a2d.device.index))
     m, n = a2d.shape[0], weight.shape[1]
     if state is None or buffer_layout(m, n, state.world, a2d.dtype)[2] > state.capacity:
@@ -569,7 +254,7 @@ def matmul_reduce_scatter(
     Raises RuntimeError when an earlier fused call on the group failed (see module docstring).
     ``checked``: the caller has just had ``unsupported_reason`` return None for these arguments (the
     dispatcher does), so it is not asked again.  ``transport``: "store", "copy" or "split", used unless
-    FLUXINDUCTOR_GEMM_RS_PUSH is set (every rank must pass the same; the handshake checks it).  A call that the
+    ``settings.tuning.gemm_rs_push`` is set (every rank must pass the same; the handshake checks it).  A call that the
     split transport cannot take runs with "copy" (logged).  ``split_config_choice``: the split GEMMs' configuration
     the cost model picked for the shape (see :func:`resolve_split_config`).  ``out_dtype`` (or ``out``'s dtype):
     torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to

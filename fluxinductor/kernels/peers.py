@@ -19,7 +19,7 @@ Where NVML cannot answer (a container started without the driver's utility libra
 group decomposes; ``FLUXINDUCTOR_ASSUME_NVLINK=1`` vouches for the links instead (the one-host and one-GPU-per-rank
 checks still run).
 
-A rank that does not post within ``FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S`` (default 600 s: a peer may still be
+A rank that does not post within ``settings.tuning.peer_check_timeout_s`` (default 600 s: a peer may still be
 compiling) makes the check raise :class:`PeerCheckError` naming it: the ranks disagree on whether to take the fused
 path (``FLUXINDUCTOR_DISPATCH`` or the extension differs between them), and going on would hang.
 """
@@ -29,13 +29,13 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
-import os
 import socket
 import threading
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from fluxinductor import settings
 from fluxinductor.log import logger
 
 
@@ -148,7 +148,7 @@ class PeerCheckError(RuntimeError):
 
 def assume_nvlink() -> bool:
     """``FLUXINDUCTOR_ASSUME_NVLINK=1``: take every pair of the group's GPUs as NVLink peers without asking NVML."""
-    return os.environ.get("FLUXINDUCTOR_ASSUME_NVLINK", "0") not in ("", "0")
+    return settings.current.assume_nvlink
 
 
 def _assumed_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
@@ -156,7 +156,8 @@ def _assumed_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
 
 
 def timeout_seconds() -> float:
-    return float(os.environ.get("FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S", "600"))
+    """How long a rank waits for its peers at the group's check (``settings.tuning.peer_check_timeout_s``)."""
+    return settings.tuning.peer_check_timeout_s
 
 
 def _store(group):
@@ -177,7 +178,8 @@ def _exchange(store, key: str, value, rank: int, world: int, group_name: str):
         missing = [q for q in range(world) if not store.check([keys[q]])]
         raise PeerCheckError(
             f"group {group_name}: rank(s) {missing or '?'} did not reach the fused kernels' peer check within "
-            f"{timeout:g} s (FLUXINDUCTOR_PEER_CHECK_TIMEOUT_S); do all ranks run with the same FLUXINDUCTOR_DISPATCH "
+            f"{timeout:g} s (settings.tuning.peer_check_timeout_s); do all ranks run with the same "
+            "FLUXINDUCTOR_DISPATCH "
             f"and the extension built? ({type(e).__name__}: {e})") from e
     return [json.loads(store.get(k)) for k in keys]
 

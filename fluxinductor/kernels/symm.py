@@ -1,4 +1,4 @@
-"""The extension loader and the symmetric-memory workspaces of the fused kernels.
+"""The symmetric-memory workspaces of the fused kernels (the extension comes from :mod:`.loader`).
 
 A workspace belongs to one (process group, CUDA device).  It holds two symmetric buffers from
 ``torch.distributed._symmetric_memory`` (used by alternate calls, so a call never overwrites what a peer
@@ -8,8 +8,8 @@ per-rank arrival words of the calls' barrier (``arrive``), a monotonically incre
 it holds the current epoch, so flags are never reset), a side stream for the copy engine, and a
 host-mapped error word the kernel writes when a wait times out.
 
-Calls captured in a CUDA graph (``fluxinductor.kernels.ag_gemm``, FLUXINDUCTOR_CUDA_GRAPHS=1) replay with the epoch
-they were captured with, so they have flags and arrival words of their own, which go back to 0 after each call
+Calls captured in a CUDA graph (``fluxinductor.kernels.ag_gemm``, ``settings.kernels_under_capture()``) replay with
+the epoch they were captured with, so they have flags and arrival words of their own, which go back to 0 after each call
 instead of carrying epochs; they use buffer 0 behind a full barrier.  Once a call was captured, the buffers a graph
 holds are never freed (a growth keeps them), and eager calls wait for every peer to reach the call (a replay on a peer
 may have read either buffer since this rank's previous eager call).
@@ -27,36 +27,8 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
-from fluxinductor import config
-
-_extension = None
-_extension_reason: Optional[str] = None
-_extension_tried = False
-_lock = threading.Lock()
-
-
-def extension():
-    """The loaded ``fluxinductor._C`` module; raises RuntimeError with the reason when it is not there."""
-    reason = extension_available()
-    if reason is not None:
-        raise RuntimeError(reason)
-    return _extension
-
-
-def extension_available() -> Optional[str]:
-    """None when ``fluxinductor._C`` imports, else why it does not (checked once, lazily)."""
-    global _extension, _extension_reason, _extension_tried
-    if not _extension_tried:
-        with _lock:
-            if not _extension_tried:
-                try:
-                    from fluxinductor import _C  # noqa: PLC0415 - lazy on purpose
-
-                    _extension = _C
-                except ImportError as e:
-                    _extension_reason = f"fluxinductor._C is not built or does not load ({e})"
-                _extension_tried = True
-    return _extension_reason
+from fluxinductor import settings
+from fluxinductor.kernels.loader import extension, extension_available  # noqa: F401 - re-exported for tools
 
 
 def capturing() -> bool:
@@ -71,13 +43,12 @@ def outside_graph_pools(fn: Callable[[], T], device: torch.device) -> T:
     """``fn()``, which allocates what the kernels keep across calls (workspace words, scratch, an outbox, symmetric
     buffers), with its allocations in the caching allocator's ordinary pool.  Inductor's CUDA graph trees route every
     allocation of the thread running a warm-up to the graph's private pool, where state that outlives the graph is an
-    error ("not tracked as outputs").  Under FLUXINDUCTOR_CUDA_GRAPHS=1, the one case where the fused ops run inside
-    those warm-ups, ``fn`` runs on a helper thread, which waits for its stream before returning; otherwise here."""
+    error ("not tracked as outputs").  Under ``settings.kernels_under_capture()``, the one case where the fused ops run
+    inside those warm-ups, ``fn`` runs on a helper thread, which waits for its stream before returning; otherwise
+    here."""
     if capturing():
         raise RuntimeError("fluxinductor: kernel state would be allocated during CUDA graph capture")
-    from fluxinductor import config
-
-    if not config.capture_kernels():
+    if not settings.kernels_under_capture():
         return fn()
     results: list = []
 
@@ -107,7 +78,7 @@ def persistent(make: Callable[[], torch.Tensor], device: torch.device) -> torch.
 
 def timeout_seconds() -> float:
     """How long a flag wait or barrier may take before the call fails (FLUXINDUCTOR_TIMEOUT_S, default 10)."""
-    return float(config.env("FLUXINDUCTOR_TIMEOUT_S", "10"))
+    return settings.current.timeout_s
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,23 +282,10 @@ class SymmetricWorkspace:
             self._push_events = push_events(self.device)
         return self._push_events
 
-    def barrier(self, parity: int) -> None:
-        """Every rank reached this point of its current stream (torch symmetric memory; times out and traps)."""
-        self.handles[parity].barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
-
     def arrive(self, epoch: int, need: int, stream: torch.cuda.Stream) -> None:
         """This rank's arrival at call ``epoch`` on ``stream``, then ``passed`` = epoch once every peer reached ``need``
         (see :func:`arrive`)."""
         arrive(self._peer_arrivals, self.arrivals, self.passed, epoch, need, self.rank, stream)
-
-    def mark_arrived(self, epoch: int, stream: torch.cuda.Stream) -> None:
-        """Enqueue on ``stream`` (copy engine) this rank's arrival at ``epoch`` on every peer without waiting for
-        theirs: for calls synchronized by torch's barrier instead, so that a later ``arrive`` finds them."""
-        ext = extension()
-        ext.ag_stream_write_value32(self.epoch_word.data_ptr(), epoch, stream.cuda_stream)
-        for q, address in enumerate(self._peer_arrivals):
-            if q != self.rank:
-                ext.ag_memcpy_async(address, self.epoch_word.data_ptr(), 4, stream.cuda_stream)
 
     def wait_passed(self, epoch: int, stream: torch.cuda.Stream) -> None:
         """Enqueue on ``stream`` a wait until the arrival of call ``epoch`` has passed (see :func:`wait_passed`)."""

@@ -14,22 +14,19 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from fluxinductor import config
-from fluxinductor.kernels import symm
+from fluxinductor import settings
+from fluxinductor.kernels import loader, symm
 
 OFF = (0, 0, 0, 1, 1)  # (partials, flags, first epoch, parts, waves): no tail split
 
 
 def waves() -> int:
-    """How many waves a split tail may take (FLUXINDUCTOR_TAIL_SPLIT_WAVES, default 1).  With 1, a tail of T tiles on
-    C clusters splits only where P T <= C (P >= 2 parts); with 2, also into parts that take two waves where that ends
-    sooner (a tail of more than half a wave: T = 38 of 66 clusters splits in 3 parts, 2/3 of a tile's time), for
-    twice the scratch.  Off by default: on one H200 it gained nothing beyond the timing spread
+    """How many waves a split tail may take (``settings.tuning.tail_split_waves``, default 1). With 1, a tail of T
+    tiles on C clusters splits only where P T <= C (P >= 2 parts); with 2, also into parts that take two waves where
+    that ends sooner (a tail of more than half a wave: T = 38 of 66 clusters splits in 3 parts, 2/3 of a tile's
+    time), for twice the scratch. Off by default: on one H200 it gained nothing beyond the timing spread
     (docs/design_gemm_rs.md)."""
-    value = int(config.env("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1"))
-    if not 1 <= value <= 4:
-        raise ValueError(f"FLUXINDUCTOR_TAIL_SPLIT_WAVES must be in [1, 4], got {value}")
-    return value
+    return settings.tuning.tail_split_waves
 
 
 class Scratch:
@@ -38,7 +35,7 @@ class Scratch:
 
     def __init__(self, device: torch.device, sm_count: int, waves: int = 1):
         self.waves = waves
-        floats, flags = symm.extension().ag_tail_split_scratch(sm_count, waves)
+        floats, flags = loader.extension().ag_tail_split_scratch(sm_count, waves)
         self.partials = symm.persistent(lambda: torch.empty(floats, dtype=torch.float32, device=device), device)
         self.flags = symm.persistent(lambda: torch.zeros(flags, dtype=torch.int32, device=device), device)
         self.epoch = 0

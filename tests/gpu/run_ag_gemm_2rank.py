@@ -5,8 +5,7 @@
 Checks (each rank prints "ALL CHECKS PASSED" at the end): the dispatcher's peer check accepts the group; numerics against an fp32 reference for awkward
 shapes (M = world * 129, several weights of both layouts, with and without bias, gathered output), outputs
 poisoned before every call; unsupported shapes give a reason; ``--calls`` back-to-back calls with no hang and
-no memory growth; ranks that disagree on the shard shape, on pushing or on the barrier get an error, not a hang;
-FLUXINDUCTOR_AG_ARRIVAL=0 (torch's barrier) still computes right.
+no memory growth; ranks that disagree on the shard shape or on pushing get an error, not a hang.
 With ``--bench``: times cuBLAS, the fused kernel with communication off, NCCL all-gather then cuBLAS, and
 the fused op on the TP=2 shapes and writes every number as JSON.
 """
@@ -47,7 +46,7 @@ def check_numerics(ag_gemm, group, rank, dtype):
         (129, 264, [520], False, False),
         (1024, 1024, [2048, 1024, 512], True, True),
         (8, 64, [64], False, True),
-        (512, 8192, [512, 1024], True, True),  # one wave, 8 MB shards (with FLUXINDUCTOR_AG_K_CHUNKS=4: 2 MB blocks)
+        (512, 8192, [512, 1024], True, True),  # one wave, 8 MB shards (with ag_k_chunks=4: 2 MB blocks)
     ]:
         torch.manual_seed(1000 * rank + shard_rows + k)
         shard = torch.randn(shard_rows, k, dtype=dtype, device=device)
@@ -136,57 +135,25 @@ def check_disagreement(ag_gemm, group, rank):
         raise AssertionError("ranks with different shard shapes did not raise")
 
 
-def check_setting_disagreement(ag_gemm, group, rank, setting, word, what, shard_rows):
-    """Rank 0 with ``ag_gemm.<setting>`` on, the others off (the environment variable set differently): the first call
-    of a layout raises on every rank, naming ``word``, instead of hanging or reading unfilled slots."""
-    device = torch.device("cuda", rank)
-    shard = torch.randn(shard_rows, 512, dtype=torch.bfloat16, device=device)
-    weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
-    saved = getattr(ag_gemm, setting)
-    setattr(ag_gemm, setting, rank == 0)
-    try:
-        ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
-    except ValueError as e:
-        check("disagree" in str(e) and word in str(e), f"unexpected error {e}")
-        print(f"rank {rank}: {what} raised: {e}", flush=True)
-    else:
-        raise AssertionError(f"{what} did not raise")
-    finally:
-        setattr(ag_gemm, setting, saved)
-
-
 def check_push_disagreement(ag_gemm, group, rank):
-    """One rank pushing while the other pulls (FLUXINDUCTOR_AG_PUSH): it would read a slot the peer never fills."""
-    check_setting_disagreement(ag_gemm, group, rank, "PUSH", "push", "push on one rank, pull on the other", 256)
+    """One rank pushing while the other pulls (rank 0 on 256-row tiles, ``settings.tuning.ag_variant=1``, with a shard
+    of 128 rows, which it must pull): it would read a slot the peer never fills.  The first call of the layout raises
+    on every rank, naming the push, instead of hanging or reading unfilled slots."""
+    from fluxinductor import settings
 
-
-def check_arrival_disagreement(ag_gemm, group, rank):
-    """One rank on the arrival kernel, the other on torch's barrier (FLUXINDUCTOR_AG_ARRIVAL): they would never meet."""
-    check_setting_disagreement(ag_gemm, group, rank, "ARRIVAL", "arrival",
-                               "arrival on one rank, torch's barrier on the other", 384)
-
-
-def check_torch_barrier(ag_gemm, group, rank):
-    """FLUXINDUCTOR_AG_ARRIVAL=0 on every rank: torch's barrier in front of the GEMM, pushing and pulling; then a
-    push on the arrival again, which needs the arrival of the call before (one on torch's barrier) to have been
-    recorded."""
-    saved = ag_gemm.ARRIVAL
-    ag_gemm.ARRIVAL = False
-    try:
-        check_numerics(ag_gemm, group, rank, torch.bfloat16)
-    finally:
-        ag_gemm.ARRIVAL = saved
     device = torch.device("cuda", rank)
-    shard = torch.randn(256, 512, dtype=torch.bfloat16, device=device)
-    weight = torch.randn(512, 384, dtype=torch.bfloat16, device=device)
-    dist.broadcast(weight, 0, group=group)
-    check(ag_gemm.use_push(shard, [weight]), "this call should push")
-    _, refs = reference(shard, [weight], [None], group)
-    outputs, _ = ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
-    torch.cuda.synchronize()
-    ag_gemm.check_errors(device)
-    check(relative_error(outputs[0], refs[0]) <= 1e-2, "a push on the arrival after torch's barrier is wrong")
-    print(f"rank {rank}: torch's barrier (FLUXINDUCTOR_AG_ARRIVAL=0) numerics passed, and a push after it", flush=True)
+    shard = torch.randn(128, 512, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(256, 512, dtype=torch.bfloat16, device=device).t()  # K-contiguous: the variants apply
+    what = "push on one rank, pull on the other"
+    with settings.override(ag_variant=1 if rank == 0 else None):
+        check(ag_gemm.use_push(shard, [weight]) == (rank != 0), "the ranks should move shards differently")
+        try:
+            ag_gemm.all_gather_matmul(shard, [weight], [None], group.group_name, False)
+        except ValueError as e:
+            check("disagree" in str(e) and "push" in str(e), f"unexpected error {e}")
+            print(f"rank {rank}: {what} raised: {e}", flush=True)
+        else:
+            raise AssertionError(f"{what} did not raise")
 
 
 def time_ms(fn, group, warmup=5, iters=20):
@@ -209,6 +176,8 @@ def time_ms(fn, group, warmup=5, iters=20):
 
 
 def bench(ag_gemm, group, rank, path):
+    from fluxinductor import settings
+
     device = torch.device("cuda", rank)
     world = dist.get_world_size(group)
     name = group.group_name
@@ -231,21 +200,18 @@ def bench(ag_gemm, group, rank, path):
                "nccl_seq_ms": time_ms(nccl_seq, group),
                "fused_ms": time_ms(lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)}
         for chunks in (1, 4):
-            ag_gemm.CHUNKS_PER_RANK = chunks
-            row[f"fused_chunks{chunks}_ms"] = time_ms(
-                lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
-        ag_gemm.CHUNKS_PER_RANK = 2
+            with settings.override(ag_chunks=chunks):
+                row[f"fused_chunks{chunks}_ms"] = time_ms(
+                    lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
         # Tuning sweep: kernel variant x tile-order group height (communication off, then on).
-        automatic = ag_gemm.VARIANT
         for variant in (0, 1, 2, 6):
             for group_rows in (4, 8, 16):
                 row[f"nocomm_v{variant}_g{group_rows}_ms"] = time_ms(
                     lambda: ag_gemm.launch_gemm(full, weight, None, torch.empty(m, weight.shape[1], dtype=full.dtype,
                                                 device=device), variant=variant, group_rows=group_rows), group)
-            ag_gemm.VARIANT = variant
-            row[f"fused_v{variant}_ms"] = time_ms(
-                lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
-        ag_gemm.VARIANT = automatic
+            with settings.override(ag_variant=variant):
+                row[f"fused_v{variant}_ms"] = time_ms(
+                    lambda: ag_gemm.all_gather_matmul(shard, [weight], [None], name, False), group)
         t_gemm, t_seq = row["gemm_cublas_ms"], row["nccl_seq_ms"]
         row["efficiency"] = 1 - (row["fused_ms"] - t_gemm) / (t_seq - t_gemm)
         row["nocomm_vs_cublas"] = row["gemm_fused_nocomm_ms"] / t_gemm
@@ -297,8 +263,6 @@ def main():
         check_many_calls(ag_gemm, group, rank, args.calls)
         check_disagreement(ag_gemm, group, rank)
         check_push_disagreement(ag_gemm, group, rank)
-        check_arrival_disagreement(ag_gemm, group, rank)
-        check_torch_barrier(ag_gemm, group, rank)
         # After a refused call the group still works.
         check_numerics(ag_gemm, group, rank, torch.bfloat16)
     if args.bench:

@@ -1,5 +1,6 @@
-"""Two (or more) ranks, one GPU each (torchrun --nproc-per-node 2), FLUXINDUCTOR_CUDA_GRAPHS=1: the fused ops captured
-in CUDA graphs over real symmetric memory.
+"""Two (or more) ranks, one GPU each (torchrun --nproc-per-node 2), with ``fluxinductor.settings.configure(
+cuda_graphs=True)`` (the process-wide default of the per-compile option): the fused ops captured in CUDA graphs over
+real symmetric memory.
 
 Checks (each rank asserts; a failure exits non-zero):
   * all_gather_matmul (the push, two weights, the gathered A) and matmul_reduce_scatter (stores transport, bias, sum
@@ -10,7 +11,7 @@ Checks (each rank asserts; a failure exits non-zero):
   * torch.compile(mode="reduce-overhead") of a sequence-parallel block: replays match eager.
 Prints "CAPTURED CHECKS PASSED" on each rank.
 
-    FLUXINDUCTOR_CUDA_GRAPHS=1 FLUXINDUCTOR_DISPATCH=fused torchrun --nproc-per-node 2 tests/gpu/run_captured_2rank.py
+    FLUXINDUCTOR_DISPATCH=fused torchrun --nproc-per-node 2 tests/gpu/run_captured_2rank.py
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 
-os.environ.setdefault("FLUXINDUCTOR_CUDA_GRAPHS", "1")  # read when the ops are registered
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 
 def log(*args):
@@ -132,6 +131,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--replays", type=int, default=200)
     args = parser.parse_args()
+    from fluxinductor import settings
+
+    settings.configure(cuda_graphs=True)  # the kernels run under torch.cuda.graph captures too
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)

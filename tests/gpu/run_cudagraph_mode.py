@@ -1,14 +1,15 @@
 """torch.compile(backend="flux") on one GPU (a one-rank NCCL group), with FLUXINDUCTOR_DISPATCH=fused:
 
 * mode="reduce-overhead": the fused ops run their kernels on every call while inductor captures the rest of the
-  graph in CUDA graphs (the ops are tagged cudagraph_unsafe, so the graph is partitioned around them); prints
-  "CUDAGRAPH MODE OK".  With FLUXINDUCTOR_CUDA_GRAPHS=1 the ops are captured too (no partitions), their kernels
+  graph in CUDA graphs (the backend lists the ops in custom_should_partition_ops, so the graph is partitioned around
+  them); prints "CUDAGRAPH MODE OK".  With ``--cuda-graphs`` (``fluxinductor.settings.configure(cuda_graphs=True)``,
+  the per-compile option's default) the ops are captured too (no partitions), their kernels
   launched inside the capture (one rank: the calls are their GEMMs), and their replays give the same results;
 * training steps under bf16 and under fp16 autocast (fp32 weights and input): the backward's fp32 reduce-scatter of a
   half-precision matmul (or of the sum of three, as Q/K/V's input gradient is) runs the GEMM+RS kernel with an fp32
   output; prints "AUTOCAST OK" after all three.
 
-    FLUXINDUCTOR_DISPATCH=fused python tests/gpu/run_cudagraph_mode.py
+    FLUXINDUCTOR_DISPATCH=fused python tests/gpu/run_cudagraph_mode.py [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ def reduce_overhead(device, group):
     from torch._dynamo.utils import counters
 
     import fluxinductor
-    from fluxinductor import config
+    from fluxinductor import settings
     from fluxinductor.kernels import ag_gemm
 
-    # The fused all-gather calls made under capture (FLUXINDUCTOR_CUDA_GRAPHS=1; one rank: no peers, so its GEMMs).
+    # The fused all-gather calls made under capture (cuda_graphs=True; one rank: no peers, so its GEMMs).
     captured = []
     fused_call = ag_gemm.all_gather_matmul
 
@@ -82,7 +83,7 @@ def reduce_overhead(device, group):
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     fluxinductor.reset_rewrite_stats()
     # Where an allocation made under capture outlives it (inductor checks), say where it came from.
-    torch._inductor.config.triton.cudagraph_trees_history_recording = config.capture_kernels()
+    torch._inductor.config.triton.cudagraph_trees_history_recording = settings.kernels_under_capture()
     compiled = torch.compile(model, backend="flux", mode="reduce-overhead")
     worst = 0.0
     with torch.no_grad():
@@ -101,7 +102,7 @@ def reduce_overhead(device, group):
     # A call under capture would have decomposed with the reason "CUDA graph capture ...": none did.
     assert stats["fallbacks"] == {}, stats["fallbacks"]
     assert counters["inductor"]["cudagraph_skips"] == 0, counters["inductor"]
-    if config.capture_kernels():
+    if settings.current.cuda_graphs:
         # the op was captured (one recording), so the replays ran its kernels from the graph
         assert len(captured) == 1, captured
         assert counters["inductor"]["cudagraph_partitions"] <= 1, counters["inductor"]
@@ -160,6 +161,12 @@ def autocast_training(device, group, half, projections=1):
 
 
 def main():
+    import sys
+
+    from fluxinductor import settings
+
+    if "--cuda-graphs" in sys.argv[1:]:
+        settings.configure(cuda_graphs=True)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)

@@ -46,7 +46,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    os.environ["FLUXINDUCTOR_DISPATCH"] = "fused"
+    from fluxinductor import settings
+
+    settings.configure(dispatch="fused")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)

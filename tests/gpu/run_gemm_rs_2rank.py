@@ -199,6 +199,7 @@ def time_ms(fn, warmup=5, iters=20):
 
 
 def bench(group_name, device, rank, world, shapes, configs=(None,)):
+    from fluxinductor import settings
     from fluxinductor.kernels import gemm_rs
 
     rows = []
@@ -221,14 +222,12 @@ def bench(group_name, device, rank, world, shapes, configs=(None,)):
         t_comm = time_ms(comm_only)
         t_seq = time_ms(nccl_seq)
         for config in configs:
-            for key in VARIANT_KEYS:
-                os.environ.pop(key, None)
-            os.environ.update(config or {})
-            t_only = time_ms(lambda: gemm_rs.gemm_only(a, w, None))
-            t_fused = time_ms(lambda: gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name))
-            gemm_rs.check_error(group_name)
-            nccl_seq()
-            fused = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
+            with settings.override(**(config or {})):
+                t_only = time_ms(lambda: gemm_rs.gemm_only(a, w, None))
+                t_fused = time_ms(lambda: gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name))
+                gemm_rs.check_error(group_name)
+                nccl_seq()
+                fused = gemm_rs.matmul_reduce_scatter(a, w, None, "sum", group_name)
             err = rel(fused, rs_out.float())
             eff = 1 - (t_fused - t_gemm) / (t_seq - t_gemm) if t_seq > t_gemm else float("nan")
             row = dict(m=m, k=k_global, n=n, config=config, cublas_gemm_ms=t_gemm, nccl_rs_ms=t_comm,
@@ -237,28 +236,26 @@ def bench(group_name, device, rank, world, shapes, configs=(None,)):
             rows.append(row)
             if rank == 0:
                 log(json.dumps(row))
-        for key in VARIANT_KEYS:
-            os.environ.pop(key, None)
     return rows
 
 
-POSITIONAL_KEYS = ("FLUXINDUCTOR_GEMM_RS_CONFIG", "FLUXINDUCTOR_GEMM_RS_SWIZZLE", "FLUXINDUCTOR_GEMM_RS_RASTER")
-VARIANT_KEYS = POSITIONAL_KEYS + ("FLUXINDUCTOR_GEMM_RS_PUSH", "FLUXINDUCTOR_GEMM_RS_BANDS")
+POSITIONAL_KEYS = ("gemm_rs_config", "gemm_rs_swizzle", "gemm_rs_raster")
 
 
 def parse_variant(text):
-    """'config,swizzle,raster[,push=copy][,bands=4]' -> the environment of one kernel variant."""
-    env, position = {}, 0
+    """'config,swizzle,raster[,push=copy][,bands=4]' -> the tuning (fluxinductor.settings.set_tuning fields) of one
+    kernel variant."""
+    tuning, position = {}, 0
     for item in text.split(","):
         item = item.strip()
         if "=" in item:
             key, value = item.split("=", 1)
-            env["FLUXINDUCTOR_GEMM_RS_" + key.strip().upper()] = value.strip()
+            tuning["gemm_rs_" + key.strip().lower()] = value.strip()
         else:
             if item:
-                env[POSITIONAL_KEYS[position]] = item
+                tuning[POSITIONAL_KEYS[position]] = item
             position += 1
-    return env
+    return tuning
 
 
 def main():
@@ -268,7 +265,7 @@ def main():
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--pushes", default="",
                         help="run the checks once per GEMM+RS transport in this comma-separated list "
-                        "(FLUXINDUCTOR_GEMM_RS_PUSH; empty: the default transport only)")
+                        "(settings.tuning.gemm_rs_push; empty: the default transport only)")
     parser.add_argument("--configs", default="",
                         help="kernel variants to time, ';'-separated, each 'config,swizzle,raster[,push=store|copy]"
                         "[,bands=N]' (empty fields = default); config needs a tuning build "
@@ -283,18 +280,17 @@ def main():
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     group_name = dist.group.WORLD.group_name
-    os.environ.setdefault("FLUXINDUCTOR_TIMEOUT_S", "10")
+    from fluxinductor import settings
 
     if not args.skip_checks:
         for push in args.pushes.split(",") if args.pushes else [""]:
             if push:
-                os.environ["FLUXINDUCTOR_GEMM_RS_PUSH"] = push
-                log(f"checks with FLUXINDUCTOR_GEMM_RS_PUSH={push}")
-            check_correctness(group_name, device, rank, world)
-            check_many_calls(group_name, device, rank, world)
-            check_disagreement(group_name, device, rank, world)
-            gemm_rs_reset(group_name)
-        os.environ.pop("FLUXINDUCTOR_GEMM_RS_PUSH", None)
+                log(f"checks with settings.tuning.gemm_rs_push={push}")
+            with settings.override(gemm_rs_push=push or None):
+                check_correctness(group_name, device, rank, world)
+                check_many_calls(group_name, device, rank, world)
+                check_disagreement(group_name, device, rank, world)
+                gemm_rs_reset(group_name)
         log("all checks passed")
     if args.bench:
         configs = [None]

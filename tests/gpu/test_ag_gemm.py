@@ -411,14 +411,14 @@ def test_k_chunks_on_one_gpu(world, shard_rows, k, k_chunks):
     (500, 776, 3320, 32, 4, 1, 0),    # 16 clusters, 26 tiles: 10 tail tiles, more than fit one wave in 2 parts
     (500, 776, 3320, 32, 4, 2, 80),   # the same in 3 parts over two waves (2/3 of a tile's time)
 ])
-def test_tail_split(dtype, k_contiguous, m, k, n, sm_count, tail_split, waves, flags, monkeypatch):
+def test_tail_split(flux_settings, dtype, k_contiguous, m, k, n, sm_count, tail_split, waves, flags):
     """A partial last wave split along K (parts on different clusters, the last part adding the others' fp32
     sums): as exact as the unsplit kernel, with bias, M and N not multiples of the tile.  ``flags``: the parts' flags
     the launch raises in its scratch, tail tiles x 2 CTAs x 2 consumer warp groups x (parts - 1): the split ran.
-    ``waves``: FLUXINDUCTOR_TAIL_SPLIT_WAVES."""
+    ``waves``: settings.tuning.tail_split_waves."""
     from fluxinductor.kernels import ag_gemm, tail_split as tails
 
-    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", str(waves))
+    flux_settings(tail_split_waves=str(waves))
 
     torch.manual_seed(m + n + tail_split)
     a = torch.randn(m, k, dtype=dtype, device="cuda")
@@ -464,25 +464,23 @@ def test_other_kernel_variants(variant):
     out = torch.full((1000, 520), float("nan"), dtype=torch.bfloat16, device="cuda")
     ag_gemm.launch_gemm(a, w, bias, out, variant=variant)
     assert relative_error(out, a.float() @ w.float() + bias.float()) <= 1e-2
-    previous = ag_gemm.VARIANT
-    ag_gemm.VARIANT = variant
-    try:
+    from fluxinductor import settings
+
+    with settings.override(ag_variant=variant):
         outputs, refs, _, _ = run_ranks_on_one_gpu(4, shard_rows=129, k=264, ns=[520], with_bias=True)
-    finally:
-        ag_gemm.VARIANT = previous
     for r in range(4):
         assert relative_error(outputs[r][0], refs[0]) <= 1e-2, f"rank {r}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world,shard_rows,chunks", [(2, 256, 2), (4, 512, 3), (2, 1024, 2)])
-def test_wide_variant_push_n_ranks_on_one_gpu(monkeypatch, world, shard_rows, chunks):
+def test_wide_variant_push_n_ranks_on_one_gpu(flux_settings, world, shard_rows, chunks):
     """Variant 6 (256x160 tiles, which the automatic choice takes for 4096 x 14336 outputs) under the push: this rank's
     rows from the shard through the second TMA descriptor (256-row tiles), the peers' rows waited for per row chunk
     (chunks of 128 or 171 rows: a tile waits for two or three), N = 520 and 136 not multiples of 160."""
     from fluxinductor.kernels import ag_gemm
 
-    monkeypatch.setattr(ag_gemm, "VARIANT", 6)
+    flux_settings(ag_variant=6)
     torch.manual_seed(world + shard_rows)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, 776, [520, 136], with_bias=True,
                                                          chunks=chunks, push=True)
@@ -504,12 +502,14 @@ def test_unknown_variant_is_an_error():
 
 @pytest.mark.gpu
 def test_automatic_variant_on_a_wide_shape():
-    """The automatic choice (no FLUXINDUCTOR_AG_VARIANT) on the per-rank problem of 4096x8192x28672 at TP=2 takes
+    """The automatic choice (no ``settings.tuning.ag_variant``) on the per-rank problem of 4096x8192x28672 at TP=2 takes
     variant 6 on a 132-SM device, and the launch is exact."""
     from fluxinductor.kernels import ag_gemm, symm
 
-    if ag_gemm.VARIANT is not None:
-        pytest.skip("FLUXINDUCTOR_AG_VARIANT is set")
+    from fluxinductor import settings
+
+    if settings.tuning.ag_variant is not None:
+        pytest.skip("settings.tuning.ag_variant is set")
     sm_count = symm.extension().ag_device_sm_count()
     torch.manual_seed(6)
     a = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
@@ -545,7 +545,7 @@ def test_waits_mid_call(mode):
     (4, 256, 1024, 4, 1, [520]),       # column blocks
 ])
 def test_captured_calls_replay_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns):
-    """Calls captured in CUDA graphs (FLUXINDUCTOR_CUDA_GRAPHS=1): each simulated rank captures one push call
+    """Calls captured in CUDA graphs (settings.kernels_under_capture()): each simulated rank captures one push call
     (``captured_push_call``: no per-call epoch) into a graph of its own.  Replaying every rank's graph together, with
     new shards copied into the captured inputs and the outputs poisoned each time, gives the fp32 reference on every
     replay, the gathered A exactly, and leaves the flags and arrival words at 0, which is what the next replay needs

@@ -160,7 +160,7 @@ def _sm_budget(world, split):
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
               copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
-    copy_engine: peer tiles go through each rank's outbox and copy stream (FLUXINDUCTOR_GEMM_RS_PUSH=copy).
+    copy_engine: peer tiles go through each rank's outbox and copy stream (settings.tuning.gemm_rs_push="copy").
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
     environment's).  streams: each rank's stream (default: new ones).  out_dtype (float32): the reduction autocast
     makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference."""
@@ -259,7 +259,7 @@ def test_n_ranks_one_gpu(world, reduce_op):
 @_gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_captured_calls_replay_between_eager_calls_one_gpu(world):
-    """Calls captured in CUDA graphs (FLUXINDUCTOR_CUDA_GRAPHS=1): each simulated rank captures one call with the
+    """Calls captured in CUDA graphs (settings.kernels_under_capture()): each simulated rank captures one call with the
     constant epoch CAPTURE_EPOCH (the handshake resets its words, the flags are zeroed after the kernel) into a graph
     of its own.  Replays of every rank's graph, with new operands copied into the captured inputs and the outputs
     poisoned, alternate with eager calls on the same buffers and ascending epochs: each gives the fp32 reference, and
@@ -366,10 +366,10 @@ def test_fp32_output_comm_off_and_refusals(dtype):
 @_gpu
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("bands", [1, 3, 32])
-def test_copy_engine_n_ranks_one_gpu(world, bands, monkeypatch):
+def test_copy_engine_n_ranks_one_gpu(flux_settings, world, bands):
     """Copy-engine transport: peer tiles through the outbox, band counters, copy-stream waits and flag copies.
     1000 rows per rank = 8 tile rows (the last partial): 3 bands split them 3/3/2, 32 bands give one each."""
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    flux_settings(gemm_rs_bands=str(bands))
     assert _simulate(world, 1000 * world, 264, 520, reduce_op="avg", copy_engine=True, calls=4) < 1e-2
 
 
@@ -389,13 +389,12 @@ def test_copy_engine_layouts_and_odd_n(dtype):
     (4200, 64, 1280, 4, "sum"),     # 3 row bands x 4 column chunks of 2/2/1 tiles (5 tiles)
     (1, 64, 8, 4, "avg"),           # one row per rank
 ])
-def test_split_two_ranks_one_gpu(rows, k, n, bands, reduce_op, pdl, monkeypatch):
+def test_split_two_ranks_one_gpu(flux_settings, rows, k, n, bands, reduce_op, pdl):
     """Split transport: the peer GEMM's counted TMA stores, the band copies, the own GEMM's per-band waits and its
     source C (the peer's partial), with the programmatic dependent launch (tail split off, which PDL needs) and
     without it (tail split on, the default)."""
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1" if pdl == "1" else "4")
+    flux_settings(gemm_rs_bands=str(bands))
+    flux_settings(gemm_rs_tail_split="1" if pdl == "1" else "4")
     assert _simulate(2, 2 * rows, k, n, reduce_op=reduce_op, split=True, calls=4) < 1e-2
 
 
@@ -409,13 +408,14 @@ def test_split_dtypes_no_bias(dtype, k_major):
 @_gpu
 @pytest.mark.parametrize("config,tail_parts", [("0", "1"), ("0", "4"), ("2", "4")])
 @pytest.mark.parametrize("world,rows,k,n,bands", [(2, 1000, 776, 1032, 4), (2, 200, 264, 520, 3), (4, 300, 264, 1280, 3)])
-def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, config, tail_parts, monkeypatch):
+def test_split_n_major_weight_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, config,
+                                              tail_parts):
     """The split transport with the weight as a backward's grad @ W gives it (N-major): peer, relay and own GEMMs,
     with bias and avg, the tail split off and on; configurations 0 and 2 (ping-pong 128x192, which has no tail
     split)."""
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", tail_parts)
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", config)
+    flux_settings(gemm_rs_bands=str(bands))
+    flux_settings(gemm_rs_tail_split=tail_parts)
+    flux_settings(gemm_rs_split_config=config)
     if config != "0":
         from fluxinductor.kernels import gemm_rs
 
@@ -434,19 +434,18 @@ def test_split_n_major_weight_n_ranks_one_gpu(world, rows, k, n, bands, config, 
     (8, 300, 64, 1280, 4, "sum"),     # six relay steps
     (4, 1, 64, 8, 4, "avg"),          # one row per rank
 ])
-def test_split_ring_n_ranks_one_gpu(world, rows, k, n, bands, reduce_op, pdl, monkeypatch):
+def test_split_ring_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, reduce_op, pdl):
     """The split transport's ring with more than two ranks: relay GEMMs that wait per band for rank + 1's partial
     sum, add it as source C and count their own tiles for the copy to rank - 1.  PDL as in the two-rank test."""
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", "1" if pdl == "1" else "4")
+    flux_settings(gemm_rs_bands=str(bands))
+    flux_settings(gemm_rs_tail_split="1" if pdl == "1" else "4")
     assert _simulate(world, world * rows, k, n, reduce_op=reduce_op, split=True, calls=3) < 1e-2
 
 
 @_gpu
 @pytest.mark.parametrize("config", [1, 2])
 @pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4)])
-def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch):
+def test_split_config_n_ranks_one_gpu(flux_settings, config, world, rows, n, bands):
     """The split transport's ping-pong configurations (2: 128x192 with 192-column tiles; 1, tuning builds only:
     64x256 in groups of 16 cluster rows; other band arithmetic than the default's), ring and communication-off GEMMs
     against the fp32 reference."""
@@ -454,8 +453,8 @@ def test_split_config_n_ranks_one_gpu(config, world, rows, n, bands, monkeypatch
 
     if config == 1 and not gemm_rs._extension().gemm_rs_tuning_build():
         pytest.skip("split configuration 1 needs a build with CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON")
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", str(config))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
+    flux_settings(gemm_rs_split_config=str(config))
+    flux_settings(gemm_rs_bands=str(bands))
     a = torch.randn(2 * rows, 264, dtype=torch.bfloat16, device="cuda")
     w = make_weight(264, n, True, torch.bfloat16, "cuda")
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda")
@@ -504,13 +503,13 @@ def _flags_at(scratch, epoch):
     (1025, 40, 2552, 4, 1, 0, 0),     # one K tile: nothing to split
     (1000, 776, 3320, 4, 2, 80, 80),  # 500 rows: 26 units, 10 tail tiles in 3 parts over two waves
 ])
-def test_gemm_only_split_tail_split(dtype, m, k, n, parts, waves, first, second, monkeypatch):
+def test_gemm_only_split_tail_split(flux_settings, dtype, m, k, n, parts, waves, first, second):
     """The split transport's GEMMs with their partial last waves split along K (communication off), on a grid of 32
     CTAs: exact against the fp32 reference with the output poisoned, three calls reusing the scratch, and the
-    scratch's flags show which GEMM split (each GEMM has its own epoch).  ``waves``: FLUXINDUCTOR_TAIL_SPLIT_WAVES."""
+    scratch's flags show which GEMM split (each GEMM has its own epoch).  ``waves``: settings.tuning.tail_split_waves."""
     from fluxinductor.kernels import gemm_rs, tail_split
 
-    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", str(waves))
+    flux_settings(tail_split_waves=str(waves))
     sm_count = 32
     assert _tail_flags(m // 2, n, k, sm_count, parts, waves) == first
     assert _tail_flags(m - m // 2, n, k, sm_count, parts, waves) == second
@@ -538,16 +537,15 @@ def test_gemm_only_split_tail_split(dtype, m, k, n, parts, waves, first, second,
     (2, 2500, 512, 2048, 32, 3),  # 16 clusters, 80 units: no tail (nothing split), 2 row bands x 8 column chunks
     (4, 300, 264, 1280, 3, 4),    # 7 clusters per rank, 10 units: 3 tail tiles in 2 parts; two relay GEMMs
 ])
-def test_split_tail_split_n_ranks_one_gpu(world, rows, k, n, bands, parts, pdl, monkeypatch):
-    """The split transport with its GEMMs' tails split (FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT): the peer, relay and own
+def test_split_tail_split_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, parts, pdl):
+    """The split transport with its GEMMs' tails split (settings.tuning.gemm_rs_tail_split): the peer, relay and own
     GEMMs' split tiles beside the band counting, the per-band waits and the source C, every simulated rank with its
-    own stream and scratch; the GEMMs run one after another whatever FLUXINDUCTOR_GEMM_RS_SPLIT_PDL says."""
+    own stream and scratch; the GEMMs run one after another, not as programmatic dependents."""
     from fluxinductor.kernels import tail_split
 
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_BANDS", str(bands))
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_SPLIT_PDL", pdl)
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT", str(parts))
-    monkeypatch.setenv("FLUXINDUCTOR_TAIL_SPLIT_WAVES", "1")  # the scratch below is the one the launches use
+    flux_settings(gemm_rs_bands=str(bands))
+    flux_settings(gemm_rs_tail_split=str(parts))
+    flux_settings(tail_split_waves="1")  # the scratch below is the one the launches use
     device = torch.device("cuda", 0)
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     sm_budget = _sm_budget(world, True)
@@ -575,14 +573,14 @@ def test_odd_n_two_ranks_one_gpu():
 @_gpu
 @pytest.mark.parametrize("config", [1, 4, 5, 6])
 @pytest.mark.parametrize("world,n", [(2, 520), (4, 520), (2, 1001)])
-def test_tuning_configs_n_ranks_one_gpu(config, world, n, monkeypatch):
+def test_tuning_configs_n_ranks_one_gpu(flux_settings, config, world, n):
     """The tuning variants (cooperative 128x256; ping-pong 128x192 and 128x128 cluster 1x1; cooperative with
     bulk-copy pushes and late flags) against the fp32 reference; N=1001 takes the element-wise tail path."""
     from fluxinductor.kernels import gemm_rs
 
     if not gemm_rs._extension().gemm_rs_tuning_build():
         pytest.skip("tuning variants need a build with CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON")
-    monkeypatch.setenv("FLUXINDUCTOR_GEMM_RS_CONFIG", str(config))
+    flux_settings(gemm_rs_config=str(config))
     # Load the variant's kernel before the ranks' kernels wait on each other: with CUDA's lazy module loading a
     # first launch while another rank's kernel spins on this GPU can stall until that kernel's flag wait times
     # out (seen on H200: the first case of every variant failed with code 3, the later ones passed).

@@ -1,0 +1,178 @@
+"""How AG+GEMM's shards move (copy engine, no SMs): row chunks or column blocks of each peer's shard, pulled into this
+rank's buffer or pushed into the peers', each followed by its arrival flag; the one-call push (csrc/ag_gemm/ag_gemm.h
+push_call); the gathered A assembled from the buffer and the shard.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fluxinductor import settings
+from fluxinductor.kernels import loader, symm
+from fluxinductor.kernels.ag_gemm_variants import _K_TILE
+
+# Problems of at most one wave of tiles (every tile starts at once, so no tile order hides the pull): each peer's
+# shard arrives in this many column blocks instead of row chunks, and the producer waits per block of a tile's K
+# loop (docs/design_ag_gemm.md): 1024x8192x8192 at TP=2 0.150-0.160 -> 0.124 ms on 2xH200.
+# settings.tuning.ag_k_chunks (default 4) blocks; 1 turns it off (row chunks for every shape).
+# Each column block moves at least this many bytes; smaller shards keep row chunks.  The K-chunked pull was measured
+# with blocks of 1-4 MB only, and a 2-D copy's fixed cost weighs more on smaller blocks.
+_MIN_K_BLOCK_BYTES = 1 << 20
+
+
+def chunk_bounds(shard_rows: int, chunks_per_rank: int) -> List[Tuple[int, int]]:
+    """Row ranges [start, end) of the chunks of one shard (the kernel's split: ceil(S / chunks) rows each)."""
+    rows = -(-shard_rows // chunks_per_rank)
+    return [(min(c * rows, shard_rows), min((c + 1) * rows, shard_rows)) for c in range(chunks_per_rank)]
+
+
+def k_chunk_bounds(k: int, k_chunks: int) -> List[Tuple[int, int]]:
+    """Column ranges [start, end) of the K blocks (the kernel's split: ceil(K tiles / k_chunks) tiles each)."""
+    k_tiles = -(-k // _K_TILE)
+    cols = -(-k_tiles // k_chunks) * _K_TILE
+    return [(min(c * cols, k), min((c + 1) * cols, k)) for c in range(k_chunks)]
+
+
+def use_k_chunks(m: int, n: int, sm_count: int, shard_bytes: int) -> int:
+    """The K blocks per shard for an [M, N] output: up to ``settings.tuning.ag_k_chunks`` when its 128x256 tiles fit
+    one wave and each block keeps _MIN_K_BLOCK_BYTES of the shard's ``shard_bytes``, else 1 (row chunks)."""
+    tiles = -(-m // 128) * -(-n // 256)
+    chunks = min(settings.tuning.ag_k_chunks, symm.MAX_CHUNKS_PER_RANK, shard_bytes // _MIN_K_BLOCK_BYTES)
+    return chunks if tiles <= sm_count and chunks >= 2 else 1
+
+
+def pull_k_block(dst: Tensor, source: Tensor, peer: int, shard_rows: int, k_chunks: int, block: int, flags: Tensor,
+                 epoch: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: copy column block ``block`` (of ``k_chunks``, :func:`k_chunk_bounds`) of ``peer``'s
+    shard rows from ``source`` into ``dst`` (a 2-D copy-engine copy), then set flags[peer * k_chunks + block] to
+    ``epoch``.  dst, source: [M, K] with the same strides."""
+    ext = loader.extension()
+    row_bytes = dst.stride(0) * dst.element_size()
+    c0, c1 = k_chunk_bounds(dst.shape[1], k_chunks)[block]
+    offset = peer * shard_rows * row_bytes + c0 * dst.element_size()
+    if c1 > c0:
+        ext.ag_memcpy2d_async(dst.data_ptr() + offset, source.data_ptr() + offset, row_bytes,
+                              (c1 - c0) * dst.element_size(), shard_rows, stream.cuda_stream)
+    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * k_chunks + block), epoch, stream.cuda_stream)
+
+
+def pull_row_chunk(dst: Tensor, source: Tensor, peer: int, shard_rows: int, chunks_per_rank: int, chunk: int,
+                   flags: Tensor, epoch: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: copy row chunk ``chunk`` (of ``chunks_per_rank``, :func:`chunk_bounds`) of ``peer``'s
+    shard from ``source`` into ``dst`` (one copy-engine copy), then set flags[peer * chunks_per_rank + chunk] to
+    ``epoch``.  dst, source: [M, K] with the same strides."""
+    ext = loader.extension()
+    row_bytes = dst.stride(0) * dst.element_size()
+    start, end = chunk_bounds(shard_rows, chunks_per_rank)[chunk]
+    offset = (peer * shard_rows + start) * row_bytes
+    if end > start:
+        ext.ag_memcpy_async(dst.data_ptr() + offset, source.data_ptr() + offset, (end - start) * row_bytes,
+                            stream.cuda_stream)
+    ext.ag_stream_write_value32(flags.data_ptr() + 4 * (peer * chunks_per_rank + chunk), epoch, stream.cuda_stream)
+
+
+def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, shard_rows: int, flags: Tensor,
+                epoch: int, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
+                gathered_out: Optional[Tensor] = None, k_chunks: int = 1) -> None:
+    """Enqueue on ``stream``: copy every peer's shard rows into ``dst`` and set their flags to ``epoch``.
+
+    dst: [M, K] (this rank's gathered buffer); sources[q]: [M, K] view of rank q's buffer (only rows of q
+    are read; sources[rank] is not used).  Peers are pulled in the order r+1, r+2, ... (the kernel's tile
+    order); chunk c of rank q sets flags[q * chunks_per_rank + c].  With ``k_chunks`` > 1 the whole shard moves in
+    column blocks instead (2-D copies), block c setting flags[q * k_chunks + c].  Then copies dst into
+    ``gathered_out``.
+    """
+    chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
+    world = len(sources)
+    for step in range(1, world):
+        peer = (rank + step) % world
+        if k_chunks > 1:
+            for c in range(k_chunks):
+                pull_k_block(dst, sources[peer], peer, shard_rows, k_chunks, c, flags, epoch, stream)
+        else:
+            for c in range(chunks_per_rank):
+                pull_row_chunk(dst, sources[peer], peer, shard_rows, chunks_per_rank, c, flags, epoch, stream)
+    if gathered_out is not None and gathered_out.numel():
+        loader.extension().ag_memcpy_async(gathered_out.data_ptr(), dst.data_ptr(), dst.numel() * dst.element_size(),
+                                         stream.cuda_stream)
+
+
+def _push_flag(peer_flags: Tensor, index: int, epoch_word: Tensor, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: copy the epoch word into peer_flags[index] (copy engine; after the chunk's bytes)."""
+    loader.extension().ag_memcpy_async(peer_flags.data_ptr() + 4 * index, epoch_word.data_ptr(), 4, stream.cuda_stream)
+
+
+def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Sequence[Tensor], rank: int, epoch: int,
+                epoch_word: Tensor, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
+                k_chunks: int = 1) -> None:
+    """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
+    every peer's buffer, raising the peer's flag of each chunk to ``epoch`` after its bytes.
+
+    peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
+    used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
+    other shards).  Row chunk c sets flags[rank * chunks_per_rank + c]; with ``k_chunks`` > 1 the shard moves in
+    column blocks instead (2-D copies), block c setting flags[rank * k_chunks + c].  ``epoch_word``: one int32 on
+    this device, written here and copied into the flags.
+    """
+    ext = loader.extension()
+    chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
+    shard_rows, k = shard.shape
+    world = len(peer_buffers)
+    element = shard.element_size()
+    row_bytes = k * element
+    ext.ag_stream_write_value32(epoch_word.data_ptr(), epoch, stream.cuda_stream)
+    for step in range(1, world):
+        peer = (rank - step) % world
+        dst = peer_buffers[peer]
+        if dst.stride(0) != k:
+            raise ValueError(f"peer buffer row stride {dst.stride(0)} != K = {k}")
+        base = dst.data_ptr() + rank * shard_rows * row_bytes
+        if k_chunks > 1:
+            for c, (c0, c1) in enumerate(k_chunk_bounds(k, k_chunks)):
+                if c1 > c0:
+                    ext.ag_memcpy2d_async(base + c0 * element, shard.data_ptr() + c0 * element, row_bytes,
+                                          (c1 - c0) * element, shard_rows, stream.cuda_stream)
+                _push_flag(peer_flags[peer], rank * k_chunks + c, epoch_word, stream)
+            continue
+        for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
+            if end > start:
+                ext.ag_memcpy_async(base + start * row_bytes, shard.data_ptr() + start * row_bytes,
+                                    (end - start) * row_bytes, stream.cuda_stream)
+            _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch_word, stream)
+
+
+def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
+              arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, epoch_word: Tensor,
+              gemms: Sequence[tuple], events: Tuple[int, int], main: torch.cuda.Stream, side: torch.cuda.Stream,
+              chunks_per_rank: int, k_chunks: int, timeout_s: Optional[float] = None) -> None:
+    """Enqueue one eager push call with one host call (csrc/ag_gemm/ag_gemm.h push_call): what :func:`all_gather_matmul`
+    otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
+    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, the GEMMs on ``main``
+    (``gemms``: :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), ``main``
+    follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.
+
+    peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
+    parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
+    two events of :func:`symm.push_events`.  Entries for q == rank are not used."""
+    _, error_device = symm.error_word(shard.device.index)
+    timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
+    loader.extension().ag_push_call(  # positional, in the binding's order
+        peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
+        shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
+        epoch_word.data_ptr(), chunks_per_rank, k_chunks, _K_TILE, gemms, events[0], events[1], main.cuda_stream,
+        side.cuda_stream)
+
+
+def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:
+    """gathered[M, K] = the peers' rows of ``buffer`` with ``shard`` as this rank's rows (on the current stream,
+    once the GEMM has waited for every chunk)."""
+    rows = shard.shape[0]
+    lo, hi = rank * rows, (rank + 1) * rows
+    if lo:
+        gathered[:lo].copy_(buffer[:lo])
+    gathered[lo:hi].copy_(shard)
+    if hi < gathered.shape[0]:
+        gathered[hi:].copy_(buffer[hi:])
