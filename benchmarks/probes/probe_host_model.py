@@ -2,7 +2,7 @@
 bf16, no grad) compiled per backend, each step enqueued behind a long GPU sleep so that the host is timed alone, then
 a cProfile of more such steps (rank 0 prints the top entries by own and by cumulative time).
 
-    torchrun --nproc-per-node 2 benchmarks/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
+    torchrun --nproc-per-node 2 benchmarks/probes/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
 
 Session 14 (2xH200, 46fe19d, FLUXINDUCTOR_DISPATCH=fused): host ms per Llama forward step, median, inductor 2.83 and
 flux 5.87; the flux ops' Python (dispatch, checks, launches) took most of the difference (csrc/NOTES_ag_gemm.md).
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_model
 import bench_model  # noqa: E402
 
 _SLEEP_CYCLES = 50_000_000  # ~25 ms: longer than any step's enqueue

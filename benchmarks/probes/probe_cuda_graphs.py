@@ -11,7 +11,7 @@ shows.  Contenders, each in a fresh process (FLUXINDUCTOR_CUDA_GRAPHS is read wh
 With one rank there is nothing to communicate: the fused ops are their GEMMs, and what differs is the host's part of a
 step (partition replays, the ops' dispatch).  What overlap gains on several GPUs is not measured here.
 
-    python3 benchmarks/probe_cuda_graphs.py --out $OUT/cuda_graphs.json
+    python3 benchmarks/probes/probe_cuda_graphs.py --out $OUT/cuda_graphs.json
 """
 
 from __future__ import annotations

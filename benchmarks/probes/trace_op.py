@@ -5,7 +5,7 @@ Shows where a path's time goes: whether the copy engine keeps pace with the GEMM
 stream, what runs after the GEMM ends.  Paths and shapes as in ``host_overhead.py``; ``--env K=V`` sets
 variables for the traced calls (e.g. ``FLUXINDUCTOR_GEMM_RS_PUSH=copy``).
 
-Usage: torchrun --nproc-per-node 4 benchmarks/trace_op.py --shape rs:8192x8192x28672 --path fused \\
+Usage: torchrun --nproc-per-node 4 benchmarks/probes/trace_op.py --shape rs:8192x8192x28672 --path fused \\
            --env FLUXINDUCTOR_GEMM_RS_PUSH=copy
 """
 
@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, init_gpu_ranks, write_json  # noqa: E402
 from host_overhead import _ENV, PATHS, _wait, env, make_call, parse_shape  # noqa: E402
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Kernel tuning sweep on one GPU: our fused GEMMs with communication off against cuBLAS, per configuration.
 
-    python3 benchmarks/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
-    python3 benchmarks/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
-    python3 benchmarks/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
-    python3 benchmarks/sweep_kernels.py --op ag --variants 0 --stock 0,1,2 --out $OUT/sweep_ag_stock.json
+    python3 benchmarks/probes/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
+    python3 benchmarks/probes/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
+    python3 benchmarks/probes/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
+    python3 benchmarks/probes/sweep_kernels.py --op ag --variants 0 --stock 0,1,2 --out $OUT/sweep_ag_stock.json
 
 Needs an extension built with CUDAFLAGS=-DFLUXINDUCTOR_KERNEL_TUNING for the tuning variants (AG variants
 3, 4; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
@@ -39,8 +39,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, parse_problems, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, parse_problems, write_json  # noqa: E402
 
 SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
           (1024, 8192, 8192), (512, 8192, 28672), (3072, 8192, 28672), (4096, 49152, 12288)]

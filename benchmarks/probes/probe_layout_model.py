@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The models of bench_model.py at B > 1, compiled, on one GPU with the communication taken out (fake group).
 
-    FLUXINDUCTOR_DISPATCH=decomposed python3 benchmarks/probe_layout_model.py --label new --out $OUT/x.json
+    FLUXINDUCTOR_DISPATCH=decomposed python3 benchmarks/probes/probe_layout_model.py --label new --out $OUT/x.json
 
 One process joins torch's fake process group as rank 0 of ``--world`` ranks: the collectives in the graph do
 nothing (their outputs are left unwritten), so what is timed is every kernel but the communication: GEMMs,
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, write_json  # noqa: E402
 
 
 def main() -> None:
