@@ -3,8 +3,8 @@
 
     python3 benchmarks/probes/probe_clocks.py --out $OUT/probe_clocks.json
 
-Why: the same kernels rank differently on different machines (csrc/NOTES_gemm_rs.md, session 9: ping-pong split GEMMs
-ahead of the cooperative ones on the one-GPU H200 and behind them on the 2xH200 machine), and an H200 at its power
+Why: the same kernels rank differently on different machines (ping-pong split GEMMs were ahead of the cooperative ones
+on a one-GPU H200 and behind them on a 2xH200 machine; docs/design_gemm_rs.md), and an H200 at its power
 cap lowers its clock.  If a kernel that draws less power keeps a higher clock under sustained load, its lead there is
 the power cap's, not the kernel's.
 

@@ -4,12 +4,8 @@ a cProfile of more such steps (rank 0 prints the top entries by own and by cumul
 
     torchrun --nproc-per-node 2 benchmarks/probes/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
 
-Session 14 (2xH200, 46fe19d, FLUXINDUCTOR_DISPATCH=fused): host ms per Llama forward step, median, inductor 2.83 and
-flux 5.87; the flux ops' Python (dispatch, checks, launches) took most of the difference (csrc/NOTES_ag_gemm.md).
-Session 15 (2xH200): with the dispatcher's remembered decisions, flux 4.15 / 3.64 against 5.01 / 4.35 for the code
-before, alternating in one call (results/host_plans_ab/; inductor 2.3-4.0 in the same runs).
-Session 17 (2xH200): with the one-call push and the ops defined through torch.library.Library, flux 2.64 / 4.74 against
-4.75 / 5.82 for af16979, alternating (results/host_one_call/model_llama_fwd_host_*.log; inductor 3.62 / 3.03).
+With FLUXINDUCTOR_DISPATCH=fused it shows how much of a flux step's host time the fused ops' Python (dispatch,
+checks, launches) takes against inductor's; the current numbers are in docs/performance.md.
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ def main(argv=None) -> int:
         "symm.capturing": symm.capturing,
     }
     rows = []
-    os.environ["FLUXINDUCTOR_DISPATCH"] = "fused"
+    from fluxinductor import settings
+
+    settings.configure(dispatch="fused")
     for name, fn in collective.items():
         rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, True),
                      "b2b_us": back_to_back_us(fn, args.calls, args.reps)})

@@ -111,12 +111,14 @@ def main() -> None:
             print(f"{args.label} {name} {phase} B={args.batch}: {row['ms']:.3f} ms, kernels {kernels}", flush=True)
             x.grad = None
             model.zero_grad(set_to_none=True)
+    from fluxinductor import settings
+
     sha, dirty = git_sha()
     write_json(args.out, {
         "schema": 1, "label": args.label, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "config": args.config,
-        "git_sha": sha, "dirty": dirty, "dispatch": os.environ.get("FLUXINDUCTOR_DISPATCH", "auto"),
-        "disabled": os.environ.get("FLUXINDUCTOR_DISABLE", "0"),
+        "git_sha": sha, "dirty": dirty, "dispatch": settings.current.dispatch,
+        "disabled": settings.current.disable,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": "one process, fake process group (collectives do nothing); CUDA events around each step, median",
         "results": rows,

@@ -98,8 +98,8 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
         variants = (ag_variants or [0, 1, 3, 4, 6]) if not quick else [0]
         groups = (ag_groups or [4, 8, 16]) if not quick else [8]
         if tail_splits is None:
-            from fluxinductor.kernels import ag_gemm
-            tail_splits = [ag_gemm.TAIL_SPLIT]
+            from fluxinductor import settings
+            tail_splits = [settings.tuning.ag_tail_split]
         return [{"variant": v, "group_rows": g, "tail_split": t, "tail_waves": w}
                 for v, g, t, w in itertools.product(variants, groups, tail_splits, waves)
                 if t > 1 or w == waves[0]]
@@ -115,11 +115,14 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
 
 
 def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor):
+    # The launchers read these kernel-tuning fields per call, so each contender sets its own (round-robin timing).
+    from fluxinductor import settings
+
     if op == "ag":
         from fluxinductor.kernels import ag_gemm
 
-        def call_ag():  # the launcher reads the waves per call, so each contender sets its own
-            os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
+        def call_ag():
+            settings.set_tuning(tail_split_waves=cfg["tail_waves"])
             return ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"],
                                        tail_split=cfg["tail_split"])
         return call_ag
@@ -127,15 +130,13 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
 
     if op == "rs-split":
         def call_split():
-            os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
-            os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG"] = str(cfg["split_config"])
-            return gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"])
+            settings.set_tuning(tail_split_waves=cfg["tail_waves"])
+            return gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"],
+                                     split_config_choice=cfg["split_config"])
         return call_split
 
-    def call():  # the launcher reads these per call, so each contender sets its own
-        os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
-        os.environ["FLUXINDUCTOR_GEMM_RS_SWIZZLE"] = str(cfg["swizzle"])
-        os.environ["FLUXINDUCTOR_GEMM_RS_RASTER"] = str(cfg["raster"])
+    def call():
+        settings.set_tuning(gemm_rs_config=cfg["config"], gemm_rs_swizzle=cfg["swizzle"], gemm_rs_raster=cfg["raster"])
         return gemm_rs.gemm_only(a, w_t, None, out=out)
     return call
 
@@ -168,12 +169,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="default configuration only")
     p.add_argument("--tail-splits", default=None,
-                   help="--op ag / rs-split: comma-separated tail-split values to compare (FLUXINDUCTOR_AG_TAIL_SPLIT / "
-                        "FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default: ag the default, rs-split 1,4)")
+                   help="--op ag / rs-split: comma-separated tail-split values to compare (tuning fields ag_tail_split / "
+                        "gemm_rs_tail_split; default: ag the default, rs-split 1,4)")
     p.add_argument("--tail-waves", default=None,
-                   help="--op ag / rs-split: comma-separated FLUXINDUCTOR_TAIL_SPLIT_WAVES values (default 1)")
+                   help="--op ag / rs-split: comma-separated tail_split_waves values (default 1)")
     p.add_argument("--split-configs", default=None,
-                   help="--op rs-split: comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values besides 0 (tuning builds)")
+                   help="--op rs-split: comma-separated gemm_rs_split_config values besides 0 (tuning builds)")
     p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4,6)")
     p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
     p.add_argument("--stock", default=None,
