@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_model
-import bench_model  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the models
+import models  # noqa: E402
 
 _SLEEP_CYCLES = 50_000_000  # ~25 ms: longer than any step's enqueue
 
@@ -57,9 +57,9 @@ def main() -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world,))
-    cfg = dict(bench_model.CONFIGS["full"]["llama2"])
-    model = bench_model.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1)
-    x = torch.randn(bench_model.input_shape("llama2", cfg, world, 1), dtype=torch.bfloat16, device=device)
+    cfg = dict(models.CONFIGS["full"]["llama2"])
+    model = models.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1)
+    x = torch.randn(models.input_shape("llama2", cfg, world, 1), dtype=torch.bfloat16, device=device)
     for backend in args.backends.split(","):
         torch._dynamo.reset()
         if backend == "flux":
