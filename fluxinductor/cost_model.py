@@ -255,7 +255,7 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
 
 # choose() results by (table file, its mtime, arguments): the dispatcher asks on every call of a fused op,
 # and a model repeats a few shapes; the lookup itself (filtering rows, interpolating, formatting the reason)
-# cost ~100 us of host time per call on the 4xH200 machine (benchmarks/host_overhead.py).
+# cost ~100 us of host time per call on the 4xH200 machine (benchmarks/probes/host_overhead.py).
 _choices: Dict[tuple, Tuple[str, str]] = {}
 _split_configs: Dict[tuple, Optional[int]] = {}
 _MAX_CHOICES = 4096
