@@ -78,8 +78,6 @@ def init_gpu_ranks() -> Tuple[int, int, torch.device, str]:
     """Rank setup of the torchrun GPU diagnostics: NCCL initialised on this rank's GPU, the world group
     registered with torch symmetric memory, ``torch.ops.fluxinductor`` and ``torch.ops.symm_mem`` loaded.
     Returns (rank, world, device, group name)."""
-    import torch.distributed as dist
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
@@ -92,7 +90,6 @@ def init_gpu_ranks() -> Tuple[int, int, torch.device, str]:
 
     _enable_group(group_name)
     return rank, world, device, group_name
-
 
 
 # ---------------------------------------------------------------------------------------------------
