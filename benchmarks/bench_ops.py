@@ -476,8 +476,7 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--host-overhead", choices=("hidden", "exposed"), default="hidden",
                    help="hidden (default): a GPU sleep before the start event lets the host enqueue each call "
-                   "first, so times are device times; exposed: the GPU idles while the host launches (the "
-                   "reference method, docs/performance.md), so host-side launch cost is in every number")
+                   "first, so times are device times; exposed: the GPU idles while the host launches, so host-side launch cost is in every number")
     p.add_argument("--align-start", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU only (default on): start each timed call after a one-element all-reduce, so every "
                         "rank's start event follows the slowest rank's (the host's skew between ranks is not timed)")

@@ -4,7 +4,7 @@
     python3 benchmarks/probes/probe_clocks.py --out $OUT/probe_clocks.json
 
 Why: the same kernels rank differently on different machines (ping-pong split GEMMs were ahead of the cooperative ones
-on a one-GPU H200 and behind them on a 2xH200 machine; docs/design_gemm_rs.md), and an H200 at its power
+on a one-GPU H200 and behind them on a 2xH200 machine), and an H200 at its power
 cap lowers its clock.  If a kernel that draws less power keeps a higher clock under sustained load, its lead there is
 the power cap's, not the kernel's.
 

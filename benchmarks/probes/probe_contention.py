@@ -4,7 +4,7 @@
     python3 benchmarks/probes/probe_contention.py --out $OUT/probe_contention.json
 
 Why: on the 2xH200 machine a full-speed copy-engine pull beside a cuBLAS GEMM cost the GEMM more than the pull alone
-takes (docs/performance.md), the same cost holds the fused AG+GEMM's overlap efficiency at 0.5-0.8, and
+takes, the same cost holds the fused AG+GEMM's overlap efficiency at 0.5-0.8, and
 pacing the pull (same bytes, spread out) changed nothing (docs/design_ag_gemm.md).  A local device-to-device copy on the
 copy engine moves the same bytes through this GPU's HBM and L2 as a pull of the peer's shard does (written here, read
 there; each GPU serves its peer's pull), so one GPU can ask which resource the copy takes from the GEMM:
@@ -16,7 +16,7 @@ there; each GPU serves its peer's pull), so one GPU can ask which resource the c
 - ``gemm+copy_l2win=<A|B>``: ``gemm+copy`` with an L2 persisting access-policy window over the GEMM's A or B on the
   GEMM's stream (``cudaLimitPersistingL2CacheSize`` set to the device's maximum for the run, reset after).
 
-Found on one H200 (docs/design_ag_gemm.md): the windows slow the GEMM alone by 1-4% and shield nothing,
+Found on one H200: the windows slow the GEMM alone by 1-4% and shield nothing,
 and a same-device ``cudaMemcpyAsync`` runs as an SM kernel there (1.9 TB/s alone; beside a persistent GEMM that holds
 every SM it waits for the GEMM's end), so the copy modes measure SM sharing, not copy-engine contention; the
 pull's contention needs two GPUs, or a copy engine forced on one (``cudaMemcpyBatchAsync``, not built here).

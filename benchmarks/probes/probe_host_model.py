@@ -5,7 +5,7 @@ a cProfile of more such steps (rank 0 prints the top entries by own and by cumul
     torchrun --nproc-per-node 2 benchmarks/probes/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
 
 With FLUXINDUCTOR_DISPATCH=fused it shows how much of a flux step's host time the fused ops' Python (dispatch,
-checks, launches) takes against inductor's; the current numbers are in docs/performance.md.
+checks, launches) takes against inductor's.
 """
 
 from __future__ import annotations
