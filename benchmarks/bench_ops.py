@@ -3,8 +3,7 @@
 
 Run (one process per GPU; any world size):
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out benchmarks/results/h200x2_tp2_ops \\
-        --emit-tuning auto
+    torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out $OUT/h200x2_tp2_ops --emit-tuning auto
 
 CPU smoke run (gloo, tiny shapes, perf_counter timing; the GPU-only contenders record "unavailable"):
 
