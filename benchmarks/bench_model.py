@@ -12,14 +12,15 @@ CPU smoke run (gloo, tiny config, fp32, perf_counter timing):
 Models (``--models``), both sequence parallel with ``torch.distributed.tensor.parallel`` over all ranks:
   mlp     ColwiseParallel(input_layouts=Shard(d)) up H -> F, gelu, RowwiseParallel(output_layouts=Shard(d)) down
           (full: 4096 tokens, H 8192, F 28672; ``--mlp-shard-dim 0`` (default, x: [T, H]) or 1 (x: [1, T, H]));
-          the shared/anchors/README.md "torch.compile of a sequence-parallel MLP" setup.
+          the reference "torch.compile of a sequence-parallel MLP" setup (docs/performance.md).
   llama2  two Llama-style decoder layers (RMSNorm, RoPE, GQA attention with separate Q/K/V, SwiGLU), full:
           hidden 8192, ffn 28672, 64 heads, 8 KV heads, B=1, S=4096; SequenceParallel norms,
           PrepareModuleInput (Shard(1) -> Replicate) before attention and MLP, Colwise Q/K/V/w1/w3,
-          Rowwise(output Shard(1)) o/w2: the anchors' "Model level" setup.
+          Rowwise(output Shard(1)) o/w2: the reference model-level setup (docs/performance.md).
 ``--tp plain`` builds both in plain tensor parallelism instead (replicated input and activations, default Colwise
 and Rowwise, an all-reduce after each row-parallel linear; every rank draws the same input and gradient), which
-fluxinductor's all-reduce split turns into fusable reduce-scatters and all-gathers (FLUXINDUCTOR_SPLIT_ALL_REDUCE).
+fluxinductor's all-reduce split turns into fusable reduce-scatters and all-gathers (compile option
+``split_all_reduce``; ``--flux-options`` passes the flux modes' compile options).
 Phases: ``fwd`` (under torch.no_grad) and ``fwd_bwd`` (forward, then backward of a fixed random grad).
 
 Modes (``--modes``), each after ``torch._dynamo.reset()`` with a fresh ``torch.compile``:
@@ -29,6 +30,8 @@ Modes (``--modes``), each after ``torch._dynamo.reset()`` with a fresh ``torch.c
               memory enabled for the TP group first where torch has enable_symm_mem_for_group)
   flux        torch.compile(backend="flux"), FLUXINDUCTOR_DISPATCH=auto (what users get)
   flux_fused  torch.compile(backend="flux"), FLUXINDUCTOR_DISPATCH=fused (fused kernel wherever eligible)
+``--tuning key=value[,...]`` sets fluxinductor's kernel-tuning fields (``fluxinductor.settings.set_tuning``) on every
+rank for the whole run; the JSON records them (``environment.tuning``).
 Modes run in the order eager, inductor, flux, flux_fused, asynctp (fluxinductor before async-TP, as in
 bench_ops.py, so async-TP's symmetric-memory workspace is allocated last).  The FX graph cache and the
 AOTAutograd cache are off so every mode really compiles and runs its passes (kernel caches stay warm, so
@@ -59,12 +62,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import datetime
-import faulthandler
 import gc
-import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -74,254 +73,54 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from _common import DTYPES, ContextBroken, git_sha, write_json
 import torch.nn as nn
-import torch.nn.functional as F
+from harness import (
+    DTYPES,
+    ENV_PREFIXES,
+    ContextBroken,
+    RunContext,
+    add_tuning_argument,
+    agree,
+    apply_tuning,
+    cell,
+    environment,
+    exit_now,
+    parse_tuning,
+    per_rank_summary,
+    time_iterations,
+    watchdog,
+    write_json,
+)
+from model_modes import FLUX_DISPATCH, MODES, RUN_ORDER, compare, mode_setup, snapshot
+from models import CONFIGS, MODELS, build_model, input_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:  # fluxinductor from this checkout when it is not installed (backend="flux" needs it installed)
     sys.path.append(REPO)
 
-MODELS = ("mlp", "llama2")
 PHASES = ("fwd", "fwd_bwd")
-MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused")
-RUN_ORDER = ("eager", "inductor", "flux", "flux_fused", "asynctp")
-FLUX_DISPATCH = {"flux": "auto", "flux_fused": "fused"}
 # Norm-relative error against eager that counts as "ok" (the compiled graph reorders bf16 math).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
-# shared/anchors/README.md (2 x H200, torch 2.11, bf16, TP=2, full config, S = 4096 tokens, mlp Shard(0)), ms.
-# Measured with a barrier before each iteration but no GPU sleep, so host enqueue time is in those numbers.
+# Reference times of eager, inductor and async-TP, ms, measured on 2 x H200 (torch 2.11, bf16, TP=2, full config,
+# S = 4096 tokens, mlp Shard(0)) with a barrier before each iteration but no GPU sleep, so host enqueue time is in them.
 ANCHOR_MS = {
     ("mlp", "fwd"): {"eager": 3.228, "inductor": 3.276, "asynctp": 3.427},
     ("llama2", "fwd"): {"eager": 26.82, "inductor": 12.82, "asynctp": 12.60},
     ("llama2", "fwd_bwd"): {"eager": 41.14, "inductor": 39.18, "asynctp": 38.93},
 }
 
-CONFIGS = {
-    # The anchors' shapes (shared/anchors/README.md).
-    "full": {
-        "mlp": {"tokens": 4096, "hidden": 8192, "ffn": 28672},
-        "llama2": {"layers": 2, "batch": 1, "seq": 4096, "hidden": 8192, "ffn": 28672, "heads": 64,
-                   "kv_heads": 8},
-    },
-    # CPU smoke: divisible by 2, 4 and 8 ranks.
-    "small": {
-        "mlp": {"tokens": 64, "hidden": 64, "ffn": 128},
-        "llama2": {"layers": 2, "batch": 1, "seq": 32, "hidden": 64, "ffn": 128, "heads": 8, "kv_heads": 4},
-    },
-}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------------
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn)
-        self.down = nn.Linear(ffn, hidden)
-
-    def forward(self, x):
-        # x: [T / world, H] sequence shard (Shard(0)) or [1, T / world, H] (Shard(1)); out: same shape
-        return self.down(F.gelu(self.up(x)))
-
-
-class RMSNorm(nn.Module):
-    """Written out from elementwise ops and a mean, so DTensor handles it on every torch version."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def _rope_tables(seq: int, head_dim: int, base: float = 500000.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)  # [S, hd / 2]
-    angles = torch.cat([angles, angles], dim=-1)  # [S, hd]
-    return angles.cos().float(), angles.sin().float()
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, S, hd]; cos, sin: [S, hd]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    """GQA attention; the column-wise Q/K/V projections split the heads over the ranks."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, seq: int):
-        super().__init__()
-        self.head_dim = hidden // heads
-        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
-        cos, sin = _rope_tables(seq, self.head_dim)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, x):
-        # x: [B, S, H] (gathered); q: [B, heads / world, S, hd]; k, v: [B, kv_heads / world, S, hd]
-        b, s = x.shape[0], x.shape[1]
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        repeat = q.shape[1] // k.shape[1]
-        if repeat > 1:  # each KV head serves `repeat` query heads
-            k = k[:, :, None].expand(b, k.shape[1], repeat, s, self.head_dim).reshape(b, -1, s, self.head_dim)
-            v = v[:, :, None].expand(b, v.shape[1], repeat, s, self.head_dim).reshape(b, -1, s, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # [B, S / world, H] after the reduce-scatter
-
-
-class FeedForward(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, seq: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(hidden)
-        self.attention = Attention(hidden, heads, kv_heads, seq)
-        self.ffn_norm = RMSNorm(hidden)
-        self.feed_forward = FeedForward(hidden, ffn)
-
-    def forward(self, x):
-        # x: [B, S / world, H], this rank's slice of the sequence
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Decoder(nn.Module):
-    """The root holds no parallel style: hooks on the root would become a graph of their own."""
-
-    def __init__(self, layers: int, **kw):
-        super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(**kw) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.dtype, shard_dim: int,
-                tp: str = "sequence") -> nn.Module:
-    """The model on ``device`` in ``dtype``, parallelized over ``mesh`` (same weights on every rank).  ``tp``:
-    "sequence" (sequence parallel: the tokens sharded between layers) or "plain" (replicated activations, each
-    row-parallel output all-reduced)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    torch.manual_seed(1234)
-    with torch.device(device):
-        if name == "mlp":
-            model = MLP(cfg["hidden"], cfg["ffn"]).to(dtype)
-            if tp == "plain":
-                return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-            plan = {
-                "up": ColwiseParallel(input_layouts=Shard(shard_dim)),  # all-gather the tokens, x @ up
-                "down": RowwiseParallel(output_layouts=Shard(shard_dim)),  # h @ down, reduce-scatter the tokens
-            }
-            return parallelize_module(model, mesh, plan)
-        model = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
-                        kv_heads=cfg["kv_heads"], seq=cfg["seq"]).to(dtype)
-    if tp == "plain":
-        for layer in model.layers:
-            parallelize_module(layer, mesh, {
-                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),  # all-reduced
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),  # all-reduced
-            })
-        return model
-    gather_sequence = lambda: PrepareModuleInput(  # noqa: E731
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    for layer in model.layers:
-        parallelize_module(layer, mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": gather_sequence(),  # one all-gather feeds wq, wk and wv
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": gather_sequence(),  # one all-gather feeds w1 and w3
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    return model
-
-
-def input_shape(name: str, cfg: dict, world: int, shard_dim: int, tp: str = "sequence") -> Tuple[int, ...]:
-    """This rank's input shard shape (plain TP: the whole input, the same on every rank)."""
-    if tp == "plain":
-        world = 1
-    if name == "mlp":
-        t = cfg["tokens"] // world
-        return (t, cfg["hidden"]) if shard_dim == 0 else (cfg.get("batch", 1), t, cfg["hidden"])
-    return (cfg["batch"], cfg["seq"] // world, cfg["hidden"])
-
-
 # ---------------------------------------------------------------------------------------------------
 # Run context
 # ---------------------------------------------------------------------------------------------------
 
 
-class Ctx:
+class Ctx(RunContext):
+    """One rank of a bench_model run: the process group, a gloo control group, the device mesh, dtypes, timing."""
+
     def __init__(self, args: argparse.Namespace):
-        want = args.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        self.is_cuda = want == "cuda"
-        if "MASTER_ADDR" not in os.environ:  # a plain `python bench_model.py`: one rank
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29518"),
-                              RANK="0", WORLD_SIZE="1")
-        self.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-        if self.is_cuda:
-            if not torch.cuda.is_available():
-                raise SystemExit("--device cuda but CUDA is not available")
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
-        self.backend = "nccl" if self.is_cuda else "gloo"
-        kwargs = dict(backend=self.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
-        if self.is_cuda:
-            kwargs["device_id"] = self.device
-        try:
-            dist.init_process_group(**kwargs)
-        except TypeError:  # older torch without device_id
-            kwargs.pop("device_id", None)
-            dist.init_process_group(**kwargs)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        super().__init__(args.device, args.pg_timeout, default_port=29518)
         # Agreement and result exchange go over a gloo group of their own, never interleaved with the model's
         # collectives (NCCL on GPUs, the default gloo group on CPU).
         self.ctrl = dist.new_group(backend="gloo")
@@ -339,174 +138,7 @@ class Ctx:
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
         self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
         self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
-        self.broken: Optional[str] = None
-
-    def barrier(self) -> None:
-        if self.is_cuda:
-            dist.barrier(device_ids=[self.local_rank])
-        else:
-            dist.barrier()
-
-    def sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
-
-    def gather(self, obj) -> list:
-        """Every rank's ``obj`` in rank order (over the gloo control group)."""
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.ctrl)
-        return out
-
-    def context_ok(self) -> bool:
-        if not self.is_cuda:
-            return True
-        try:
-            torch.cuda.synchronize()
-            return True
-        except Exception as e:  # noqa: BLE001
-            self.broken = self.broken or f"{type(e).__name__}: {e}"
-            return False
-
-
-
-# ---------------------------------------------------------------------------------------------------
-# Per-mode compile settings and graph census
-# ---------------------------------------------------------------------------------------------------
-
-try:
-    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
-except ImportError:  # older torch: a plain callable is accepted
-    _PassBase = object
-
-CENSUS_KEYS = ("all_gather", "reduce_scatter", "all_reduce", "symm_mem", "fluxinductor")
-
-
-class GraphCensus(_PassBase):
-    """A post-grad pass that only counts collective and fused-op nodes, one dict per compiled graph.
-
-    It runs after inductor's micro-pipeline TP pass, so ``symm_mem.fused_*`` counts show async-TP fired.
-    """
-
-    def __init__(self):
-        self.graphs: List[Dict[str, int]] = []
-
-    def __call__(self, graph) -> None:
-        counts: collections.Counter = collections.Counter()
-        for node in graph.nodes:
-            if node.op == "call_function":
-                target = str(node.target)
-                if any(key in target for key in CENSUS_KEYS):
-                    counts[target] += 1
-        self.graphs.append(dict(counts))
-
-    def uuid(self):
-        return "fluxinductor-bench-model-graph-census-1"
-
-
-def _enable_symm_mem(group_name: str) -> Optional[str]:
-    """Register the TP group with torch symmetric memory (needed on torch 2.11); the error, if any."""
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is None:
-            return None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            enable(group_name)
-    except Exception as e:  # noqa: BLE001
-        return f"enable_symm_mem_for_group failed: {type(e).__name__}: {e}"
-    return None
-
-
-@contextlib.contextmanager
-def _env(name: str, value: Optional[str]):
-    prev = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if prev is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = prev
-
-
-def mode_setup(mode: str, model: nn.Module, ctx: Ctx, notes: List[str]):
-    """(callable, context manager, census or None) for ``mode``; context covers compile and timing."""
-    import torch._inductor.config as inductor_config
-
-    if mode == "eager":
-        return model, contextlib.nullcontext(), None
-    if mode in ("inductor", "asynctp"):
-        census = GraphCensus()
-        patches = {"post_grad_custom_post_pass": census}
-        if mode == "asynctp":
-            patches["_micro_pipeline_tp"] = True
-            if ctx.is_cuda:
-                err = _enable_symm_mem(ctx.group_name)
-                if err:
-                    notes.append(err)
-            else:
-                notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
-        return torch.compile(model, backend="inductor", **ctx.compile_kwargs), inductor_config.patch(patches), census
-    if mode in FLUX_DISPATCH:
-        import fluxinductor  # noqa: F401  (registers the ops and the backend)
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(_env("FLUXINDUCTOR_DISPATCH", FLUX_DISPATCH[mode]))
-        # backend="flux" installs its own post_grad_custom_post_pass and refuses a foreign one.
-        stack.enter_context(inductor_config.patch({"post_grad_custom_post_pass": None}))
-        return torch.compile(model, backend="flux", **ctx.compile_kwargs), stack, None
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Errors against eager, rewrite statistics
-# ---------------------------------------------------------------------------------------------------
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return (to_local() if to_local is not None else t).detach()
-
-
-def error_of(out: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> Dict[str, float]:
-    """max |out - ref| / max |ref| and ||out - ref|| / ||ref|| (inf when missing or mis-shaped)."""
-    if out is None or ref is None or tuple(out.shape) != tuple(ref.shape):
-        return {"max_rel": float("inf"), "norm_rel": float("inf")}
-    out, ref = out.float(), ref.float()
-    diff = out - ref
-    max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    norm_rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
-    return {"max_rel": max_rel if math.isfinite(max_rel) else float("inf"),
-            "norm_rel": norm_rel if math.isfinite(norm_rel) else float("inf")}
-
-
-def snapshot(model: nn.Module, out: torch.Tensor, x: torch.Tensor, backward: bool) -> Dict[str, torch.Tensor]:
-    """This rank's output (and input / parameter gradients) from one call, as plain local tensors."""
-    snap = {"output": _local(out).clone()}
-    if backward:
-        snap["grad_input"] = None if x.grad is None else x.grad.detach().clone()
-        for name, p in model.named_parameters():
-            snap["grad:" + name] = None if p.grad is None else _local(p.grad).clone()
-    return snap
-
-
-def compare(snap: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, float]]:
-    """Errors per output: "output", "grad_input" and "grad_params" (the worst parameter gradient)."""
-    errors = {}
-    for key in ("output", "grad_input"):
-        if key in ref:
-            errors[key] = error_of(snap.get(key), ref[key])
-    params = [k for k in ref if k.startswith("grad:")]
-    if params:
-        per = {k: error_of(snap.get(k), ref[k]) for k in params}
-        worst = max(per, key=lambda k: per[k]["norm_rel"])
-        errors["grad_params"] = dict(per[worst], worst=worst[len("grad:"):])
-    return errors
+        self.flux_options = parse_tuning(args.flux_options)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -539,33 +171,10 @@ def _step(fn: Callable, x: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.
 
 
 def time_steps(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad) -> Tuple[List[float], List[float]]:
-    """(device ms per timed iteration, host enqueue ms per timed iteration)."""
-    times, host = [], []
-    if ctx.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(ctx.warmup + ctx.iters):
-        _drop_grads(model, x)
-        ctx.barrier()
-        ctx.sync()
-        if ctx.is_cuda:
-            # The GPU sleeps while the host enqueues the step: the events bracket device time only.
-            torch.cuda._sleep(ctx.sleep_cycles)
-            start.record()
-            h0 = time.perf_counter()
-            _step(fn, x, grad)
-            h1 = time.perf_counter()
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end)
-        else:
-            h0 = time.perf_counter()
-            _step(fn, x, grad)
-            h1 = time.perf_counter()
-            t = (h1 - h0) * 1e3
-        if i >= ctx.warmup:
-            times.append(float(t))
-            host.append((h1 - h0) * 1e3)
-    return times, host
+    """(device ms per timed iteration, host enqueue ms per timed iteration).  On CUDA the GPU sleeps while the host
+    enqueues the step: the events bracket device time only."""
+    return time_iterations(ctx, lambda: _step(fn, x, grad), ctx.warmup, ctx.iters, sleep_cycles=ctx.sleep_cycles,
+                           before_iter=lambda: _drop_grads(model, x))
 
 
 def profile_step(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad, top: int) -> List[dict]:
@@ -642,13 +251,10 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
             raise ContextBroken(f"{mode} broke the CUDA context: {ctx.broken}") from e
 
     snap = local.pop("snapshot", None)
-    everyone = ctx.gather({k: v for k, v in local.items() if k != "traceback"})
+    everyone, error = agree(ctx, {k: v for k, v in local.items() if k != "traceback"})
     record: dict = {"mode": mode, "ms": None, "error": None, "notes": everyone[0]["notes"]}
-    errors = [r["error"] for r in everyone]
-    if any(e is not None for e in errors):
-        failed = [i for i, e in enumerate(errors) if e is not None]
-        first = next(e for e in errors if e is not None)
-        record["error"] = first if len(failed) == ctx.world else f"rank(s) {failed}: {first}"
+    if error is not None:
+        record["error"] = error
         if "traceback" in local:
             record["traceback_rank%d" % ctx.rank] = local["traceback"]
         stack.close()
@@ -705,10 +311,7 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
         record["error"] = next(e for e in errors if e is not None)
         return record, snap
     per_rank = [r["times"] for r in everyone]
-    medians = [statistics.median(t) for t in per_rank]
-    record["ms"] = max(medians)
-    record["rank_median_ms"] = medians
-    record["iter_max_median_ms"] = statistics.median(max(col) for col in zip(*per_rank))
+    record.update(per_rank_summary(per_rank))
     record["iter_ms"] = per_rank
     record["host_enqueue_ms"] = [statistics.median(r["host"]) for r in everyone]
     if "profile_top" in everyone[0]:
@@ -739,55 +342,22 @@ def measure_sleep_ms(ctx: Ctx) -> Optional[float]:
     return start.elapsed_time(end)
 
 
-def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
-    sha, dirty = git_sha()
-    env = {
-        "device": torch.cuda.get_device_name(ctx.device) if ctx.is_cuda else "cpu",
-        "world": ctx.world,
-        "backend": ctx.backend,
-        "dtype": str(ctx.dtype).replace("torch.", ""),
+def run_environment(ctx: Ctx, tuning_values: dict) -> dict:
+    env = environment(ctx, ctx.dtype, {
         "autocast": None if ctx.autocast is None else str(ctx.autocast).replace("torch.", ""),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": None,
         "triton": None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "git_sha": sha,
-        "git_dirty": dirty,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "argv": sys.argv,
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("NCCL_", "TORCH_SYMM_MEM", "NVSHMEM_", "FLUXINDUCTOR_", "CUDA_VISIBLE",
-                                 "TORCHINDUCTOR_"))},
-    }
+    }, env_prefixes=ENV_PREFIXES + ("TORCHINDUCTOR_",), tuning_values=tuning_values)
     try:
         import triton
 
         env["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         pass
-    if ctx.is_cuda:
-        try:
-            v = torch.cuda.nccl.version()
-            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:  # noqa: BLE001
-            pass
-        props = torch.cuda.get_device_properties(ctx.device)
-        env["sm_count"] = props.multi_processor_count
-        env["total_memory_gib"] = round(props.total_memory / 2**30, 1)
-        env["capability"] = f"{props.major}.{props.minor}"
-    try:
-        import fluxinductor._C  # noqa: F401
-
-        env["fluxinductor_extension"] = "loaded"
-    except Exception as e:  # noqa: BLE001
-        env["fluxinductor_extension"] = f"not loaded: {type(e).__name__}: {e}"
     return env
 
 
 def anchors_apply(data: dict) -> bool:
-    """Whether this run has the anchors' setup (so ``ANCHOR_MS`` is a like-for-like reference)."""
+    """Whether this run has the reference setup (so ``ANCHOR_MS`` is a like-for-like reference)."""
     env, s = data["environment"], data["settings"]
     models = s["models"]
     return (env["world"] == 2 and "H200" in env["device"] and env["dtype"] == "bfloat16" and not env.get("autocast")
@@ -798,10 +368,10 @@ def anchors_apply(data: dict) -> bool:
 
 
 def derive(data: dict) -> None:
-    """Speedups of every mode over eager and over inductor, per (model, phase); the anchors' time."""
+    """Speedups of every mode over eager and over inductor, per (model, phase); the reference time."""
     use_anchors = anchors_apply(data)
-    data["anchors"] = {"source": "shared/anchors/README.md", "applies": use_anchors,
-                       "method": "no GPU sleep before the start event (host enqueue exposed); the anchors' model "
+    data["anchors"] = {"source": "ANCHOR_MS in benchmarks/bench_model.py", "applies": use_anchors,
+                       "method": "no GPU sleep before the start event (host enqueue exposed); the reference model "
                                  "code is not in the repository (bias, RoPE details may differ)"}
     by_key: Dict[Tuple[str, str], Dict[str, dict]] = collections.defaultdict(dict)
     for r in data["results"]:
@@ -833,10 +403,6 @@ def _fused_summary(r: dict) -> str:
     return ""
 
 
-def _f(x, fmt: str = "{:.3f}", width: int = 9) -> str:
-    return ("-" if x is None else fmt.format(x)).rjust(width)
-
-
 def format_table(data: dict) -> str:
     env, s = data["environment"], data["settings"]
     lines = [
@@ -855,13 +421,13 @@ def format_table(data: dict) -> str:
         else:
             note = _fused_summary(r)
         lines.append(
-            f"{r['model']:7}{r['phase']:8}{r['mode']:11}|{_f(r.get('ms'))}{_f(r.get('anchor_ms'), '{:.2f}', 8)}"
-            f"{_f(r.get('first_call_s'), '{:.1f}')}"
-            f"{_f(r.get('speedup_vs_eager'), '{:.2f}x', 8)}{_f(r.get('speedup_vs_inductor'), '{:.2f}x', 8)} |"
-            f"{_f(r.get('max_error'), '{:.1e}')}{_f(r.get('max_norm_error'), '{:.1e}')}"
+            f"{r['model']:7}{r['phase']:8}{r['mode']:11}|{cell(r.get('ms'), width=9)}"
+            f"{cell(r.get('anchor_ms'), '{:.2f}', 8)}{cell(r.get('first_call_s'), '{:.1f}', 9)}"
+            f"{cell(r.get('speedup_vs_eager'), '{:.2f}x', 8)}{cell(r.get('speedup_vs_inductor'), '{:.2f}x', 8)} |"
+            f"{cell(r.get('max_error'), '{:.1e}', 9)}{cell(r.get('max_norm_error'), '{:.1e}', 9)}"
             f"{'!' if r.get('error_ok') is False else ' '}| {note}")
-    lines.append("ms = steady-state time per step; anchor = shared/anchors/README.md (no GPU sleep: host time "
-                 "included); first_s = first call incl. compile; /x = T_x / T; "
+    lines.append("ms = steady-state time per step; anchor = reference time (ANCHOR_MS; no GPU sleep: "
+                 "host time included); first_s = first call incl. compile; /x = T_x / T; "
                  "errors vs eager (max |d|/max|ref|, ||d||/||ref||; '!' over tolerance); "
                  "fwd/bwd[...] = patterns fused by flux (ag = all_gather_matmul, rs = matmul_reduce_scatter)")
     for r in data["results"]:
@@ -893,16 +459,20 @@ def build_args(argv=None) -> argparse.Namespace:
                    help="llama2 batch B (default 1), and the mlp's with --mlp-shard-dim 1 (x [B, T/w, H]): B > 1 "
                         "puts the sequence dim behind the batch dim, which the passes rewrite rows-first")
     p.add_argument("--mlp-shard-dim", type=int, choices=(0, 1), default=0,
-                   help="mlp input layout: 0 = x [T/w, H] Shard(0) (the anchor), 1 = x [1, T/w, H] Shard(1)")
+                   help="mlp input layout: 0 = x [T/w, H] Shard(0) (the reference setup), 1 = x [1, T/w, H] Shard(1)")
     p.add_argument("--tp", choices=("sequence", "plain"), default="sequence",
                    help="sequence: sequence parallel (the default); plain: replicated activations and all-reduces, "
-                        "which fluxinductor's all-reduce split (FLUXINDUCTOR_SPLIT_ALL_REDUCE) turns into fusable "
+                        "which fluxinductor's all-reduce split (compile option split_all_reduce) turns into fusable "
                         "reduce-scatters and all-gathers; --mlp-shard-dim does not apply")
     p.add_argument("--compile-mode", default=None, choices=("default", "reduce-overhead", "max-autotune",
                                                              "max-autotune-no-cudagraphs"),
                    help="torch.compile(mode=...) for every compiled mode (default: none given); with reduce-overhead "
-                        "the fused ops run between CUDA graph partitions, or inside the graphs under "
-                        "FLUXINDUCTOR_CUDA_GRAPHS=1")
+                        "the fused ops run between CUDA graph partitions, or inside the graphs with "
+                        "fluxinductor.settings' cuda_graphs default on")
+    p.add_argument("--flux-options", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="torch.compile(backend='flux', options={...}) for the flux modes, e.g. "
+                        "split_all_reduce=replicated,cuda_graphs=true (torch takes options or --compile-mode, not both)")
+    add_tuning_argument(p)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 5; --quick 1)")
     p.add_argument("--iters", type=int, default=None, help="timed steps per mode (default 20; --quick 3)")
     p.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -924,6 +494,12 @@ def build_args(argv=None) -> argparse.Namespace:
         for name in getattr(args, flag).split(","):
             if name not in allowed:
                 p.error(f"unknown {flag[:-1]} {name!r} (choose from {','.join(allowed)})")
+    try:
+        parse_tuning(args.tuning)
+        if parse_tuning(args.flux_options) and args.compile_mode:
+            p.error("--flux-options and --compile-mode: torch.compile takes options or a mode, not both")
+    except ValueError as e:
+        p.error(str(e).replace("--tuning", "--tuning/--flux-options"))
     return args
 
 
@@ -941,6 +517,7 @@ def main(argv=None) -> int:
             setattr(cfg_module, attr, False)
 
     ctx = Ctx(args)
+    tuning_values = apply_tuning(args.tuning)
     config_name = args.config or ("full" if ctx.is_cuda else "small")
     configs = {name: dict(CONFIGS[config_name][name]) for name in MODELS}
     if args.seq:
@@ -963,11 +540,11 @@ def main(argv=None) -> int:
     data = {
         "schema": "fluxinductor.bench_model/1",
         "complete": False,
-        "environment": environment(ctx, args),
+        "environment": run_environment(ctx, tuning_values),
         "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
                      "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp,
                      "compile_mode": args.compile_mode,
-                     "cuda_graphs_env": os.environ.get("FLUXINDUCTOR_CUDA_GRAPHS", "0"), "warmup": ctx.warmup,
+                     "flux_options": ctx.flux_options, "warmup": ctx.warmup,
                      "iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles if ctx.is_cuda else None,
                      "sleep_ms": measure_sleep_ms(ctx), "timing": timing, "tolerance_norm_rel": tol,
                      "fx_graph_cache": False, "autograd_cache": False,
@@ -1010,12 +587,8 @@ def main(argv=None) -> int:
                 ref = None
                 for mode in modes if "eager" in modes else ("eager",) + tuple(modes):
                     step_name = f"{model_name} {phase} {mode}"
-                    faulthandler.dump_traceback_later(args.contender_timeout, exit=True)
-                    try:
-                        record, snap = measure_mode(ctx, model, mode, x, grad, ref, tol,
-                                                    time_it=mode in modes)
-                    finally:
-                        faulthandler.cancel_dump_traceback_later()
+                    with watchdog(args.contender_timeout):
+                        record, snap = measure_mode(ctx, model, mode, x, grad, ref, tol, time_it=mode in modes)
                     if mode == "eager":
                         ref = snap
                         if "eager" not in modes:
@@ -1043,8 +616,7 @@ def main(argv=None) -> int:
         save()
         if ctx.rank == 0:
             print(format_table(data), flush=True)
-        sys.stdout.flush()
-        os._exit(3)  # no collective can run any more; peers fail on their own timeouts
+        exit_now(3)  # no collective can run any more; peers fail on their own timeouts
 
     data["complete"] = True
     save()
@@ -1059,8 +631,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
     # Everything is written; skip process-group and symmetric-memory teardown (it has hung at exit).
-    os._exit(rc)
+    exit_now(main())

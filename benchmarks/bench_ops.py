@@ -3,14 +3,13 @@
 
 Run (one process per GPU; any world size):
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out benchmarks/results/h200x2_tp2_ops \\
-        --emit-tuning auto
+    torchrun --nproc-per-node 2 benchmarks/bench_ops.py --out $OUT/h200x2_tp2_ops --emit-tuning auto
 
 CPU smoke run (gloo, tiny shapes, perf_counter timing; the GPU-only contenders record "unavailable"):
 
     torchrun --nproc-per-node 2 benchmarks/bench_ops.py --device cpu --quick --out /tmp/ops_cpu
 
-Shapes are *global* GEMMs (M, K, N) in the convention of shared/anchors/README.md:
+Shapes are *global* GEMMs (M, K, N), as in docs/performance.md:
 AG+GEMM: each rank holds A_shard [M/w, K] and B [K, N/w], out [M, N/w];
 GEMM+RS: each rank holds A [M, K/w] and B [K/w, N], out [M/w, N].
 
@@ -21,9 +20,9 @@ Contenders (``--contenders``), each timed on the same inputs:
   asynctp       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter (PyTorch async-TP)
   fused         torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=fused (a call that falls back to the
                 decomposition is reported as unavailable, with the fallback's reason)
-  fused_copy    GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=copy (peer tiles moved by the copy
+  fused_copy    GEMM+RS only: as ``fused``, with tuning gemm_rs_push=copy (peer tiles moved by the copy
                 engine; the cost model may pick this transport per shape)
-  fused_split   GEMM+RS only: as ``fused``, with FLUXINDUCTOR_GEMM_RS_PUSH=split (a ring of stock CUTLASS GEMMs,
+  fused_split   GEMM+RS only: as ``fused``, with tuning gemm_rs_push=split (a ring of stock CUTLASS GEMMs,
                 one per segment, the copy engine between them), in configuration 0 (cooperative 128x256)
   fused_split2  GEMM+RS only: ``fused_split`` in configuration 2 (ping-pong 128x192, bf16); the tuning table keeps
                 the faster of the two per shape (``split_config``) and the dispatcher runs that one
@@ -32,11 +31,11 @@ Contenders (``--contenders``), each timed on the same inputs:
                 communication off (configuration 0); split2_nocomm: the same in configuration 2
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
-Timing (as the anchors): CUDA events around each call, dist.barrier + cuda synchronize before each
-iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  Unlike the anchors, on GPUs
-a one-element all-reduce sits between the host-hiding sleep and the start event (``--align-start``, default on;
-``--no-align-start`` for the old way): without it the host's skew leaving the barrier (up to ~40 us) was timed on
-whichever rank started first, once the op synchronized the ranks (``benchmarks/results/align_start_ab/``).
+Timing (docs/performance.md): CUDA events around each call, dist.barrier + cuda synchronize before each
+iteration, median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks.  On GPUs a one-element
+all-reduce sits between the host-hiding sleep and the start event (``--align-start``, default on): without it the
+host's skew leaving the barrier (up to ~40 us) was timed on whichever rank started first, once the op synchronized
+the ranks.
 Every contender's output is checked once per shape against an fp32 reference: ||out - ref|| / ||ref||, max over
 ranks.
 
@@ -44,7 +43,7 @@ Order (``--interleave``, default): per shape, every contender but auto is checke
 fluxinductor's, then asynctp), then timed in ``--rounds`` rounds (default 4), each round a share of every
 contender's calls, the order rotated by one per round.  An H200 under sustained GEMM load slows down within
 seconds to a minute; timed one after another, the contenders that ran first (cuBLAS) had the cooler GPU.  Then auto,
-every shape, in its own phase.  ``--no-interleave``: the old phases, every shape per phase: (gemm, comm,
+every shape, in its own phase.  ``--no-interleave``: phases, every shape per phase: (gemm, comm,
 nccl_seq), then (fused_nocomm, split_nocomm, fused, fused_copy, fused_split), then (asynctp), then (auto), each
 contender's calls back to back.  Either way fluxinductor allocates before async-TP: torch's symmetric memory lets a
 backend be chosen (``set_backend``) only before its first allocation, and async-TP allocates with the default
@@ -52,6 +51,9 @@ backend.  With ``--emit-tuning`` the cost-model table is written from this run's
 phase, so ``auto`` measures what users get with that table.  A CUDA error that breaks the context loses
 only the later shapes and phases: ``<out>.json`` is rewritten after every shape (``"complete": false`` until the
 end).
+
+``--tuning key=value[,...]`` sets fluxinductor's kernel-tuning fields (``fluxinductor.settings.set_tuning``) on every
+rank for the whole run, e.g. ``--tuning ag_variant=5`` (a tuning build's AG+GEMM variant); the JSON records them.
 
 Outputs on rank 0: ``<out>.json`` (device, versions, git sha, every raw number), ``<out>.png`` (needs
 matplotlib; skipped with a note otherwise), optionally the cost-model table (``--emit-tuning``), and the
@@ -61,47 +63,55 @@ table printed last.
 from __future__ import annotations
 
 import argparse
-import datetime
-import faulthandler
-import importlib
-import math
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
 import warnings
-import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from _common import DTYPES, ContextBroken, git_sha, write_json
+from harness import (
+    DTYPES,
+    ContextBroken,
+    RunContext,
+    add_tuning_argument,
+    agree,
+    apply_tuning,
+    cell,
+    environment,
+    exit_now,
+    parse_tuning,
+    per_rank_summary,
+    time_iterations,
+    watchdog,
+    write_json,
+)
+from op_contenders import (  # noqa: F401 - the contenders' names stay importable from here
+    CONTENDERS,
+    DISPATCHED,
+    KERNEL_CONTENDERS,
+    OP_LABEL,
+    OP_NAME,
+    OPS,
+    OVERLAPPED,
+    PHASES,
+    TOLERANCE,
+    Problem,
+    _fallbacks,
+    _path_label,
+    _reset_fallbacks,
+    contender_settings,
+    kernel_error_check,
+    rel_err,
+    setup_error,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-OPS = ("ag_gemm", "gemm_rs")
-OP_LABEL = {"ag_gemm": "AG+GEMM", "gemm_rs": "GEMM+RS"}
-OP_NAME = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
-CONTENDERS = ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm", "split_nocomm", "split2_nocomm", "fused",
-              "fused_copy", "fused_split", "fused_split2", "auto")
-PHASES = (("gemm", "comm", "nccl_seq"), ("fused_nocomm", "split_nocomm", "split2_nocomm", "fused", "fused_copy",
-                                         "fused_split", "fused_split2"),
-          ("asynctp",), ("auto",))
-# Contenders whose overlap efficiency and speedups are reported.
-OVERLAPPED = ("fused", "fused_copy", "fused_split", "fused_split2", "auto", "asynctp")
-# Contenders that may run fluxinductor's kernels (whose device-side errors are checked after they run).
-KERNEL_CONTENDERS = ("fused", "fused_copy", "fused_split", "fused_split2", "auto", "fused_nocomm", "split_nocomm",
-                     "split2_nocomm")
-# Contenders that go through the dispatcher: the FLUXINDUCTOR_DISPATCH mode and extra variables of each.
-DISPATCHED = {"fused": ("fused", {}), "fused_copy": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "copy"}),
-              "fused_split": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split", "FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG": "0"}),
-              "fused_split2": ("fused", {"FLUXINDUCTOR_GEMM_RS_PUSH": "split", "FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG": "2"}),
-              "auto": ("auto", {})}
-
-# shared/anchors/README.md shapes, M in {512, 3072} at K=8192 N=28672, and Flux's GEMM+RS demo shape.
+# The reference shapes of docs/performance.md, M in {512, 3072} at K=8192 N=28672, and Flux's GEMM+RS demo shape.
 ANCHOR_SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
                  (1024, 8192, 8192)]
 EXTRA_SHAPES = [(512, 8192, 28672), (3072, 8192, 28672), (4096, 49152, 12288)]
@@ -114,9 +124,6 @@ QUICK_CUDA_SHAPES = [(1024, 8192, 8192), (2048, 8192, 28672)]
 # Divisible by 2, 4 and 8 ranks; odd enough that a transposed or misindexed operand shows.
 QUICK_CPU_SHAPES = [(64, 40, 48), (96, 64, 56)]
 
-# ||out - ref|| / ||ref|| against the fp32 reference (issue 3: <= 1e-2 for bf16).
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,344 +131,21 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 # ---------------------------------------------------------------------------------------------------
 
 
-class Ctx:
+class Ctx(RunContext):
+    """One rank of a bench_ops run: the process group, the dtype, the timing settings."""
+
     def __init__(self, args: argparse.Namespace):
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", str(self.rank)))
-        want = args.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        self.is_cuda = want == "cuda"
+        super().__init__(args.device, args.pg_timeout, default_port=29517)
         self.hide_host = args.host_overhead == "hidden"
         self.align_start = args.align_start
-        if self.is_cuda:
-            if not torch.cuda.is_available():
-                raise SystemExit("--device cuda but CUDA is not available")
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
         self.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if self.is_cuda else torch.float32)
-        self.backend = "nccl" if self.is_cuda else "gloo"
-        timeout = datetime.timedelta(seconds=args.pg_timeout)
-        if "MASTER_ADDR" not in os.environ:  # a plain `python bench_ops.py`: one rank
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-        kwargs = dict(backend=self.backend, timeout=timeout)
-        if self.is_cuda:
-            kwargs["device_id"] = self.device
-        try:
-            dist.init_process_group(**kwargs)
-        except TypeError:  # older torch without device_id
-            kwargs.pop("device_id", None)
-            dist.init_process_group(**kwargs)
         self.group = dist.group.WORLD
         self.align_token = torch.zeros(1, device=self.device) if self.is_cuda else None
         self.group_name = self.group.group_name
-        self.world = dist.get_world_size()
-        self.rank = dist.get_rank()
         self.warmup = args.warmup
         self.iters = args.iters
         self.b_layout = args.b_layout
         self.seed = args.seed
-        self.broken: Optional[str] = None
-
-    def barrier(self) -> None:
-        if self.is_cuda:
-            dist.barrier(device_ids=[self.local_rank])
-        else:
-            dist.barrier()
-
-    def sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
-
-    def gather(self, obj):
-        """Every rank's ``obj``, in rank order (pickled; small objects only)."""
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def device_name(self) -> str:
-        return torch.cuda.get_device_name(self.device) if self.is_cuda else "cpu"
-
-
-def context_ok(ctx: Ctx) -> bool:
-    """False once a CUDA error has made the context unusable (later work would only fail or hang)."""
-    if not ctx.is_cuda:
-        return True
-    try:
-        torch.cuda.synchronize()
-        return True
-    except Exception as e:  # noqa: BLE001
-        ctx.broken = ctx.broken or f"{type(e).__name__}: {e}"
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------
-# Problems: inputs, fp32 references and one callable per contender
-# ---------------------------------------------------------------------------------------------------
-
-
-def _randn(shape, ctx: Ctx, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    t = torch.randn(shape, generator=gen, device=ctx.device, dtype=torch.float32)
-    return (t * scale).to(ctx.dtype)
-
-
-def _make_b(k: int, n: int, ctx: Ctx, gen: torch.Generator) -> torch.Tensor:
-    """B: [k, n].  Layout "t" is what nn.Linear graphs pass (weight [n, k] transposed, column major)."""
-    scale = 1.0 / math.sqrt(k)
-    if ctx.b_layout == "t":
-        return _randn((n, k), ctx, gen, scale).t()
-    return _randn((k, n), ctx, gen, scale)
-
-
-def _all_gather(t: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-    out = t.new_empty((ctx.world * t.shape[0],) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=ctx.group)
-    return out
-
-
-def _reduce_scatter(t: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-    out = t.new_empty((t.shape[0] // ctx.world,) + tuple(t.shape[1:]))
-    dist.reduce_scatter_tensor(out, t.contiguous(), group=ctx.group)
-    return out
-
-
-class Problem:
-    """One op at one global shape on this rank: inputs, fp32 references, contender callables.
-
-    ``contender(name)`` returns ``(fn, ref)``: ``fn()`` runs the contender once and returns its output,
-    ``ref`` is the fp32 tensor that output must match.
-    """
-
-    def __init__(self, op: str, shape: Tuple[int, int, int], ctx: Ctx):
-        self.op, self.ctx = op, ctx
-        m, k, n = shape
-        w = ctx.world
-        gen = torch.Generator(device=ctx.device)
-        # Same inputs in every phase and run; different on every rank.
-        gen.manual_seed(zlib.crc32(f"{ctx.seed}:{op}:{m}x{k}x{n}".encode()) * 131 + ctx.rank)
-        if op == "ag_gemm":
-            self.shard = _randn((m // w, k), ctx, gen)  # shard: [M/w, K]
-            self.b = _make_b(k, n // w, ctx, gen)  # b: [K, N/w]
-            self.gathered = _all_gather(self.shard, ctx)  # [M, K], exact (a copy)
-            self.ref_out = self.gathered.float() @ self.b.float()  # [M, N/w]
-            self.local_shapes = {"a_shard": [m // w, k], "b": [k, n // w], "out": [m, n // w]}
-        else:
-            self.a = _randn((m, k // w), ctx, gen)  # a: [M, K/w]
-            self.b = _make_b(k // w, n, ctx, gen)  # b: [K/w, N]
-            self.ref_partial = self.a.float() @ self.b.float()  # [M, N]
-            self.ref_out = _reduce_scatter(self.ref_partial, ctx)  # [M/w, N]
-            self.partial = torch.mm(self.a, self.b)  # the bf16 partial the comm contender scatters
-            self.local_shapes = {"a": [m, k // w], "b": [k // w, n], "out": [m // w, n]}
-        ctx.sync()
-
-    def contender(self, name: str) -> Tuple[Callable[[], torch.Tensor], torch.Tensor]:
-        ctx, group = self.ctx, self.ctx.group
-        w = ctx.world
-        if self.op == "ag_gemm":
-            shard, b, gathered = self.shard, self.b, self.gathered
-            m, k = gathered.shape
-            if name == "gemm":
-                return (lambda: torch.mm(gathered, b)), self.ref_out
-            if name == "comm":
-                buf = torch.empty_like(gathered)
-
-                def comm():
-                    dist.all_gather_into_tensor(buf, shard, group=group)
-                    return buf
-
-                return comm, gathered.float()
-            if name == "nccl_seq":
-
-                def nccl_seq():
-                    full = shard.new_empty((m, k))
-                    dist.all_gather_into_tensor(full, shard, group=group)
-                    return torch.mm(full, b)
-
-                return nccl_seq, self.ref_out
-            if name == "asynctp":
-                fused_ag = torch.ops.symm_mem.fused_all_gather_matmul
-                gn = ctx.group_name
-                return (lambda: fused_ag(shard, [b], 0, gn, return_A=False)[1][0]), self.ref_out
-            if name in ("fused", "auto"):
-                op = torch.ops.fluxinductor.all_gather_matmul
-                gn = ctx.group_name
-                return (lambda: op(shard, [b], [None], 0, gn, False)[0][0]), self.ref_out
-            if name == "fused_nocomm":
-                gemm_only = importlib.import_module("fluxinductor.kernels.ag_gemm").gemm_only
-                return (lambda: gemm_only(gathered, b, None)), self.ref_out
-        else:
-            a, b, partial = self.a, self.b, self.partial
-            m, n = partial.shape
-            if name == "gemm":
-                return (lambda: torch.mm(a, b)), self.ref_partial
-            if name == "comm":
-                buf = partial.new_empty((m // w, n))
-
-                def comm():
-                    dist.reduce_scatter_tensor(buf, partial, group=group)
-                    return buf
-
-                return comm, self.ref_out
-            if name == "nccl_seq":
-
-                def nccl_seq():
-                    p = torch.mm(a, b)
-                    out = p.new_empty((m // w, n))
-                    dist.reduce_scatter_tensor(out, p, group=group)
-                    return out
-
-                return nccl_seq, self.ref_out
-            if name == "asynctp":
-                fused_rs = torch.ops.symm_mem.fused_matmul_reduce_scatter
-                gn = ctx.group_name
-                return (lambda: fused_rs(a, b, "sum", 0, gn)), self.ref_out
-            if name in DISPATCHED:
-                op = torch.ops.fluxinductor.matmul_reduce_scatter
-                gn = ctx.group_name
-                return (lambda: op(a, b, None, "sum", 0, gn)), self.ref_out
-            if name in ("fused_nocomm", "split_nocomm", "split2_nocomm"):
-                gemm_only = importlib.import_module("fluxinductor.kernels.gemm_rs").gemm_only
-                split = name != "fused_nocomm"
-                config = 2 if name == "split2_nocomm" else 0
-                return (lambda: gemm_only(a, b, None, split=split, split_config_choice=config)), self.ref_partial
-        raise ValueError(f"unknown contender {name!r}")
-
-
-def rel_err(out, ref: torch.Tensor) -> float:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"returned {type(out).__name__}, expected a tensor")
-    if tuple(out.shape) != tuple(ref.shape):
-        raise ValueError(f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
-    ref_norm = ref.norm().item()
-    err = (out.float() - ref).norm().item()
-    if not math.isfinite(err):
-        return float("inf")
-    return err / ref_norm if ref_norm > 0 else err
-
-
-# ---------------------------------------------------------------------------------------------------
-# Availability and dispatch mode per contender
-# ---------------------------------------------------------------------------------------------------
-
-_setup_errors: Dict[str, Optional[str]] = {}
-
-
-def _import_fluxinductor() -> Optional[str]:
-    try:
-        import fluxinductor  # noqa: F401  (registers torch.ops.fluxinductor.*)
-        from fluxinductor import log  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return f"import fluxinductor failed: {type(e).__name__}: {e}"
-    return None
-
-
-def _setup_asynctp(ctx: Ctx) -> Optional[str]:
-    if not ctx.is_cuda:
-        return "unavailable: async-TP needs CUDA tensors and torch symmetric memory"
-    try:
-        from fluxinductor.kernels.symm import _enable_group  # registers the group where torch needs it
-
-        _enable_group(ctx.group_name)
-        torch.ops.symm_mem.fused_all_gather_matmul  # noqa: B018 - raises if the op is not registered
-        torch.ops.symm_mem.fused_matmul_reduce_scatter  # noqa: B018
-    except Exception as e:  # noqa: BLE001
-        return f"unavailable: async-TP setup failed: {type(e).__name__}: {e}"
-    return None
-
-
-def setup_error(name: str, op: str, ctx: Ctx) -> Optional[str]:
-    """Why ``name`` cannot run at all here (None when it can be tried)."""
-    key = f"{name}:{op}"
-    if key in _setup_errors:
-        return _setup_errors[key]
-    err: Optional[str] = None
-    if name == "asynctp":
-        if "asynctp:*" not in _setup_errors:
-            _setup_errors["asynctp:*"] = _setup_asynctp(ctx)
-        err = _setup_errors["asynctp:*"]
-    elif name == "fused_copy" and op != "gemm_rs":
-        err = "unavailable: the copy-engine transport is GEMM+RS's"
-    elif name in ("fused_split", "fused_split2") and op != "gemm_rs":
-        err = "unavailable: the split transport is GEMM+RS's"
-    elif name in DISPATCHED:
-        err = _import_fluxinductor()
-    elif name in ("split_nocomm", "split2_nocomm") and op != "gemm_rs":
-        err = "unavailable: the split transport is GEMM+RS's"
-    elif name in ("fused_nocomm", "split_nocomm", "split2_nocomm"):
-        if not ctx.is_cuda:
-            err = "unavailable: the fused kernel needs CUDA"
-        else:
-            module = "fluxinductor.kernels." + ("ag_gemm" if op == "ag_gemm" else "gemm_rs")
-            try:
-                if not hasattr(importlib.import_module(module), "gemm_only"):
-                    err = f"unavailable: {module} has no gemm_only"
-            except Exception as e:  # noqa: BLE001
-                err = f"unavailable: import {module} failed: {type(e).__name__}: {e}"
-    _setup_errors[key] = err
-    return err
-
-
-class DispatchMode:
-    """Set FLUXINDUCTOR_DISPATCH (and the contender's other variables, :data:`DISPATCHED`) for one contender;
-    the dispatcher reads os.environ at call time.  ``None``: a contender that does not go through it."""
-
-    def __init__(self, name: Optional[str]):
-        mode, extra = DISPATCHED.get(name, (None, {})) if name is not None else (None, {})
-        self.values = dict(extra, **({"FLUXINDUCTOR_DISPATCH": mode} if mode is not None else {}))
-        self.prev: Dict[str, Optional[str]] = {}
-
-    def __enter__(self):
-        self.prev = {key: os.environ.get(key) for key in self.values}
-        os.environ.update(self.values)
-        return self
-
-    def __exit__(self, *exc):
-        for key, value in self.prev.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        return False
-
-
-def _fallbacks(op: str) -> Dict[str, int]:
-    from fluxinductor.log import rewrite_stats
-
-    return dict(rewrite_stats().get("fallbacks", {}).get(OP_NAME[op], {}))
-
-
-def kernel_error_check(op: str, ctx: "Ctx") -> None:
-    """Raise the error a fused kernel reported on the device (a timed-out flag wait shows only here or on
-    the next call).  Best effort: a kernel module without this API is not checked."""
-    try:
-        if op == "ag_gemm":
-            check = importlib.import_module("fluxinductor.kernels.ag_gemm").check_errors
-            call = lambda: check(ctx.device, synchronize=True)  # noqa: E731
-        else:
-            check = importlib.import_module("fluxinductor.kernels.gemm_rs").check_error
-            call = lambda: check(ctx.group_name, ctx.device, synchronize=True)  # noqa: E731
-    except (ImportError, AttributeError):
-        return
-    call()
-
-
-def _path_label(fell_back: Dict[str, int]) -> str:
-    """"asynctp: ..." when every call the dispatcher did not fuse ran PyTorch's async-TP op, else
-    "decomposed: ..." (with the recorded reasons)."""
-    kind = "asynctp" if all(r.startswith("cost model chose asynctp") for r in fell_back) else "decomposed"
-    return f"{kind}: " + "; ".join(fell_back)
-
-
-def _reset_fallbacks() -> None:
-    from fluxinductor.log import reset_rewrite_stats
-
-    reset_rewrite_stats()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -475,34 +159,18 @@ def time_calls(ctx: Ctx, fn: Callable[[], object], warmup: Optional[int] = None,
     ``ctx.iters``), barrier + synchronize before each."""
     warmup = ctx.warmup if warmup is None else warmup
     iters = ctx.iters if iters is None else iters
-    times: List[float] = []
-    if ctx.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(warmup + iters):
-        ctx.barrier()
-        ctx.sync()
-        if ctx.is_cuda:
-            if ctx.hide_host:
-                # Keep the GPU busy while the host enqueues the call, so every contender's number is its
-                # device time; host-side launch cost (larger for the fused ops' Python) stays out.
-                torch.cuda._sleep(2_000_000)
-            if ctx.align_start:
-                # A one-element all-reduce behind the sleep: every GPU's start event waits for the slowest rank,
-                # so the host's skew between ranks leaving the barrier is not timed (it lands on whichever rank
-                # starts first once the op synchronizes the ranks).
-                dist.all_reduce(ctx.align_token, group=ctx.group)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            t = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(float(t))
-    return times
+    # Hidden host: a GPU sleep keeps the GPU busy while the host enqueues the call, so every contender's number is its
+    # device time; host-side launch cost (larger for the fused ops' Python) stays out.
+    sleep_cycles = 2_000_000 if ctx.is_cuda and ctx.hide_host else None
+    align = None
+    if ctx.is_cuda and ctx.align_start:
+        # A one-element all-reduce behind the sleep: every GPU's start event waits for the slowest rank, so the
+        # host's skew between ranks leaving the barrier is not timed (it lands on whichever rank starts first once
+        # the op synchronizes the ranks).
+        def align():
+            dist.all_reduce(ctx.align_token, group=ctx.group)
+
+    return time_iterations(ctx, fn, warmup, iters, sleep_cycles=sleep_cycles, before_start=align)[0]
 
 
 def check_contender(ctx: Ctx, problem: Problem, name: str) -> Tuple[dict, Optional[Callable[[], object]]]:
@@ -516,7 +184,7 @@ def check_contender(ctx: Ctx, problem: Problem, name: str) -> Tuple[dict, Option
     fn = None
     if err is None:
         try:
-            with DispatchMode(name if uses_dispatch else None):
+            with contender_settings(name if uses_dispatch else None):
                 fn, ref = problem.contender(name)
                 if uses_dispatch:
                     _reset_fallbacks()
@@ -534,19 +202,16 @@ def check_contender(ctx: Ctx, problem: Problem, name: str) -> Tuple[dict, Option
         except Exception as e:  # noqa: BLE001
             local["error"] = f"{type(e).__name__}: {e}"
             local["traceback"] = traceback.format_exc(limit=6)
-            if not context_ok(ctx):
+            if not ctx.context_ok():
                 raise ContextBroken(f"{name} on {OP_LABEL[op]} broke the CUDA context: {ctx.broken}") from e
     else:
         local["error"] = err
 
     # Every rank must agree whether to time it, or the ranks would wait on each other forever.
-    everyone = ctx.gather({"error": local["error"], "rel_err": local["rel_err"], "path": local["path"]})
-    errors = [r["error"] for r in everyone]
+    everyone, error = agree(ctx, {"error": local["error"], "rel_err": local["rel_err"], "path": local["path"]})
     record: dict = {"ms": None, "error": None, "rel_err": None, "path": local["path"]}
-    if any(e is not None for e in errors):
-        first = next(e for e in errors if e is not None)
-        failed = [i for i, e in enumerate(errors) if e is not None]
-        record["error"] = first if len(failed) == ctx.world else f"rank(s) {failed}: {first}"
+    if error is not None:
+        record["error"] = error
         if "traceback" in local:
             record["traceback_rank%d" % ctx.rank] = local["traceback"]
         return record, None
@@ -562,7 +227,7 @@ def time_contender(ctx: Ctx, op: str, name: str, fn: Callable[[], object], recor
     uses_dispatch = name in DISPATCHED
     local: dict = {"error": None, "times": None, "path": record.get("path")}
     try:
-        with DispatchMode(name if uses_dispatch else None):
+        with contender_settings(name if uses_dispatch else None):
             if uses_dispatch:
                 _reset_fallbacks()
             times = time_calls(ctx, fn, warmup, iters)
@@ -577,7 +242,7 @@ def time_contender(ctx: Ctx, op: str, name: str, fn: Callable[[], object], recor
         local["times"] = times
     except Exception as e:  # noqa: BLE001
         local["error"] = f"while timing: {type(e).__name__}: {e}"
-        if not context_ok(ctx):
+        if not ctx.context_ok():
             raise ContextBroken(f"{name} on {OP_LABEL[op]} broke the CUDA context: {ctx.broken}") from e
     everyone = ctx.gather({"error": local["error"], "times": local["times"], "path": local["path"]})
     errors = [r["error"] for r in everyone]
@@ -595,11 +260,7 @@ def time_contender(ctx: Ctx, op: str, name: str, fn: Callable[[], object], recor
 def summarize(record: dict) -> None:
     """ms (the maximum over ranks of each rank's median), per-rank medians and the median of per-call maxima, from
     the record's per-rank times."""
-    per_rank = record["iter_ms"]
-    medians = [statistics.median(t) for t in per_rank]
-    record["ms"] = max(medians)
-    record["rank_median_ms"] = medians
-    record["iter_max_median_ms"] = statistics.median(max(col) for col in zip(*per_rank))
+    record.update(per_rank_summary(record["iter_ms"]))
 
 
 def measure(ctx: Ctx, problem: Problem, name: str) -> dict:
@@ -668,13 +329,8 @@ def derive(entry: dict) -> None:
     entry["split2_nocomm_over_gemm"] = (t_snc2 / t_gemm) if (t_snc2 and t_gemm) else None
 
 
-def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
-    sha, dirty = git_sha()
-    env = {
-        "device": ctx.device_name(),
-        "world": ctx.world,
-        "backend": ctx.backend,
-        "dtype": str(ctx.dtype).replace("torch.", ""),
+def run_environment(ctx: Ctx, args: argparse.Namespace, tuning_values: dict) -> dict:
+    return environment(ctx, ctx.dtype, {
         "b_layout": ctx.b_layout,
         "timer": "cuda_events" if ctx.is_cuda else "perf_counter",
         "host_overhead": ("hidden" if ctx.hide_host else "exposed") if ctx.is_cuda else "exposed",
@@ -683,39 +339,7 @@ def environment(ctx: Ctx, args: argparse.Namespace) -> dict:
         "iters": ctx.iters,
         "order": (f"interleaved, {len(round_sizes(ctx.iters, args.rounds))} rounds" if args.interleave
                   else "phases"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "git_sha": sha,
-        "git_dirty": dirty,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "argv": sys.argv,
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("NCCL_", "TORCH_SYMM_MEM", "NVSHMEM_", "FLUXINDUCTOR_", "CUDA_VISIBLE"))},
-    }
-    if ctx.is_cuda:
-        try:
-            v = torch.cuda.nccl.version()
-            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:  # noqa: BLE001
-            pass
-        props = torch.cuda.get_device_properties(ctx.device)
-        env["sm_count"] = props.multi_processor_count
-        env["total_memory_gib"] = round(props.total_memory / 2**30, 1)
-        env["capability"] = f"{props.major}.{props.minor}"
-    try:
-        importlib.import_module("fluxinductor._C")
-        env["fluxinductor_extension"] = "loaded"
-    except Exception as e:  # noqa: BLE001
-        env["fluxinductor_extension"] = f"not loaded: {type(e).__name__}: {e}"
-    return env
-
-
-def _f(x, fmt: str = "{:.3f}", width: int = 8) -> str:
-    s = "-" if x is None else fmt.format(x)
-    return s.rjust(width)
+    }, tuning_values=tuning_values)
 
 
 def format_table(data: dict) -> str:
@@ -738,77 +362,31 @@ def format_table(data: dict) -> str:
         auto_path = (r["contenders"].get("auto", {}).get("path") or "-").split(":")[0]
         lines.append(
             f"{r['op']:8}{r['M']:>6}{r['K']:>6}{r['N']:>6} |"
-            + "".join(_f(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm",
+            + "".join(cell(ms.get(c)) for c in ("gemm", "comm", "nccl_seq", "asynctp", "fused_nocomm",
                                                "split_nocomm", "split2_nocomm", "fused", "fused_copy",
                                                "fused_split", "fused_split2", "auto"))
-            + " |" + "".join(_f(E.get(c), "{:.2f}", 6) for c in ("fused", "auto", "asynctp"))
-            + " |" + _f(s_seq.get("fused"), "{:.2f}x") + _f(s_atp.get("fused"), "{:.2f}x")
-            + _f(s_seq.get("auto"), "{:.2f}x") + _f(r.get("fused_nocomm_over_gemm"), "{:.3f}")
-            + " |" + _f(maxerr, "{:.1e}") + ("!" if bad else " ") + auto_path
+            + " |" + "".join(cell(E.get(c), "{:.2f}", 6) for c in ("fused", "auto", "asynctp"))
+            + " |" + cell(s_seq.get("fused"), "{:.2f}x") + cell(s_atp.get("fused"), "{:.2f}x")
+            + cell(s_seq.get("auto"), "{:.2f}x") + cell(r.get("fused_nocomm_over_gemm"), "{:.3f}")
+            + " |" + cell(maxerr, "{:.1e}") + ("!" if bad else " ") + auto_path
         )
     lines.append("E = 1 - (T - T_gemm)/(T_nccl_seq - T_gemm); x/y = speedup of x over y (T_y / T_x); "
                  "nc/gemm = fused_nocomm / cuBLAS; '!' = an output failed its check; '-' = not measured")
     return "\n".join(lines)
 
 
-def split_columns(c: dict, ok) -> dict:
-    """A tuning row's split transport columns: the faster configuration's time (configuration 2 only where it beat 0
-    by more than the cost model's noise margin), which one (``split_config``), and both times for the record."""
-    from fluxinductor import cost_model
-
-    times = {cfg: c.get(name, {}).get("ms") for cfg, name in ((0, "fused_split"), (2, "fused_split2"))}
-    oks = {cfg: ok(name) for cfg, name in ((0, "fused_split"), (2, "fused_split2"))}
-    usable = {cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False}
-    config = 0
-    if 2 in usable and (0 not in usable or usable[2] < usable[0] * (1.0 - cost_model.MIN_GAIN)):
-        config = 2
-    cols = {"fused_split_ms": times[config], "fused_split_ok": oks[config]}
-    if times[2] is not None or oks[2] is not None:
-        cols.update(split_config=config, fused_split_config_ms={str(cfg): t for cfg, t in times.items()})
-    return cols
-
-
-def tuning_table(data: dict, out_json: str):
-    from fluxinductor import cost_model
-
-    env = data["environment"]
-    entries = []
-    for r in data["results"]:
-        c = r["contenders"]
-        seq = c.get("nccl_seq", {}).get("ms")
-        if seq is None:
-            continue
-
-        def ok(name: str) -> Optional[bool]:  # None where the path has no time to judge
-            rec = c.get(name, {})
-            return rec.get("rel_ok") if rec.get("ms") is not None else None
-
-        entries.append({
-            "op": OP_NAME[r["op_key"]], "m": r["M"], "k": r["K"], "n": r["N"],
-            "fused_ms": c.get("fused", {}).get("ms"),
-            "fused_ok": ok("fused"),
-            "fused_error": c.get("fused", {}).get("error"),
-            "sequential_ms": seq,
-            "gemm_ms": c.get("gemm", {}).get("ms"),
-            "fused_copy_ms": c.get("fused_copy", {}).get("ms"),
-            "fused_copy_ok": ok("fused_copy"),
-            **split_columns(c, ok),
-            "asynctp_ms": c.get("asynctp", {}).get("ms"),
-            "asynctp_ok": ok("asynctp"),
-            "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),
-        })
-    source = {"bench_json": os.path.relpath(out_json, REPO) if out_json.startswith(REPO) else out_json,
-              "git_sha": env["git_sha"], "timestamp": env["timestamp"], "torch": env["torch"],
-              "nccl": env["nccl"], "b_layout": env["b_layout"], "iters": env["iters"]}
-    return cost_model, cost_model.make_table(env["device"], env["world"], env["dtype"], entries, source)
-
-
 def emit_tuning(data: dict, out_json: str, path_spec: str, merge: bool) -> str:
-    cost_model, table = tuning_table(data, out_json)
+    """Write this run's cost-model table (fluxinductor.tuning_table) where ``path_spec`` says ("auto": the packaged
+    folder; {device_key} and {world} are substituted); returns the path."""
+    from fluxinductor import tuning_table
+
+    bench_json = os.path.relpath(out_json, REPO) if out_json.startswith(REPO) else out_json
+    table = tuning_table.table_from_bench(data, bench_json)
     if path_spec == "auto":
-        path_spec = os.path.join(REPO, "fluxinductor", "tuning", "{device_key}_tp{world}.json")
-    path = path_spec.format(device_key=table["device_key"], world=table["world"])
-    cost_model.write_table(path, table, merge=merge)
+        path = tuning_table.table_file(os.path.join(REPO, "fluxinductor", "tuning"), table)
+    else:
+        path = path_spec.format(device_key=table["device_key"], world=table["world"])
+    tuning_table.write_table(path, table, merge=merge)
     return path
 
 
@@ -897,8 +475,7 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--host-overhead", choices=("hidden", "exposed"), default="hidden",
                    help="hidden (default): a GPU sleep before the start event lets the host enqueue each call "
-                   "first, so times are device times; exposed: the GPU idles while the host launches (the "
-                   "anchors' method), so host-side launch cost is in every number")
+                   "first, so times are device times; exposed: the GPU idles while the host launches, so host-side launch cost is in every number")
     p.add_argument("--align-start", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU only (default on): start each timed call after a one-element all-reduce, so every "
                         "rank's start event follows the slowest rank's (the host's skew between ranks is not timed)")
@@ -908,6 +485,7 @@ def build_args(argv=None) -> argparse.Namespace:
                         "--no-interleave: each contender's calls back to back, in phases (every shape per phase)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per shape with --interleave (default 4)")
     p.add_argument("--seed", type=int, default=0)
+    add_tuning_argument(p)
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--contender-timeout", type=float, default=180.0,
                    help="seconds one contender (check + warm-ups + timed calls) may take before the run exits")
@@ -920,6 +498,10 @@ def build_args(argv=None) -> argparse.Namespace:
     for name in args.ops.split(","):
         if name not in OPS:
             p.error(f"unknown op {name!r}")
+    try:
+        parse_tuning(args.tuning)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -928,6 +510,7 @@ def main(argv=None) -> int:
     # torch >= 2.12 deprecates all_gather_into_tensor / reduce_scatter_tensor by name; 2.11 has no successor.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     ctx = Ctx(args)
+    tuning_values = apply_tuning(args.tuning)
     ops = [o for o in OPS if o in args.ops.split(",")]
     contenders = [c for c in CONTENDERS if c in args.contenders.split(",")]
     default = (QUICK_CUDA_SHAPES if ctx.is_cuda else QUICK_CPU_SHAPES) if args.quick else DEFAULT_SHAPES
@@ -943,7 +526,7 @@ def main(argv=None) -> int:
         else:
             notes.append(f"skipped {OP_LABEL[op]} {m}x{k}x{n}: does not split over {ctx.world} ranks")
 
-    data = {"schema": "fluxinductor.bench_ops/1", "complete": False, "environment": environment(ctx, args),
+    data = {"schema": "fluxinductor.bench_ops/1", "complete": False, "environment": run_environment(ctx, args, tuning_values),
             "contenders": contenders, "notes": notes, "results": []}
     by_key: Dict[Tuple[str, Tuple[int, int, int]], dict] = {}
     for op, (m, k, n) in work:
@@ -1009,16 +592,11 @@ def main(argv=None) -> int:
                 together = args.interleave and len(names) > 1
                 for group in ([names] if together else [[name] for name in names]):
                     mark(f"{label} {','.join(group)}")
-                    # A contender that hangs (a flag never set, a peer stuck in a collective) must not eat
-                    # the whole device call: dump every thread's stack and exit; the JSON is already saved.
-                    faulthandler.dump_traceback_later(args.contender_timeout * len(group), exit=True)
-                    try:
+                    with watchdog(args.contender_timeout * len(group)):
                         if together:
                             records = measure_interleaved(ctx, problem, group, args.rounds)
                         else:
                             records = {group[0]: measure(ctx, problem, group[0])}
-                    finally:
-                        faulthandler.cancel_dump_traceback_later()
                     for name in group:
                         record = records[name]
                         if record.get("rel_err") is not None:
@@ -1034,8 +612,7 @@ def main(argv=None) -> int:
         if ctx.rank == 0:
             save()
             print(format_table(data), flush=True)
-        sys.stdout.flush()
-        os._exit(3)  # collectives cannot run any more; the peers fail on their own timeouts
+        exit_now(3)  # collectives cannot run any more; the peers fail on their own timeouts
 
     data["complete"] = True
     save()
@@ -1062,9 +639,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Everything is written; skip process-group and symmetric-memory teardown, which has hung at exit
-    # in some torch/NVSHMEM versions and would cost a device call its outputs' time.
-    os._exit(rc)
+    # Everything is written; skip process-group and symmetric-memory teardown.
+    exit_now(main())

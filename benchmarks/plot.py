@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plot a bench_ops JSON: per op, time per contender per shape, absolute and relative to NCCL sequential.
 
-    python benchmarks/plot.py benchmarks/results/h200x2_tp2_ops.json [out.png]
+    python benchmarks/plot.py benchmarks/results/h200x2_tp2_ops_rs.json [out.png]
 
 ``bench_ops.py`` calls :func:`plot_results` itself after a run; this CLI redraws from a committed JSON.
 """

@@ -1,8 +1,8 @@
 """Print a markdown table of a bench_ops or bench_model JSON (what README.md's tables are pasted from).
 
-    python benchmarks/report.py benchmarks/results/h200x2_tp2_ops.json
+    python benchmarks/report.py benchmarks/results/h200x2_tp2_ops_rs.json
     python benchmarks/report.py benchmarks/results/h200x2_tp2_model.json
-    python benchmarks/report.py benchmarks/results/h200x4_tp4_ops.json fluxinductor/tuning/nvidia_h200_tp4.json
+    python benchmarks/report.py benchmarks/results/h200x4_tp4_ops_ag.json fluxinductor/tuning/nvidia_h200_tp4.json
 
 With a cost-model table as second argument, an op table shows the fused kernel against each contender and
 the path that table picks by default for each shape (the "auto" column of a run is measured with the table
@@ -100,4 +100,6 @@ def main(path: str, table_path: str = "") -> None:
 
 
 if __name__ == "__main__":
-    main(*(sys.argv[1:3] if len(sys.argv) > 1 else ["benchmarks/results/h200x2_tp2_ops.json"]))
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(*sys.argv[1:3])

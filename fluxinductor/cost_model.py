@@ -50,16 +50,16 @@ before committing it).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import re
 import threading
 from typing import Dict, List, Optional, Tuple
 
-from fluxinductor import settings
+from fluxinductor import settings, tuning_table
+# The table format (read, written, merged) is tuning_table's; these names stay importable from here.
+from fluxinductor.tuning_table import TABLE_FORMAT, load_table, make_table, merge_tables, write_table  # noqa: F401
 
-TABLE_FORMAT = 1
 # Fused must beat sequential by more than this fraction of the sequential time (medians of 20 runs
 # differ by ~1% between repeated runs on the same machine, so smaller gains are noise).
 MIN_GAIN = 0.01
@@ -94,7 +94,6 @@ _OP_ALIASES = {
 _HALF_DTYPES = ("bfloat16", "float16")
 
 _lock = threading.Lock()
-_tables: Dict[str, Tuple[float, Optional[dict]]] = {}  # path -> (mtime, table or None)
 _generation = 0  # clear_cache() calls (table_version)
 
 
@@ -159,35 +158,12 @@ def table_version(device_name: str, world: int) -> tuple:
     return path, mtime, _generation
 
 
-def load_table(path: str) -> Optional[dict]:
-    """The table at ``path`` (re-read when the file changes), or ``None`` if there is none.
-
-    A file that exists but cannot be parsed raises: a broken committed table must not silently turn
-    every decision into "sequential".
-    """
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError:
-        return None
-    with _lock:
-        cached = _tables.get(path)
-        if cached is not None and cached[0] == mtime:
-            return cached[1]
-    with open(path) as f:
-        table = json.load(f)
-    if table.get("format") != TABLE_FORMAT or not isinstance(table.get("entries"), list):
-        raise ValueError(f"{path}: not a fluxinductor tuning table of format {TABLE_FORMAT}")
-    with _lock:
-        _tables[path] = (mtime, table)
-    return table
-
-
 def clear_cache() -> None:
     """Forget every loaded table (they are also re-read whenever their file's mtime changes)."""
     global _generation
     with _lock:
         _generation += 1
-        _tables.clear()
+        tuning_table.forget_loaded()
         _choices.clear()
         _split_configs.clear()
 
@@ -279,7 +255,7 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
 
 # choose() results by (table file, its mtime, arguments): the dispatcher asks on every call of a fused op,
 # and a model repeats a few shapes; the lookup itself (filtering rows, interpolating, formatting the reason)
-# cost ~100 us of host time per call on the 4xH200 machine (benchmarks/host_overhead.py).
+# cost ~100 us of host time per call on the 4xH200 machine (benchmarks/probes/host_overhead.py).
 _choices: Dict[tuple, Tuple[str, str]] = {}
 _split_configs: Dict[tuple, Optional[int]] = {}
 _MAX_CHOICES = 4096
@@ -371,69 +347,6 @@ def _choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype
     if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
         return "sequential", f"the tuning table for {key} tp{int(world)} was measured in {have}, not {want}"
     return choose_from_table(table, op, int(m), int(k), int(n), tuple(paths))
-
-
-def make_table(
-    device_name: str, world: int, dtype, entries: List[dict], source: Optional[dict] = None
-) -> dict:
-    """A table in the format :func:`choose` reads.
-
-    ``entries``: dicts with ``op, m, k, n, fused_ms, sequential_ms`` (``fused_ms`` None where the fused
-    kernel was unavailable), optionally ``fused_copy_ms``, ``fused_split_ms``, ``asynctp_ms``, ``<path>_ok`` (False when that path's output failed
-    the check) and any other measured numbers, which are kept for the record.
-    """
-    rows = []
-    for e in entries:
-        row = dict(e)
-        row["op"] = canonical_op(row["op"])
-        for field in ("m", "k", "n"):
-            row[field] = int(row[field])
-        # What the default dispatch picks (a fused kernel or sequential), and with async-TP allowed.
-        row["choice"] = _decide(_gains(row, DEFAULT_PATHS), "")[0]
-        row["choice_with_asynctp"] = _decide(_gains(row, PATHS), "")[0]
-        rows.append(row)
-    rows.sort(key=lambda r: (r["op"], r["k"], r["n"], r["m"]))
-    return {
-        "format": TABLE_FORMAT,
-        "device": device_name,
-        "device_key": device_key(device_name),
-        "world": int(world),
-        "dtype": dtype_name(dtype),
-        "min_gain": MIN_GAIN,
-        "source": source or {},
-        "entries": rows,
-    }
-
-
-def merge_tables(old: Optional[dict], new: dict) -> dict:
-    """``new`` plus the rows of ``old`` (same device and world) for shapes ``new`` did not measure."""
-    if not old or old.get("device_key") != new["device_key"] or old.get("world") != new["world"]:
-        return new
-    if dtype_name(old.get("dtype", "")) != new["dtype"]:
-        return new
-    measured = {(r["op"], r["m"], r["k"], r["n"]) for r in new["entries"]}
-    kept = [r for r in old.get("entries", []) if (canonical_op(r["op"]), r["m"], r["k"], r["n"]) not in measured]
-    merged = dict(new)
-    merged["entries"] = sorted(kept + new["entries"], key=lambda r: (canonical_op(r["op"]), r["k"], r["n"], r["m"]))
-    return merged
-
-
-def write_table(path: str, table: dict, merge: bool = True) -> dict:
-    """Write ``table`` to ``path`` (merged with the rows already there when ``merge``); returns what was written."""
-    if merge and os.path.exists(path):
-        try:
-            with open(path) as f:
-                table = merge_tables(json.load(f), table)
-        except (OSError, ValueError):
-            pass
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-    clear_cache()
-    return table
 
 
 def lookup_description() -> str:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from fluxinductor import cost_model
+from fluxinductor import cost_model, tuning_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "bench_ops.py")
@@ -107,7 +107,6 @@ def _bench_ops():
 def test_split_columns_keep_configuration_2_only_where_it_wins():
     """The tuning row's split transport: configuration 2 (ping-pong) replaces 0 only where it was faster by more than
     the cost model's noise margin and passed its check; both times stay in the row."""
-    bench_ops = _bench_ops()
 
     def columns(t0, t2, ok0=True, ok2=True):
         c = {"fused_split": {"ms": t0, "rel_ok": ok0}, "fused_split2": {"ms": t2, "rel_ok": ok2}}
@@ -115,7 +114,7 @@ def test_split_columns_keep_configuration_2_only_where_it_wins():
         def ok(name):
             return c[name]["rel_ok"] if c[name]["ms"] is not None else None
 
-        return bench_ops.split_columns(c, ok)
+        return tuning_table.split_columns(c, ok)
 
     assert columns(1.00, 0.97) == {"fused_split_ms": 0.97, "fused_split_ok": True, "split_config": 2,
                                    "fused_split_config_ms": {"0": 1.00, "2": 0.97}}
@@ -124,7 +123,7 @@ def test_split_columns_keep_configuration_2_only_where_it_wins():
     assert columns(1.00, 0.90, ok2=False)["split_config"] == 0  # configuration 2 failed its check
     assert columns(None, 0.90, ok0=None)["split_config"] == 2  # 0 did not run
     # Only configuration 0 measured (older runs): no split_config in the row.
-    assert bench_ops.split_columns({"fused_split": {"ms": 1.0, "rel_ok": True}},
+    assert tuning_table.split_columns({"fused_split": {"ms": 1.0, "rel_ok": True}},
                                    lambda name: True if name == "fused_split" else None) == {
         "fused_split_ms": 1.0, "fused_split_ok": True}
 
@@ -246,3 +245,9 @@ def test_round_sizes():
     assert bench_ops.round_sizes(3, 2) == [2, 1]
     assert bench_ops.round_sizes(2, 4) == [1, 1]      # never an empty round
     assert bench_ops.round_sizes(5, 0) == [5]
+
+
+def test_bench_ops_cli_rejects_malformed_tuning(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), "--tuning", "ag_variant"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "'ag_variant' is not key=value" in proc.stderr

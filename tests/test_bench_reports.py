@@ -1,5 +1,5 @@
 """What the README's tables are printed from: benchmarks/report.py's default-path table, and bench_ops's
-per-contender environment (DispatchMode), both without a GPU."""
+per-contender dispatch mode and kernel tuning, and the --tuning parser, all without a GPU."""
 
 from __future__ import annotations
 
@@ -63,15 +63,32 @@ def test_default_path_table_uses_the_chosen_paths_own_time(bench_module, capsys)
     assert rows[5][14:18] == ["fused_split (2)", "0.90", "1.82x", "1.36x"] and rows[5][18].startswith("1.020")
 
 
-def test_dispatch_mode_sets_and_restores_each_contenders_variables(bench_module, monkeypatch):
-    bench_ops = bench_module("bench_ops")
-    monkeypatch.setenv("FLUXINDUCTOR_DISPATCH", "decomposed")
-    monkeypatch.delenv("FLUXINDUCTOR_GEMM_RS_PUSH", raising=False)
-    with bench_ops.DispatchMode("fused_copy"):
-        assert os.environ["FLUXINDUCTOR_DISPATCH"] == "fused"
-        assert os.environ["FLUXINDUCTOR_GEMM_RS_PUSH"] == "copy"
-    assert os.environ["FLUXINDUCTOR_DISPATCH"] == "decomposed" and "FLUXINDUCTOR_GEMM_RS_PUSH" not in os.environ
-    with bench_ops.DispatchMode("auto"):
-        assert os.environ["FLUXINDUCTOR_DISPATCH"] == "auto" and "FLUXINDUCTOR_GEMM_RS_PUSH" not in os.environ
-    with bench_ops.DispatchMode(None):
-        assert os.environ["FLUXINDUCTOR_DISPATCH"] == "decomposed"
+def test_contender_settings_set_and_restore_each_contenders_dispatch_and_tuning(bench_module):
+    settings = pytest.importorskip("fluxinductor.settings", reason="the settings module is not here")
+    op_contenders = bench_module("op_contenders")
+    with settings.override(dispatch="decomposed"):
+        push, split_config = settings.tuning.gemm_rs_push, settings.tuning.gemm_rs_split_config
+        with op_contenders.contender_settings("fused_copy"):
+            assert settings.current.dispatch == "fused" and settings.tuning.gemm_rs_push == "copy"
+        assert settings.current.dispatch == "decomposed" and settings.tuning.gemm_rs_push == push
+        with op_contenders.contender_settings("fused_split2"):
+            assert settings.tuning.gemm_rs_push == "split" and settings.tuning.gemm_rs_split_config == 2
+        assert settings.tuning.gemm_rs_split_config == split_config
+        with op_contenders.contender_settings("auto"):
+            assert settings.current.dispatch == "auto" and settings.tuning.gemm_rs_push == push
+        with op_contenders.contender_settings(None):
+            assert settings.current.dispatch == "decomposed"
+        # a contender's settings are restored when its call raises
+        with pytest.raises(RuntimeError):
+            with op_contenders.contender_settings("fused_copy"):
+                raise RuntimeError("the kernel refused")
+        assert settings.current.dispatch == "decomposed" and settings.tuning.gemm_rs_push == push
+
+
+def test_parse_tuning(bench_module):
+    harness = bench_module("harness")
+    assert harness.parse_tuning("ag_variant=5, gemm_rs_push=copy,asynctp=true") == {
+        "ag_variant": "5", "gemm_rs_push": "copy", "asynctp": "true"}
+    assert harness.parse_tuning(None) == {} and harness.parse_tuning("") == {}
+    with pytest.raises(ValueError, match="not key=value"):
+        harness.parse_tuning("ag_variant")

@@ -312,3 +312,54 @@ def test_copy_transport_is_a_path_of_its_own(flux_settings, tmp_path, monkeypatc
     assert pick(2048, 8192, 28672)[0] == "fused"
     assert [r["choice"] for r in table["entries"]] == ["fused", "fused_copy", "fused"]  # sorted by (k, n, m)
     cost_model.clear_cache()
+
+
+def _bench_result(op_key, m, k, n, **contenders):
+    """One bench_ops result row: contender name -> (ms, passed its check)."""
+    label = {"ag_gemm": "AG+GEMM", "gemm_rs": "GEMM+RS"}[op_key]
+    return {"op": label, "op_key": op_key, "M": m, "K": k, "N": n,
+            "contenders": {name: {"ms": ms, "rel_ok": ok, "error": None if ms is not None else "unavailable"}
+                           for name, (ms, ok) in contenders.items()}}
+
+
+def test_bench_results_round_trip_to_choose(tmp_path, monkeypatch):
+    """A bench_ops run's results -> table -> file -> load -> choose: each path wins where it was measured faster,
+    a failed check or a missing sequential time keeps it out, and the split transport's faster configuration is
+    what the dispatcher is given."""
+    from fluxinductor import tuning_table
+
+    results = [
+        _bench_result("ag_gemm", 4096, 8192, 28672, nccl_seq=(1.5, True), gemm=(1.0, True), fused=(1.2, True)),
+        # fused faster but wrong: never chosen
+        _bench_result("ag_gemm", 4096, 12288, 49152, nccl_seq=(3.7, True), fused=(1.0, False)),
+        # no sequential time: no row
+        _bench_result("ag_gemm", 1024, 8192, 8192, fused=(0.1, True)),
+        # the split transport wins, configuration 2 by more than the noise margin
+        _bench_result("gemm_rs", 8192, 12288, 49152, nccl_seq=(2.0, True), fused=(1.8, True),
+                      fused_copy=(1.9, True), fused_split=(1.5, True), fused_split2=(1.4, True)),
+    ]
+    data = {"environment": {"device": DEVICE, "world": 2, "dtype": "bfloat16", "git_sha": "abc", "timestamp": "t",
+                            "torch": "2.x", "nccl": "2.x", "b_layout": "t", "iters": 20},
+            "results": results}
+    table = tuning_table.table_from_bench(data, "results/run.json")
+    assert table["source"]["bench_json"] == "results/run.json" and table["source"]["git_sha"] == "abc"
+    path = tuning_table.table_file(str(tmp_path), table)
+    assert path == str(tmp_path / "nvidia_h200_tp2.json")
+    tuning_table.write_table(path, table, merge=False)
+    loaded = tuning_table.load_table(path)
+    assert loaded["format"] == tuning_table.TABLE_FORMAT and len(loaded["entries"]) == 3
+    rows = {(r["op"], r["m"], r["k"], r["n"]): r for r in loaded["entries"]}
+    split_row = rows[(RS, 8192, 12288, 49152)]
+    assert split_row["split_config"] == 2 and split_row["fused_split_ms"] == 1.4
+    assert split_row["fused_split_config_ms"] == {"0": 1.5, "2": 1.4}
+    assert rows[(AG, 4096, 12288, 49152)]["fused_ok"] is False
+
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    cost_model.clear_cache()
+    try:
+        assert choose(AG, 4096, 8192, 28672)[0] == "fused"
+        assert choose(AG, 4096, 12288, 49152)[0] == "sequential"
+        assert choose(RS, 8192, 12288, 49152)[0] == "fused_split"
+        assert cost_model.split_config(DEVICE, 2, 8192, 12288, 49152, torch.bfloat16) == 2
+    finally:
+        cost_model.clear_cache()

@@ -8,7 +8,7 @@ copy, a stream memory operation, an output allocation).  Least of ``--reps`` run
 microseconds per call (the collective layers also back to back, wall time per call); rank 0 prints a table and
 writes JSON.
 
-Usage: torchrun --nproc-per-node 2 benchmarks/probe_host_pieces.py --shape 1024x8192x8192 --out pieces.json
+Usage: torchrun --nproc-per-node 2 benchmarks/probes/probe_host_pieces.py --shape 1024x8192x8192 --out pieces.json
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, init_gpu_ranks, write_json  # noqa: E402
 
 
 def least_us(fn, calls: int, reps: int, collective: bool) -> float:
@@ -111,7 +111,9 @@ def main(argv=None) -> int:
         "symm.capturing": symm.capturing,
     }
     rows = []
-    os.environ["FLUXINDUCTOR_DISPATCH"] = "fused"
+    from fluxinductor import settings
+
+    settings.configure(dispatch="fused")
     for name, fn in collective.items():
         rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, True),
                      "b2b_us": back_to_back_us(fn, args.calls, args.reps)})

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """SM clock and board power while each contender runs back to back (one GPU, communication off).
 
-    python3 benchmarks/probe_clocks.py --out $OUT/probe_clocks.json
+    python3 benchmarks/probes/probe_clocks.py --out $OUT/probe_clocks.json
 
-Why: the same kernels rank differently on different machines (csrc/NOTES_gemm_rs.md, session 9: ping-pong split GEMMs
-ahead of the cooperative ones on the one-GPU H200 and behind them on the 2xH200 machine), and an H200 at its power
+Why: the same kernels rank differently on different machines (ping-pong split GEMMs were ahead of the cooperative ones
+on a one-GPU H200 and behind them on a 2xH200 machine), and an H200 at its power
 cap lowers its clock.  If a kernel that draws less power keeps a higher clock under sustained load, its lead there is
 the power cap's, not the kernel's.
 
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, parse_problems, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, parse_problems, write_json  # noqa: E402
 
 PROBLEMS = [(8192, 4096, 28672), (4096, 4096, 57344), (3072, 4096, 28672)]
 SETTLE_S = 0.5
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--problems", default=None, help="M,K,N;M,K,N (per-rank problems); default: " + str(PROBLEMS))
     p.add_argument("--op", choices=["rs-split", "ag"], default="rs-split")
-    p.add_argument("--split-configs", default="0", help="comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values")
+    p.add_argument("--split-configs", default="0", help="comma-separated split GEMM configurations (gemm_rs_split_config)")
     p.add_argument("--variants", default="0", help="--op ag: comma-separated AG+GEMM variants")
     p.add_argument("--seconds", type=float, default=2.5)
     p.add_argument("--rounds", type=int, default=2)
@@ -99,10 +99,7 @@ def main(argv=None) -> int:
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
 
             def split_fn(config):
-                def call():
-                    os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG"] = str(config)
-                    return gemm_rs.gemm_only(a, w, None, out=out, split=True)
-                return call
+                return lambda: gemm_rs.gemm_only(a, w, None, out=out, split=True, split_config_choice=config)
             def ag_fn(variant):
                 return lambda: ag_gemm.launch_gemm(a, w, None, out, variant=variant)
             fns = {"cublas": lambda: torch.mm(a, w)}
@@ -133,7 +130,6 @@ def main(argv=None) -> int:
             write_json(args.out, data)
     finally:
         sampler.terminate()
-        os.environ.pop("FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG", None)
     return 0
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What a copy-engine copy running beside a GEMM costs the GEMM, and why (one GPU).
 
-    python3 benchmarks/probe_contention.py --out $OUT/probe_contention.json
+    python3 benchmarks/probes/probe_contention.py --out $OUT/probe_contention.json
 
 Why: on the 2xH200 machine a full-speed copy-engine pull beside a cuBLAS GEMM cost the GEMM more than the pull alone
-takes (`../shared/anchors/README.md`), the same cost holds the fused AG+GEMM's overlap efficiency at 0.5-0.8, and
-pacing the pull (same bytes, spread out) changed nothing (csrc/NOTES_ag_gemm.md).  A local device-to-device copy on the
+takes, the same cost holds the fused AG+GEMM's overlap efficiency at 0.5-0.8, and
+pacing the pull (same bytes, spread out) changed nothing (docs/design_ag_gemm.md).  A local device-to-device copy on the
 copy engine moves the same bytes through this GPU's HBM and L2 as a pull of the peer's shard does (written here, read
 there; each GPU serves its peer's pull), so one GPU can ask which resource the copy takes from the GEMM:
 
@@ -16,7 +16,7 @@ there; each GPU serves its peer's pull), so one GPU can ask which resource the c
 - ``gemm+copy_l2win=<A|B>``: ``gemm+copy`` with an L2 persisting access-policy window over the GEMM's A or B on the
   GEMM's stream (``cudaLimitPersistingL2CacheSize`` set to the device's maximum for the run, reset after).
 
-Found on one H200 (csrc/NOTES_ag_gemm.md, session 10): the windows slow the GEMM alone by 1-4% and shield nothing,
+Found on one H200: the windows slow the GEMM alone by 1-4% and shield nothing,
 and a same-device ``cudaMemcpyAsync`` runs as an SM kernel there (1.9 TB/s alone; beside a persistent GEMM that holds
 every SM it waits for the GEMM's end), so the copy modes measure SM sharing, not copy-engine contention; the
 pull's contention needs two GPUs, or a copy engine forced on one (``cudaMemcpyBatchAsync``, not built here).
@@ -36,8 +36,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, parse_problems, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, parse_problems, write_json  # noqa: E402
 
 # Per-rank AG+GEMM problems of the TP=2 shapes (global M, K, N -> [M, K] @ [K, N/2]); the pulled shard is M/2 x K.
 PROBLEMS = [(4096, 12288, 24576), (8192, 8192, 14336), (2048, 8192, 14336)]

@@ -2,7 +2,7 @@
 fp32 reduction), against cuBLAS alone and cuBLAS followed by the cast to fp32 (the unfused graph's compute before
 its fp32 reduce-scatter).  One GPU; prints a row per shape and the JSON last.
 
-    python3 benchmarks/probe_fp32_out.py [--dtype bf16|fp16] > out.log
+    python3 benchmarks/probes/probe_fp32_out.py [--dtype bf16|fp16] > out.log
 """
 import argparse
 import json

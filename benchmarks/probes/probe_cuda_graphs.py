@@ -2,16 +2,17 @@
 
 Times a compiled stack of sequence-parallel blocks (``x + rs(w2(gelu(w1(ag(x)))))``, bf16, no grad) under
 ``mode="reduce-overhead"``, step after step with one synchronization at the end, so host time that the GPU waits for
-shows.  Contenders, each in a fresh process (FLUXINDUCTOR_CUDA_GRAPHS is read when the ops are registered):
+shows.  Contenders, each in a fresh process (whether the fused ops may be captured is decided for the process):
 
 * ``inductor``: ``backend="inductor"`` (the collectives are captured as they are);
 * ``flux``: ``backend="flux"``, FLUXINDUCTOR_DISPATCH=fused, the ops between captured partitions (the default);
-* ``flux_captured``: the same with FLUXINDUCTOR_CUDA_GRAPHS=1, the ops inside the graph.
+* ``flux_captured``: the same with ``fluxinductor.settings.configure(cuda_graphs=True)``, the ops inside the graph
+  (the compile option ``cuda_graphs``'s process-wide default: ``torch.compile`` takes a mode or options, not both).
 
 With one rank there is nothing to communicate: the fused ops are their GEMMs, and what differs is the host's part of a
 step (partition replays, the ops' dispatch).  What overlap gains on several GPUs is not measured here.
 
-    python3 benchmarks/probe_cuda_graphs.py --out $OUT/cuda_graphs.json
+    python3 benchmarks/probes/probe_cuda_graphs.py --out $OUT/cuda_graphs.json
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import tempfile
 
 CONTENDERS = {
     "inductor": {"backend": "inductor", "env": {}},
-    "flux": {"backend": "flux", "env": {"FLUXINDUCTOR_DISPATCH": "fused", "FLUXINDUCTOR_CUDA_GRAPHS": "0"}},
-    "flux_captured": {"backend": "flux", "env": {"FLUXINDUCTOR_DISPATCH": "fused", "FLUXINDUCTOR_CUDA_GRAPHS": "1"}},
+    "flux": {"backend": "flux", "env": {"FLUXINDUCTOR_DISPATCH": "fused"}},
+    "flux_captured": {"backend": "flux:captured", "env": {"FLUXINDUCTOR_DISPATCH": "fused"}},
 }
 
 
@@ -54,6 +55,11 @@ def run_one(backend: str, tokens: int, hidden: int, ffn: int, blocks: int, steps
 
     torch.manual_seed(0)
     model = nn.Sequential(*[Block() for _ in range(blocks)]).to(device, torch.bfloat16)
+    backend, _, captured = backend.partition(":")
+    if backend == "flux":
+        from fluxinductor import settings
+
+        settings.configure(cuda_graphs=captured == "captured")
     compiled = torch.compile(model, backend=backend, mode="reduce-overhead")
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -85,7 +91,7 @@ def main() -> None:
     parser.add_argument("--child", default="")
     args = parser.parse_args()
     if args.child:
-        backend, tokens = args.child.split(":")
+        backend, tokens = args.child.rsplit(":", 1)
         result = run_one(backend, int(tokens), args.hidden, args.ffn, args.blocks, args.steps)
         print("RESULT " + json.dumps(result), flush=True)
         return

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the split GEMM+RS transport's time goes with communication off (one GPU).
 
-    python3 benchmarks/probe_split_gemms.py --out $OUT/probe_split_gemms.json
+    python3 benchmarks/probes/probe_split_gemms.py --out $OUT/probe_split_gemms.json
 
 Per per-rank problem [M, K] @ [K, N] (default: the TP=2 problems of the shapes whose tails split), timed round-robin
 as in sweep_kernels.py: cuBLAS on the whole problem and on half its rows (alone and as addmm with a source, which is
@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, parse_problems, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, parse_problems, write_json  # noqa: E402
 from sweep_kernels import time_round_robin  # noqa: E402
 
 PROBLEMS = [(8192, 4096, 28672), (4096, 6144, 49152), (16384, 4096, 28672), (4096, 4096, 57344), (3072, 4096, 28672)]

@@ -4,10 +4,10 @@
 The all-reduce split's planner weighs an exposed all-gather (bytes over NVLink) against the row-wise work that keeping
 rows sharded saves (bytes through HBM).  This times the inductor-compiled ``n = rms_norm(x + y) * w`` (bf16, as
 inductor fuses it) on M and on M / world rows and prints the time saved per byte the planner credits (the full
-outputs of the chain's pointwise ops and reductions times (w - 1) / w), next to the NCCL all-gather bandwidth of
-``shared/anchors`` to give the credit in gathered bytes.
+outputs of the chain's pointwise ops and reductions times (w - 1) / w), next to the NCCL all-gather bandwidth
+(``--allgather-gbps``) to give the credit in gathered bytes.
 
-    python3 benchmarks/probe_row_work.py --out $OUT/row_work.json
+    python3 benchmarks/probes/probe_row_work.py --out $OUT/row_work.json
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x8192,8192x8192,4096x12288")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--allgather-gbps", type=float, default=173.0,
-                        help="NCCL all-gather bus bandwidth (shared/anchors: 173 GB/s at 64 MB on 2xH200)")
+                        help="NCCL all-gather bus bandwidth (173 GB/s measured at 64 MB on 2xH200)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     compiled = torch.compile(block)

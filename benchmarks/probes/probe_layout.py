@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the batch-first layout of sequence-parallel activations costs around the fused ops (one GPU).
 
-    python3 benchmarks/probe_layout.py --out $OUT/probe_layout.json
+    python3 benchmarks/probes/probe_layout.py --out $OUT/probe_layout.json
 
 Why: the fused ops run on 2-D row blocks, one per rank.  With [B, S, H] activations sharded on S and B > 1 (DTensor's
 default ``sequence_dim=1`` with a batch), a rank's rows are not one block of the [B * S, H] matrix, so the op given
@@ -31,8 +31,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, parse_problems, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, parse_problems, write_json  # noqa: E402
 
 # (B, S, H, F): batch, global sequence, hidden, ffn.
 DEFAULT = [(4, 4096, 4096, 14336), (8, 2048, 4096, 14336), (2, 4096, 8192, 28672)]

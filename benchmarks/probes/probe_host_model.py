@@ -2,14 +2,10 @@
 bf16, no grad) compiled per backend, each step enqueued behind a long GPU sleep so that the host is timed alone, then
 a cProfile of more such steps (rank 0 prints the top entries by own and by cumulative time).
 
-    torchrun --nproc-per-node 2 benchmarks/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
+    torchrun --nproc-per-node 2 benchmarks/probes/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
 
-Session 14 (2xH200, 46fe19d, FLUXINDUCTOR_DISPATCH=fused): host ms per Llama forward step, median, inductor 2.83 and
-flux 5.87; the flux ops' Python (dispatch, checks, launches) took most of the difference (csrc/NOTES_ag_gemm.md).
-Session 15 (2xH200): with the dispatcher's remembered decisions, flux 4.15 / 3.64 against 5.01 / 4.35 for the code
-before, alternating in one call (results/host_plans_ab/; inductor 2.3-4.0 in the same runs).
-Session 17 (2xH200): with the one-call push and the ops defined through torch.library.Library, flux 2.64 / 4.74 against
-4.75 / 5.82 for af16979, alternating (results/host_one_call/model_llama_fwd_host_*.log; inductor 3.62 / 3.03).
+With FLUXINDUCTOR_DISPATCH=fused it shows how much of a flux step's host time the fused ops' Python (dispatch,
+checks, launches) takes against inductor's.
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_model  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the models
+import models  # noqa: E402
 
 _SLEEP_CYCLES = 50_000_000  # ~25 ms: longer than any step's enqueue
 
@@ -61,9 +57,9 @@ def main() -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world,))
-    cfg = dict(bench_model.CONFIGS["full"]["llama2"])
-    model = bench_model.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1)
-    x = torch.randn(bench_model.input_shape("llama2", cfg, world, 1), dtype=torch.bfloat16, device=device)
+    cfg = dict(models.CONFIGS["full"]["llama2"])
+    model = models.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1)
+    x = torch.randn(models.input_shape("llama2", cfg, world, 1), dtype=torch.bfloat16, device=device)
     for backend in args.backends.split(","):
         torch._dynamo.reset()
         if backend == "flux":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The models of bench_model.py at B > 1, compiled, on one GPU with the communication taken out (fake group).
 
-    FLUXINDUCTOR_DISPATCH=decomposed python3 benchmarks/probe_layout_model.py --label new --out $OUT/x.json
+    FLUXINDUCTOR_DISPATCH=decomposed python3 benchmarks/probes/probe_layout_model.py --label new --out $OUT/x.json
 
 One process joins torch's fake process group as rank 0 of ``--world`` ranks: the collectives in the graph do
 nothing (their outputs are left unwritten), so what is timed is every kernel but the communication: GEMMs,
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -111,12 +111,14 @@ def main() -> None:
             print(f"{args.label} {name} {phase} B={args.batch}: {row['ms']:.3f} ms, kernels {kernels}", flush=True)
             x.grad = None
             model.zero_grad(set_to_none=True)
+    from fluxinductor import settings
+
     sha, dirty = git_sha()
     write_json(args.out, {
         "schema": 1, "label": args.label, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "config": args.config,
-        "git_sha": sha, "dirty": dirty, "dispatch": os.environ.get("FLUXINDUCTOR_DISPATCH", "auto"),
-        "disabled": os.environ.get("FLUXINDUCTOR_DISABLE", "0"),
+        "git_sha": sha, "dirty": dirty, "dispatch": settings.current.dispatch,
+        "disabled": settings.current.disable,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": "one process, fake process group (collectives do nothing); CUDA events around each step, median",
         "results": rows,

@@ -11,7 +11,7 @@ each peer at once, one stream per peer).  GB/s counts the bytes each rank moves,
 With ``--gemm MxKxN`` each way also runs beside a cuBLAS GEMM of that per-rank shape started at the same
 time on another stream: the table shows both times then, against each alone.
 
-Usage: torchrun --nproc-per-node 4 benchmarks/probe_transport.py --chunk-mb 117 --gemm 8192x2048x28672
+Usage: torchrun --nproc-per-node 4 benchmarks/probes/probe_transport.py --chunk-mb 117 --gemm 8192x2048x28672
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, init_gpu_ranks, write_json  # noqa: E402
 
 WAYS = ("ce_push", "ce_pull", "sm_push", "sm_pull")
 PATTERNS = ("shift1", "all")

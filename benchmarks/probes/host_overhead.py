@@ -10,15 +10,16 @@ idles and the op's device time no longer tells what the model pays.  For each sh
   b2b_ms     wall time per call of ``--calls`` back-to-back calls, synchronized at the end: what a stream
              of such calls costs when host and device overlap.
 
-Paths: ``fused``, ``auto`` and ``decomposed`` (``FLUXINDUCTOR_DISPATCH``), ``auto_asynctp``
-(``FLUXINDUCTOR_ASYNCTP=1``), all through ``torch.ops.fluxinductor.*``; ``asynctp_op`` calls PyTorch's
+Paths: ``fused``, ``auto`` and ``decomposed`` (``FLUXINDUCTOR_DISPATCH``), ``auto_asynctp`` (``auto`` with the
+tuning field ``asynctp`` on), all through ``torch.ops.fluxinductor.*``; ``asynctp_op`` calls PyTorch's
 ``torch.ops.symm_mem.fused_*`` directly; ``nccl_seq`` is the functional collective then ``torch.mm``.
 Operands have the sequence-parallel layout of a DTensor model, [1, S, H] sharded on dim 1.
 
+``--tuning key=value[,...]`` sets kernel-tuning fields for the whole run (``fluxinductor.settings.set_tuning``).
 ``--profile PATH`` also runs cProfile over ``--calls`` calls of that path on rank 0 and prints the top
 functions, so a slow path shows where its host time goes.
 
-Usage: torchrun --nproc-per-node 4 benchmarks/host_overhead.py --shapes rs:4096x8192x8192,ag:4096x8192x10240
+Usage: torchrun --nproc-per-node 4 benchmarks/probes/host_overhead.py --shapes rs:4096x8192x8192,ag:4096x8192x10240
 """
 
 from __future__ import annotations
@@ -36,30 +37,25 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import add_tuning_argument, apply_tuning, git_sha, init_gpu_ranks, overridden, write_json  # noqa: E402
 
 PATHS = ("nccl_seq", "decomposed", "fused", "auto", "auto_asynctp", "asynctp_op")
-_ENV = {
-    "decomposed": {"FLUXINDUCTOR_DISPATCH": "decomposed"},
-    "fused": {"FLUXINDUCTOR_DISPATCH": "fused"},
-    "auto": {"FLUXINDUCTOR_DISPATCH": "auto", "FLUXINDUCTOR_ASYNCTP": "0"},
-    "auto_asynctp": {"FLUXINDUCTOR_DISPATCH": "auto", "FLUXINDUCTOR_ASYNCTP": "1"},
+# The dispatch mode and kernel-tuning fields of each path through torch.ops.fluxinductor.
+_PATH_SETTINGS = {
+    "decomposed": ("decomposed", {}),
+    "fused": ("fused", {}),
+    "auto": ("auto", {"asynctp": False}),
+    "auto_asynctp": ("auto", {"asynctp": True}),
 }
 
 
 @contextlib.contextmanager
-def env(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+def path_settings(path: str):
+    """The dispatch mode and tuning of ``path`` for the ``with`` block (nothing for the paths that bypass it)."""
+    mode, values = _PATH_SETTINGS.get(path, (None, {}))
+    with overridden(**values, **({} if mode is None else {"dispatch": mode})):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def parse_shape(text: str):
@@ -147,15 +143,17 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, choices=PATHS, help="cProfile this path on rank 0")
     p.add_argument("--profile-top", type=int, default=25, help="entries printed per sort order of --profile")
     p.add_argument("--out", default=None, help="write JSON here (rank 0)")
+    add_tuning_argument(p)
     args = p.parse_args(argv)
 
     rank, world, device, group_name = init_gpu_ranks()
+    tuning_values = apply_tuning(args.tuning)
 
     rows = []
     for text in args.shapes.split(","):
         op, m, k, n = parse_shape(text)
         for path in args.paths.split(","):
-            with env(_ENV.get(path, {})):
+            with path_settings(path):
                 row = {"op": op, "m": m, "k": k, "n": n, "path": path}
                 try:
                     call = make_call(path, op, m, k, n, world, group_name, device)
@@ -193,7 +191,7 @@ def main(argv=None) -> int:
         sha, dirty = git_sha()
         write_json(args.out, {"schema": "fluxinductor.host_overhead/1", "device": torch.cuda.get_device_name(),
                               "world": world, "torch": torch.__version__, "git_sha": sha, "git_dirty": dirty,
-                              "calls": args.calls, "note": "max over ranks", "rows": rows})
+                              "tuning": tuning_values, "calls": args.calls, "note": "max over ranks", "rows": rows})
     dist.barrier()
     dist.destroy_process_group()
     return 0

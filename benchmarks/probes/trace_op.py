@@ -2,11 +2,11 @@
 with stream, start and duration relative to the first traced GPU activity, from torch.profiler (CUPTI).
 
 Shows where a path's time goes: whether the copy engine keeps pace with the GEMM, how long a wait held a
-stream, what runs after the GEMM ends.  Paths and shapes as in ``host_overhead.py``; ``--env K=V`` sets
-variables for the traced calls (e.g. ``FLUXINDUCTOR_GEMM_RS_PUSH=copy``).
+stream, what runs after the GEMM ends.  Paths and shapes as in ``host_overhead.py``; ``--tuning key=value[,...]`` sets
+kernel-tuning fields for the traced calls (e.g. ``gemm_rs_push=copy``).
 
-Usage: torchrun --nproc-per-node 4 benchmarks/trace_op.py --shape rs:8192x8192x28672 --path fused \\
-           --env FLUXINDUCTOR_GEMM_RS_PUSH=copy
+Usage: torchrun --nproc-per-node 4 benchmarks/probes/trace_op.py --shape rs:8192x8192x28672 --path fused \\
+           --tuning gemm_rs_push=copy
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, init_gpu_ranks, write_json  # noqa: E402
-from host_overhead import _ENV, PATHS, _wait, env, make_call, parse_shape  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import add_tuning_argument, apply_tuning, git_sha, init_gpu_ranks, write_json  # noqa: E402
+from host_overhead import PATHS, _wait, make_call, parse_shape, path_settings  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True, help="ag:MxKxN or rs:MxKxN (global shape)")
     p.add_argument("--path", default="fused", choices=PATHS)
-    p.add_argument("--env", action="append", default=[], help="K=V set for the traced calls (repeatable)")
+    add_tuning_argument(p)
     p.add_argument("--calls", type=int, default=2, help="calls traced (each after a barrier, whose NCCL kernel "
                    "separates them in the listing)")
     p.add_argument("--hide-host", action="store_true", help="a GPU sleep before each traced call (as bench_ops.py's "
@@ -38,9 +38,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     rank, world, device, group_name = init_gpu_ranks()
-    extra = dict(kv.split("=", 1) for kv in args.env)
+    extra = apply_tuning(args.tuning)
     op, m, k, n = parse_shape(args.shape)
-    with env({**_ENV.get(args.path, {}), **extra}):
+    with path_settings(args.path):
         call = make_call(args.path, op, m, k, n, world, group_name, device)
         for _ in range(3):
             _wait(call())
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         if args.out:
             sha, dirty = git_sha()
             write_json(args.out, {"schema": "fluxinductor.trace_op/1", "device": torch.cuda.get_device_name(),
-                                  "world": world, "shape": args.shape, "path": args.path, "env": extra,
+                                  "world": world, "shape": args.shape, "path": args.path, "tuning": extra,
                                   "git_sha": sha, "git_dirty": dirty, "events_by_rank": everyone})
     dist.barrier()
     dist.destroy_process_group()

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Kernel tuning sweep on one GPU: our fused GEMMs with communication off against cuBLAS, per configuration.
 
-    python3 benchmarks/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
-    python3 benchmarks/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
-    python3 benchmarks/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
-    python3 benchmarks/sweep_kernels.py --op ag --variants 0 --stock 0,1,2 --out $OUT/sweep_ag_stock.json
+    python3 benchmarks/probes/sweep_kernels.py --op ag --out $OUT/sweep_ag.json
+    python3 benchmarks/probes/sweep_kernels.py --op rs --out $OUT/sweep_rs.json
+    python3 benchmarks/probes/sweep_kernels.py --op rs-split --tail-splits 1,4 --out $OUT/sweep_rs_split.json
+    python3 benchmarks/probes/sweep_kernels.py --op ag --variants 0 --stock 0,1,2 --out $OUT/sweep_ag_stock.json
 
 Needs an extension built with CMAKE_ARGS=-DFLUXINDUCTOR_KERNEL_TUNING=ON for the tuning variants (AG variants
 1-5 and 7; GEMM+RS configurations 1-6); a variant the build lacks is recorded with its error.
@@ -39,8 +39,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_sha, parse_problems, write_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, parse_problems, write_json  # noqa: E402
 
 SHAPES = [(4096, 12288, 49152), (8192, 8192, 28672), (2048, 8192, 28672), (16384, 8192, 28672),
           (1024, 8192, 8192), (512, 8192, 28672), (3072, 8192, 28672), (4096, 49152, 12288)]
@@ -98,8 +98,8 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
         variants = (ag_variants or [0, 1, 3, 4, 6]) if not quick else [0]
         groups = (ag_groups or [4, 8, 16]) if not quick else [8]
         if tail_splits is None:
-            from fluxinductor.kernels import ag_gemm
-            tail_splits = [ag_gemm.TAIL_SPLIT]
+            from fluxinductor import settings
+            tail_splits = [settings.tuning.ag_tail_split]
         return [{"variant": v, "group_rows": g, "tail_split": t, "tail_waves": w}
                 for v, g, t, w in itertools.product(variants, groups, tail_splits, waves)
                 if t > 1 or w == waves[0]]
@@ -115,11 +115,14 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
 
 
 def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor):
+    # The launchers read these kernel-tuning fields per call, so each contender sets its own (round-robin timing).
+    from fluxinductor import settings
+
     if op == "ag":
         from fluxinductor.kernels import ag_gemm
 
-        def call_ag():  # the launcher reads the waves per call, so each contender sets its own
-            os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
+        def call_ag():
+            settings.set_tuning(tail_split_waves=cfg["tail_waves"])
             return ag_gemm.launch_gemm(a, w_t, None, out, variant=cfg["variant"], group_rows=cfg["group_rows"],
                                        tail_split=cfg["tail_split"])
         return call_ag
@@ -127,15 +130,13 @@ def run_config(op: str, cfg: Dict[str, int], a: torch.Tensor, w_t: torch.Tensor,
 
     if op == "rs-split":
         def call_split():
-            os.environ["FLUXINDUCTOR_TAIL_SPLIT_WAVES"] = str(cfg["tail_waves"])
-            os.environ["FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG"] = str(cfg["split_config"])
-            return gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"])
+            settings.set_tuning(tail_split_waves=cfg["tail_waves"])
+            return gemm_rs.gemm_only(a, w_t, None, out=out, split=True, tail_split=cfg["tail_split"],
+                                     split_config_choice=cfg["split_config"])
         return call_split
 
-    def call():  # the launcher reads these per call, so each contender sets its own
-        os.environ["FLUXINDUCTOR_GEMM_RS_CONFIG"] = str(cfg["config"])
-        os.environ["FLUXINDUCTOR_GEMM_RS_SWIZZLE"] = str(cfg["swizzle"])
-        os.environ["FLUXINDUCTOR_GEMM_RS_RASTER"] = str(cfg["raster"])
+    def call():
+        settings.set_tuning(gemm_rs_config=cfg["config"], gemm_rs_swizzle=cfg["swizzle"], gemm_rs_raster=cfg["raster"])
         return gemm_rs.gemm_only(a, w_t, None, out=out)
     return call
 
@@ -171,12 +172,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="default configuration only")
     p.add_argument("--tail-splits", default=None,
-                   help="--op ag / rs-split: comma-separated tail-split values to compare (FLUXINDUCTOR_AG_TAIL_SPLIT / "
-                        "FLUXINDUCTOR_GEMM_RS_TAIL_SPLIT; default: ag the default, rs-split 1,4)")
+                   help="--op ag / rs-split: comma-separated tail-split values to compare (tuning fields ag_tail_split / "
+                        "gemm_rs_tail_split; default: ag the default, rs-split 1,4)")
     p.add_argument("--tail-waves", default=None,
-                   help="--op ag / rs-split: comma-separated FLUXINDUCTOR_TAIL_SPLIT_WAVES values (default 1)")
+                   help="--op ag / rs-split: comma-separated tail_split_waves values (default 1)")
     p.add_argument("--split-configs", default=None,
-                   help="--op rs-split: comma-separated FLUXINDUCTOR_GEMM_RS_SPLIT_CONFIG values besides 0 (tuning builds)")
+                   help="--op rs-split: comma-separated gemm_rs_split_config values besides 0 (tuning builds)")
     p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4,6)")
     p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
     p.add_argument("--stock", default=None,

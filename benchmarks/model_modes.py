@@ -1,0 +1,145 @@
+"""bench_model.py's modes: what each compiles (eager, inductor, inductor + async-TP, ``backend="flux"`` with dispatch
+``auto`` or ``fused``), a census of the collectives left in inductor's graphs, and each mode's errors against eager."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from harness import RunContext, dispatch_mode
+
+MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused")
+# fluxinductor before async-TP (as in bench_ops.py), so async-TP's symmetric-memory workspace is allocated last.
+RUN_ORDER = ("eager", "inductor", "flux", "flux_fused", "asynctp")
+FLUX_DISPATCH = {"flux": "auto", "flux_fused": "fused"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-mode compile settings and graph census
+# ---------------------------------------------------------------------------------------------------
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except ImportError:  # older torch: a plain callable is accepted
+    _PassBase = object
+
+CENSUS_KEYS = ("all_gather", "reduce_scatter", "all_reduce", "symm_mem", "fluxinductor")
+
+
+class GraphCensus(_PassBase):
+    """A post-grad pass that only counts collective and fused-op nodes, one dict per compiled graph.
+
+    It runs after inductor's micro-pipeline TP pass, so ``symm_mem.fused_*`` counts show async-TP fired.
+    """
+
+    def __init__(self):
+        self.graphs: List[Dict[str, int]] = []
+
+    def __call__(self, graph) -> None:
+        counts: collections.Counter = collections.Counter()
+        for node in graph.nodes:
+            if node.op == "call_function":
+                target = str(node.target)
+                if any(key in target for key in CENSUS_KEYS):
+                    counts[target] += 1
+        self.graphs.append(dict(counts))
+
+    def uuid(self):
+        return "fluxinductor-bench-model-graph-census-1"
+
+
+def _enable_symm_mem(group_name: str) -> Optional[str]:
+    """Register the TP group with torch symmetric memory (needed on torch 2.11); the error, if any."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is None:
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group_name)
+    except Exception as e:  # noqa: BLE001
+        return f"enable_symm_mem_for_group failed: {type(e).__name__}: {e}"
+    return None
+
+
+def mode_setup(mode: str, model: nn.Module, ctx: RunContext, notes: List[str]):
+    """(callable, context manager, census or None) for ``mode``; context covers compile and timing."""
+    import torch._inductor.config as inductor_config
+
+    if mode == "eager":
+        return model, contextlib.nullcontext(), None
+    if mode in ("inductor", "asynctp"):
+        census = GraphCensus()
+        patches = {"post_grad_custom_post_pass": census}
+        if mode == "asynctp":
+            patches["_micro_pipeline_tp"] = True
+            if ctx.is_cuda:
+                err = _enable_symm_mem(ctx.group_name)
+                if err:
+                    notes.append(err)
+            else:
+                notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
+        return torch.compile(model, backend="inductor", **ctx.compile_kwargs), inductor_config.patch(patches), census
+    if mode in FLUX_DISPATCH:
+        import fluxinductor  # noqa: F401  (registers the ops and the backend)
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(dispatch_mode(FLUX_DISPATCH[mode]))
+        # backend="flux" installs its own post_grad_custom_post_pass and refuses a foreign one.
+        stack.enter_context(inductor_config.patch({"post_grad_custom_post_pass": None}))
+        options = {"options": ctx.flux_options} if ctx.flux_options else {}
+        return torch.compile(model, backend="flux", **ctx.compile_kwargs, **options), stack, None
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors against eager, rewrite statistics
+# ---------------------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if to_local is not None else t).detach()
+
+
+def error_of(out: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> Dict[str, float]:
+    """max |out - ref| / max |ref| and ||out - ref|| / ||ref|| (inf when missing or mis-shaped)."""
+    if out is None or ref is None or tuple(out.shape) != tuple(ref.shape):
+        return {"max_rel": float("inf"), "norm_rel": float("inf")}
+    out, ref = out.float(), ref.float()
+    diff = out - ref
+    max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    norm_rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
+    return {"max_rel": max_rel if math.isfinite(max_rel) else float("inf"),
+            "norm_rel": norm_rel if math.isfinite(norm_rel) else float("inf")}
+
+
+def snapshot(model: nn.Module, out: torch.Tensor, x: torch.Tensor, backward: bool) -> Dict[str, torch.Tensor]:
+    """This rank's output (and input / parameter gradients) from one call, as plain local tensors."""
+    snap = {"output": _local(out).clone()}
+    if backward:
+        snap["grad_input"] = None if x.grad is None else x.grad.detach().clone()
+        for name, p in model.named_parameters():
+            snap["grad:" + name] = None if p.grad is None else _local(p.grad).clone()
+    return snap
+
+
+def compare(snap: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, float]]:
+    """Errors per output: "output", "grad_input" and "grad_params" (the worst parameter gradient)."""
+    errors = {}
+    for key in ("output", "grad_input"):
+        if key in ref:
+            errors[key] = error_of(snap.get(key), ref[key])
+    params = [k for k in ref if k.startswith("grad:")]
+    if params:
+        per = {k: error_of(snap.get(k), ref[k]) for k in params}
+        worst = max(per, key=lambda k: per[k]["norm_rel"])
+        errors["grad_params"] = dict(per[worst], worst=worst[len("grad:"):])
+    return errors
