@@ -22,6 +22,12 @@ from fluxinductor.log import record_fallback
 REDUCE_OPS = ("sum", "avg")
 
 
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on every call) in favour of
+# these names for the same collectives; older torch has only the old names, which it does not deprecate.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
@@ -54,7 +60,7 @@ def all_gather(shard: Tensor, gather_dim: int, group: dist.ProcessGroup) -> Tens
     shard = shard.contiguous()
     # shard: [S, ...] -> gathered_rows: [world * S, ...]
     gathered_rows = shard.new_empty((world * shard.shape[0],) + tuple(shard.shape[1:]))
-    dist.all_gather_into_tensor(gathered_rows, shard, group=group)
+    _all_gather_single(gathered_rows, shard, group=group)
     if gather_dim == 0:
         return gathered_rows
     return torch.cat(gathered_rows.chunk(world, dim=0), dim=gather_dim)
@@ -70,7 +76,7 @@ def reduce_scatter(partial: Tensor, reduce_op: str, scatter_dim: int, group: dis
         partial = torch.cat(partial.chunk(world, dim=scatter_dim), dim=0)
     partial = partial.contiguous()
     out = partial.new_empty((partial.shape[0] // world,) + tuple(partial.shape[1:]))
-    dist.reduce_scatter_tensor(out, partial, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=group)
     # With scatter_dim > 0 the chunks were stacked on dim 0 above, so this rank's dim-0 slice already
     # has the output's shape: [..., size(scatter_dim) / world, ...].
     return out / world if reduce_op == "avg" else out
