@@ -46,11 +46,17 @@ class _RankFilter(logging.Filter):
 logger.addFilter(_RankFilter())
 
 
+def stream_handler(stream=None) -> logging.Handler:
+    """The handler ``FLUXINDUCTOR_LOG`` adds: lines ``[fluxinductor rank N] message`` on ``stream`` (stderr)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("[fluxinductor%(rank_prefix)s] %(message)s"))
+    return handler
+
+
 def _configure_from_env() -> None:
     if os.environ.get("FLUXINDUCTOR_LOG", "0") not in ("", "0"):
         if not any(getattr(h, "_fluxinductor", False) for h in logger.handlers):
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("[fluxinductor%(rank_prefix)s] %(message)s"))
+            handler = stream_handler()
             handler._fluxinductor = True  # type: ignore[attr-defined]
             logger.addHandler(handler)
         debug = os.environ.get("FLUXINDUCTOR_LOG", "").strip().lower() in ("debug", "2")
