@@ -8,6 +8,10 @@ exchanges a small descriptor of the call across the group (one ``all_gather_obje
 :class:`RanksDisagreeError` on every rank, naming the ranks and what differs.  A signature the group agreed on is
 remembered: later calls cost a dict lookup and no communication.
 
+What this does not catch: a rank that calls with a new signature while its peers repeat one the group agreed on
+(they skip the exchange it joins, and the collectives then mismatch as plain ones would); a per-call check would cost
+a collective on every call.
+
 A call whose local checks fail (a weight dtype that differs from the input's, a bias of the wrong shape) still takes
 part in the exchange on its first call, so that its peers raise as well (naming the rank that refused and why) rather
 than wait in a collective it never joins; the failing rank raises its own error.
