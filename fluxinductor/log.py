@@ -5,9 +5,9 @@ Every match a pass looks at ends in exactly one of two places: ``fused`` (rewrit
 
 In a job of several ranks every rank compiles the same graphs and, almost always, decides the same: so the
 compile-time decisions (fused / skipped) and the run-time fallback notes are logged at INFO by rank 0 only and at
-DEBUG by the others (``FLUXINDUCTOR_LOG=debug`` shows every rank's, e.g. where pipeline stages compile different
-graphs).  Warnings are logged on every rank.  Each line names its rank: ``[fluxinductor rank 1] ...``.  The counts
-of :func:`rewrite_stats` are kept on every rank alike.
+DEBUG by the others (``logging.getLogger("fluxinductor").setLevel(logging.DEBUG)`` shows every rank's, e.g. where
+pipeline stages compile different graphs).  Warnings are logged on every rank.  Each line names its rank:
+``[fluxinductor rank 1] ...``.  The counts of :func:`rewrite_stats` are kept on every rank alike.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def _configure_from_env() -> None:
             handler = stream_handler()
             handler._fluxinductor = True  # type: ignore[attr-defined]
             logger.addHandler(handler)
-        debug = os.environ.get("FLUXINDUCTOR_LOG", "").strip().lower() in ("debug", "2")
-        logger.setLevel(logging.DEBUG if debug else logging.INFO)
+        logger.setLevel(logging.INFO)
         logger.propagate = False
 
 

@@ -192,8 +192,8 @@ def _matmul_fields(group: dist.ProcessGroup, a: Tensor, weight: Tensor, bias: Op
                    out_dtype: Optional[torch.dtype]) -> dict:
     """What every rank of a reduced matmul's group must agree on (:mod:`fluxinductor.agreement`)."""
     return {"world": group.size(), "input shape": a.shape, "dtype": a.dtype, "device": a.device.type,
-            "weight shape": weight.shape, "weight dtype": weight.dtype, "bias shape": None if bias is None else bias.shape,
-            "reduce_op": reduce_op, "out_dtype": out_dtype}
+            "weight shape": weight.shape, "weight dtype": weight.dtype,
+            "bias shape": None if bias is None else bias.shape, "reduce_op": reduce_op, "out_dtype": out_dtype}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,7 +338,8 @@ def matmul_all_reduce(
     otherwise as the matmul and the all-reduce, the graph's own decomposition.
     """
     group = _group(group_name)
-    agreement.check("matmul_all_reduce", group, group_name, _matmul_fields(group, a, weight, bias, reduce_op, out_dtype),
+    agreement.check("matmul_all_reduce", group, group_name,
+                    _matmul_fields(group, a, weight, bias, reduce_op, out_dtype),
                     lambda: _check_matmul_all_reduce(a, weight, bias, reduce_op))
     world = group.size()
     rows = a.numel() // a.shape[-1] if a.shape[-1] else 0

@@ -422,8 +422,8 @@ def stats_delta(after: dict, before: dict) -> Dict[str, Dict[str, int]]:
 
     delta = rewrite_stats_delta(after, before)
     calls = {op: sum(reasons.values()) for op, reasons in delta["fallbacks"].items()}
-    return {"fused": delta["fused"], "inserted": delta["inserted"]["fused"], "calls": {k: v for k, v in calls.items() if v},
-            "skipped": delta["skipped"]}
+    return {"fused": delta["fused"], "inserted": delta["inserted"]["fused"],
+            "calls": {k: v for k, v in calls.items() if v}, "skipped": delta["skipped"]}
 
 
 def run_case(
