@@ -2,23 +2,63 @@
 
 Every match a pass looks at ends in exactly one of two places: ``fused`` (rewritten) or ``skipped``
 (left alone, with the reason).  ``FLUXINDUCTOR_LOG=1`` prints each decision as it is made.
+
+In a job of several ranks every rank compiles the same graphs and, almost always, decides the same: so the
+compile-time decisions (fused / skipped) and the run-time fallback notes are logged at INFO by rank 0 only and at
+DEBUG by the others (``logging.getLogger("fluxinductor").setLevel(logging.DEBUG)`` shows every rank's, e.g. where
+pipeline stages compile different graphs).  Warnings are logged on every rank.  Each line names its rank:
+``[fluxinductor rank 1] ...``.  The counts of :func:`rewrite_stats` are kept on every rank alike.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
+from typing import Iterator, Optional
 
 logger = logging.getLogger("fluxinductor")
 
 
+def _rank() -> Optional[int]:
+    """This process's rank in the default group; before the group exists, torchrun's ``RANK``; None outside a job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK", "")
+    return int(rank) if rank.isdigit() else None
+
+
+class _RankFilter(logging.Filter):
+    """Gives every record of the ``fluxinductor`` logger its ``rank`` (None outside a job of several ranks) and
+    ``rank_prefix`` (``" rank N"`` or ``""``), so that a user's own handler can show them too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = _rank()
+        record.rank = rank
+        record.rank_prefix = "" if rank is None else f" rank {rank}"
+        return True
+
+
+logger.addFilter(_RankFilter())
+
+
+def stream_handler(stream=None) -> logging.Handler:
+    """The handler ``FLUXINDUCTOR_LOG`` adds: lines ``[fluxinductor rank N] message`` on ``stream`` (stderr)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("[fluxinductor%(rank_prefix)s] %(message)s"))
+    return handler
+
+
 def _configure_from_env() -> None:
-    if os.environ.get("FLUXINDUCTOR_LOG", "0") not in ("", "0"):
+    from fluxinductor import settings
+
+    if settings.current.log:
         if not any(getattr(h, "_fluxinductor", False) for h in logger.handlers):
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("[fluxinductor] %(message)s"))
+            handler = stream_handler()
             handler._fluxinductor = True  # type: ignore[attr-defined]
             logger.addHandler(handler)
         logger.setLevel(logging.INFO)
@@ -27,24 +67,54 @@ def _configure_from_env() -> None:
 
 _configure_from_env()
 
+
+def _decision_level() -> int:
+    """INFO on rank 0 (or outside a job), DEBUG elsewhere: the level of a message every rank would repeat."""
+    return logging.INFO if (_rank() or 0) == 0 else logging.DEBUG
+
+
 _lock = threading.Lock()
 _fused: collections.Counter = collections.Counter()
 _skipped: collections.Counter = collections.Counter()
 _fallbacks: collections.Counter = collections.Counter()
+# Decisions about collectives a pass inserted itself (all_reduce_split's halves), kept apart from the user's.
+_inserted_fused: collections.Counter = collections.Counter()
+_inserted_skipped: collections.Counter = collections.Counter()
+_inserting = threading.local()
+
+
+@contextlib.contextmanager
+def collective_inserted_by(pattern: Optional[str]) -> Iterator[None]:
+    """Within the block, :func:`record_fused` and :func:`record_skip` are about a collective that the rewrite
+    ``pattern`` inserted (e.g. the reduce-scatter half of a split all-reduce), not one of the user's: they are counted
+    apart (``rewrite_stats()["inserted"]``) and logged at DEBUG, so that each collective of the user's graph counts
+    once.  ``pattern`` None: the block is about the user's own collective (the ordinary case)."""
+    previous = getattr(_inserting, "pattern", None)
+    _inserting.pattern = pattern
+    try:
+        yield
+    finally:
+        _inserting.pattern = previous
 
 
 def record_fused(pattern: str, detail: str = "") -> None:
     """Count one rewrite of ``pattern`` (e.g. ``"all_gather_matmul"``)."""
+    inserted_by = getattr(_inserting, "pattern", None)
     with _lock:
-        _fused[pattern] += 1
-    logger.info("fused %s%s", pattern, f": {detail}" if detail else "")
+        (_fused if inserted_by is None else _inserted_fused)[pattern] += 1
+    level = _decision_level() if inserted_by is None else logging.DEBUG
+    logger.log(level, "fused %s%s%s", pattern, f": {detail}" if detail else "",
+               f" (a collective {inserted_by} inserted)" if inserted_by else "")
 
 
 def record_skip(pattern: str, reason: str, detail: str = "") -> None:
     """Count one match of ``pattern`` that was left unfused, and why."""
+    inserted_by = getattr(_inserting, "pattern", None)
     with _lock:
-        _skipped[(pattern, reason)] += 1
-    logger.info("skipped %s: %s%s", pattern, reason, f" ({detail})" if detail else "")
+        (_skipped if inserted_by is None else _inserted_skipped)[(pattern, reason)] += 1
+    level = _decision_level() if inserted_by is None else logging.DEBUG
+    logger.log(level, "skipped %s: %s%s%s", pattern, reason, f" ({detail})" if detail else "",
+               f" (a collective {inserted_by} inserted)" if inserted_by else "")
 
 
 def record_fallback(op: str, reason: str, path: str = "decomposed") -> None:
@@ -55,7 +125,7 @@ def record_fallback(op: str, reason: str, path: str = "decomposed") -> None:
         _fallbacks[(op, reason)] += 1
     # Logged once per (op, reason): the same fallback repeats every step.
     if first:
-        logger.info("%s runs %s: %s", op, path, reason)
+        logger.log(_decision_level(), "%s runs %s: %s", op, path, reason)
 
 
 _notes: set = set()
@@ -68,23 +138,37 @@ def note_once(message: str) -> None:
         if message in _notes:
             return
         _notes.add(message)
-    logger.info("%s", message)
+    logger.log(_decision_level(), "%s", message)
+
+
+def _nest(counter: collections.Counter) -> dict:
+    out: dict = {}
+    for (key, reason), n in counter.items():
+        out.setdefault(key, {})[reason] = n
+    return out
 
 
 def rewrite_stats() -> dict:
-    """Counts since the last :func:`reset_rewrite_stats`.
+    """Counts since the last :func:`reset_rewrite_stats`, on this rank::
 
-    Returns ``{"fused": {pattern: n}, "skipped": {pattern: {reason: n}}, "fallbacks": {op: {reason: n}}}``.
-    A compile served from inductor's FX graph cache runs no pass and adds nothing here.
+        {"fused":     {pattern: n},            # collectives of the user's graph rewritten by ``pattern``
+         "skipped":   {pattern: {reason: n}},  # matches of the user's graph left alone, by reason
+         "fallbacks": {op: {reason: n}},       # run time calls of a fused op that ran no fused kernel
+         "inserted":  {"fused": {pattern: n}, "skipped": {pattern: {reason: n}}}}
+
+    Each collective of the user's graph counts once, under the rewrite that took it: ``all_gather_matmul`` an
+    all-gather fused with the matmul(s) reading it, ``matmul_reduce_scatter`` a reduce-scatter fused with the
+    matmul(s) feeding it, ``all_reduce_split`` an all-reduce split into a reduce-scatter (fused with its matmul) and
+    an all-gather, or made one ``matmul_all_reduce`` op under dynamic shapes.  What later passes do with the
+    collectives a pass inserted (the split all-reduce's halves) is counted under ``inserted`` instead: e.g. plain TP
+    with two all-reduces gives ``fused == {"all_reduce_split": 2}`` and ``inserted["fused"] ==
+    {"matmul_reduce_scatter": 2}`` (plus ``"all_gather_matmul"`` where a gathered half fused with the next matmul).
+    A skip is counted per match looked at (an all-gather may count one per matmul reading it).  A compile served
+    from inductor's FX graph cache runs no pass and adds nothing here.
     """
     with _lock:
-        skipped: dict = {}
-        for (pattern, reason), n in _skipped.items():
-            skipped.setdefault(pattern, {})[reason] = n
-        fallbacks: dict = {}
-        for (op, reason), n in _fallbacks.items():
-            fallbacks.setdefault(op, {})[reason] = n
-        return {"fused": dict(_fused), "skipped": skipped, "fallbacks": fallbacks}
+        return {"fused": dict(_fused), "skipped": _nest(_skipped), "fallbacks": _nest(_fallbacks),
+                "inserted": {"fused": dict(_inserted_fused), "skipped": _nest(_inserted_skipped)}}
 
 
 def rewrite_stats_delta(after: dict, before: dict) -> dict:
@@ -99,10 +183,16 @@ def rewrite_stats_delta(after: dict, before: dict) -> dict:
                     out.setdefault(key, {})[reason] = n
         return out
 
-    fused = {k: v - before["fused"].get(k, 0) for k, v in after["fused"].items()}
-    return {"fused": {k: v for k, v in fused.items() if v},
+    def flat(a: dict, b: dict) -> dict:
+        return {k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0)}
+
+    empty = {"fused": {}, "skipped": {}}
+    inserted_after, inserted_before = after.get("inserted", empty), before.get("inserted", empty)
+    return {"fused": flat(after["fused"], before["fused"]),
             "skipped": nested(after["skipped"], before["skipped"]),
-            "fallbacks": nested(after["fallbacks"], before["fallbacks"])}
+            "fallbacks": nested(after["fallbacks"], before["fallbacks"]),
+            "inserted": {"fused": flat(inserted_after["fused"], inserted_before["fused"]),
+                         "skipped": nested(inserted_after["skipped"], inserted_before["skipped"])}}
 
 
 def reset_rewrite_stats() -> None:
@@ -111,3 +201,5 @@ def reset_rewrite_stats() -> None:
         _fused.clear()
         _skipped.clear()
         _fallbacks.clear()
+        _inserted_fused.clear()
+        _inserted_skipped.clear()

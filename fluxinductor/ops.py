@@ -16,10 +16,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fluxinductor import dispatch
+from fluxinductor import agreement, dispatch
 from fluxinductor.log import record_fallback
 
 REDUCE_OPS = ("sum", "avg")
+
+
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on every call) in favour of
+# these names for the same collectives; older torch has only the old names, which it does not deprecate.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -54,7 +60,7 @@ def all_gather(shard: Tensor, gather_dim: int, group: dist.ProcessGroup) -> Tens
     shard = shard.contiguous()
     # shard: [S, ...] -> gathered_rows: [world * S, ...]
     gathered_rows = shard.new_empty((world * shard.shape[0],) + tuple(shard.shape[1:]))
-    dist.all_gather_into_tensor(gathered_rows, shard, group=group)
+    _all_gather_single(gathered_rows, shard, group=group)
     if gather_dim == 0:
         return gathered_rows
     return torch.cat(gathered_rows.chunk(world, dim=0), dim=gather_dim)
@@ -70,7 +76,7 @@ def reduce_scatter(partial: Tensor, reduce_op: str, scatter_dim: int, group: dis
         partial = torch.cat(partial.chunk(world, dim=scatter_dim), dim=0)
     partial = partial.contiguous()
     out = partial.new_empty((partial.shape[0] // world,) + tuple(partial.shape[1:]))
-    dist.reduce_scatter_tensor(out, partial, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=group)
     # With scatter_dim > 0 the chunks were stacked on dim 0 above, so this rank's dim-0 slice already
     # has the output's shape: [..., size(scatter_dim) / world, ...].
     return out / world if reduce_op == "avg" else out
@@ -143,23 +149,51 @@ def _check_all_gather_matmul(shard: Tensor, weights, biases, gather_dim: int) ->
     for w, b in zip(weights, biases):
         if w.dim() != 2 or _known_ne(w.shape[0], shard.shape[-1]):
             raise ValueError(f"weight of shape {tuple(w.shape)} does not match shard {tuple(shard.shape)}")
-        if b is not None and _known_ne(b.shape[-1], w.shape[1]):
-            raise ValueError(f"bias of shape {tuple(b.shape)} does not match weight {tuple(w.shape)}")
+        _check_dtype_and_bias(shard, w, b, "shard")
 
 
-def _check_matmul_all_reduce(a: Tensor, weight: Tensor, reduce_op: str) -> None:
+def _check_dtype_and_bias(a: Tensor, weight: Tensor, bias: Optional[Tensor], what: str) -> None:
+    """weight [K, N] and bias [N] (or None) in ``a``'s dtype: checked before the collective, which would otherwise
+    run before the matmul refuses them."""
+    if weight.dtype != a.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from the {what}'s {a.dtype}")
+    if bias is None:
+        return
+    if bias.dim() != 1 or _known_ne(bias.shape[0], weight.shape[1]):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match weight {tuple(weight.shape)} "
+                         f"(a [N] vector)")
+    if bias.dtype != a.dtype:
+        raise ValueError(f"bias dtype {bias.dtype} differs from the {what}'s {a.dtype}")
+
+
+def _check_matmul_all_reduce(a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str) -> None:
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
     if a.dim() < 2 or weight.dim() != 2 or _known_ne(a.shape[-1], weight.shape[0]):
         raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(weight.shape)}")
+    _check_dtype_and_bias(a, weight, bias, "input")
 
 
-def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, reduce_op: str, scatter_dim: int, world: int) -> None:
-    _check_matmul_all_reduce(a, weight, reduce_op)
+def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int,
+                                 world: int) -> None:
+    _check_matmul_all_reduce(a, weight, bias, reduce_op)
     scatter_dim = _check_dim(scatter_dim, a.dim(), "scatter_dim")
     size = weight.shape[1] if scatter_dim == a.dim() - 1 else a.shape[scatter_dim]
     if _known_ne(size % world, 0):
         raise ValueError(f"dim {scatter_dim} of size {size} does not split over {world} ranks")
+
+
+def _dim_or_raw(dim: int, t: Tensor) -> int:
+    """``dim`` normalized where it is in range (ranks may name a dim from either end), as given otherwise."""
+    return dim % t.dim() if -t.dim() <= dim < t.dim() else dim
+
+
+def _matmul_fields(group: dist.ProcessGroup, a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                   out_dtype: Optional[torch.dtype]) -> dict:
+    """What every rank of a reduced matmul's group must agree on (:mod:`fluxinductor.agreement`)."""
+    return {"world": group.size(), "input shape": a.shape, "dtype": a.dtype, "device": a.device.type,
+            "weight shape": weight.shape, "weight dtype": weight.dtype,
+            "bias shape": None if bias is None else bias.shape, "reduce_op": reduce_op, "out_dtype": out_dtype}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,7 +266,13 @@ def all_gather_matmul(
     biases[i]: [N_i] or None.  outputs[i]: [..., world * S, ..., N_i].  The second result is the
     gathered ``A`` when ``return_gathered``, else an empty tensor.
     """
-    _check_all_gather_matmul(shard, weights, biases, gather_dim)
+    group = _group(group_name)
+    agreement.check("all_gather_matmul", group, group_name, {
+        "world": group.size(), "shard shape": shard.shape, "dtype": shard.dtype, "device": shard.device.type,
+        "weight shapes": tuple(w.shape for w in weights), "weight dtypes": tuple(w.dtype for w in weights),
+        "bias shapes": tuple(None if b is None else b.shape for b in biases),
+        "gather_dim": _dim_or_raw(gather_dim, shard), "return_gathered": return_gathered,
+    }, lambda: _check_all_gather_matmul(shard, weights, biases, gather_dim))
     fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
     if fused is not None:
         return fused
@@ -265,7 +305,10 @@ def matmul_reduce_scatter(
     reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype first).
     Returns [...] with ``scatter_dim`` divided by world.
     """
-    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, _group(group_name).size())
+    group = _group(group_name)
+    agreement.check("matmul_reduce_scatter", group, group_name, {
+        **_matmul_fields(group, a, weight, bias, reduce_op, out_dtype), "scatter_dim": _dim_or_raw(scatter_dim, a),
+    }, lambda: _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group.size()))
     fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
     if fused is not None:
         return fused
@@ -275,7 +318,7 @@ def matmul_reduce_scatter(
 @torch.library.register_fake("fluxinductor::matmul_reduce_scatter")
 def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
     world = _group(group_name).size()
-    _check_matmul_reduce_scatter(a, weight, reduce_op, scatter_dim, world)
+    _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, world)
     shape = list(a.shape[:-1]) + [weight.shape[1]]
     scatter_dim = scatter_dim % len(shape)
     shape[scatter_dim] //= world
@@ -295,8 +338,10 @@ def matmul_all_reduce(
     fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
     otherwise as the matmul and the all-reduce, the graph's own decomposition.
     """
-    _check_matmul_all_reduce(a, weight, reduce_op)
     group = _group(group_name)
+    agreement.check("matmul_all_reduce", group, group_name,
+                    _matmul_fields(group, a, weight, bias, reduce_op, out_dtype),
+                    lambda: _check_matmul_all_reduce(a, weight, bias, reduce_op))
     world = group.size()
     rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
     if rows % world:
@@ -312,5 +357,5 @@ def matmul_all_reduce(
 
 @torch.library.register_fake("fluxinductor::matmul_all_reduce")
 def _(a, weight, bias, reduce_op, group_name, out_dtype=None):
-    _check_matmul_all_reduce(a, weight, reduce_op)
+    _check_matmul_all_reduce(a, weight, bias, reduce_op)
     return a.new_empty(list(a.shape[:-1]) + [weight.shape[1]], dtype=out_dtype or a.dtype)

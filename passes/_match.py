@@ -8,7 +8,7 @@ once a match has been accepted.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.fx import Graph, Node
@@ -33,6 +33,25 @@ CAT = aten.cat.default
 MM = aten.mm.default
 ADDMM = aten.addmm.default
 CONVERT = torch.ops.prims.convert_element_type.default
+
+# node.meta key naming the pass that put a collective into the graph (all_reduce_split's halves); the later passes
+# report what they do with it apart from the user's own collectives (fluxinductor.log.collective_inserted_by).
+INSERTED_BY = "fluxinductor_inserted_by"
+
+
+def inserted_by(node: Node) -> Optional[str]:
+    """The pass that inserted the collective ``node``, or None for one of the user's graph."""
+    return node.meta.get(INSERTED_BY)
+
+
+def each_collective(collectives: Iterable[Node]) -> Iterator[Node]:
+    """Yield each collective with what is recorded meanwhile (fused, skipped) attributed to the pass that inserted it,
+    if one did, so that rewrite_stats() counts each of the user's collectives once."""
+    from fluxinductor.log import collective_inserted_by
+
+    for node in collectives:
+        with collective_inserted_by(inserted_by(node)):
+            yield node
 
 
 class Skip(Exception):

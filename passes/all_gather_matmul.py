@@ -343,7 +343,7 @@ def fuse_all_gather_matmul(graph: Graph, group_allowed: Callable[[str], bool],
     if not all_gathers:
         return
     fake_mode = m.fake_mode_of(graph)
-    for ag in all_gathers:
+    for ag in m.each_collective(all_gathers):
         try:
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", ag.name)

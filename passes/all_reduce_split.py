@@ -213,6 +213,7 @@ class _Planner:
             wait = self.gathered_rows.get(s.node)
             if wait is None:
                 ag = self._call(m.ALL_GATHER, (s.node, s.world, s.group))
+                ag.meta[m.INSERTED_BY] = PATTERN
                 wait = self.gathered_rows[s.node] = self._call(m.WAIT, (ag,))
             self.gathered[original] = wait if len(s.shape) == 2 else self._call(
                 m.aten.reshape.default, (wait, list(s.shape)))
@@ -343,6 +344,7 @@ class _Planner:
                 flat = src.operand if len(src.shape) == 2 else self._call(
                     m.aten.reshape.default, (src.operand, [src.rows, src.shape[-1]]))
                 rs = self._call(m.REDUCE_SCATTER, (flat, src.reduce_op, src.world, src.group))
+                rs.meta[m.INSERTED_BY] = PATTERN
                 shard.node = self._call(m.WAIT, (rs,))
             self.dead += [src.wait, src.all_reduce]
         self.sharded[src.wait] = shard

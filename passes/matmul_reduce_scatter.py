@@ -410,7 +410,7 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
     if not scatters:
         return
     fake_mode = m.fake_mode_of(graph)
-    for rs in scatters:
+    for rs in m.each_collective(scatters):
         try:
             if fake_mode is None:
                 raise Skip("no fake mode in graph metadata", rs.name)

@@ -29,6 +29,7 @@ def _run_example(disabled: bool) -> dict:
     assert len(result_lines) == 1, f"expected one RESULT line:\n{output[-6000:]}"
     result = json.loads(result_lines[0][len("RESULT ") :])
     result["stdout"] = proc.stdout
+    result["stderr"] = proc.stderr
     return result
 
 
@@ -39,6 +40,9 @@ def test_example_runs_and_reports(disabled):
     assert result["world"] == 2 and result["device"] == "cpu" and result["dtype"] == "float32"
     for what, err in result["max_error"].items():
         assert err <= 1e-5, f"{what}: {err}"
+    # No noise around the output: no deprecation warning from the ops' decomposition, no NumPy complaint.
+    for noise in ("FutureWarning", "DeprecationWarning", "Failed to initialize NumPy"):
+        assert noise not in result["stdout"] + result["stderr"], result["stderr"][-4000:]
     assert "fused while compiling the forward" in result["stdout"]
     assert "fused while compiling the backward" in result["stdout"]
     if disabled:
