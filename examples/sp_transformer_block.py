@@ -172,7 +172,7 @@ def run(rank: int, world: int, device: torch.device, dtype: torch.dtype, seq: in
         "world": world,
         "device": str(device.type),
         "dtype": str(dtype).replace("torch.", ""),
-        "fluxinductor_disabled": os.environ.get("FLUXINDUCTOR_DISABLE", "0") not in ("", "0"),
+        "fluxinductor_disabled": fluxinductor.settings.current.disable,
         "fused_forward": _fused_since(s0, s1),
         "fused_backward": _fused_since(s1, s2),
         "skipped_forward": _skipped_since(s0, s1),
