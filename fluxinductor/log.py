@@ -31,6 +31,7 @@ _lock = threading.Lock()
 _fused: collections.Counter = collections.Counter()
 _skipped: collections.Counter = collections.Counter()
 _fallbacks: collections.Counter = collections.Counter()
+_served: collections.Counter = collections.Counter()
 
 
 def record_fused(pattern: str, detail: str = "") -> None:
@@ -58,6 +59,18 @@ def record_fallback(op: str, reason: str, path: str = "decomposed") -> None:
         logger.info("%s runs %s: %s", op, path, reason)
 
 
+def record_served(op_calls: dict) -> None:
+    """Count the fused ops a graph served from inductor's FX graph or AOTAutograd cache calls (``{op: calls}``): no
+    pass ran for it, so :func:`record_fused` was not called, yet the graph may well run fused ops."""
+    with _lock:
+        _served.update(op_calls)
+    if op_calls:
+        logger.info("graph served from inductor's cache (no pass ran); it calls %s",
+                    ", ".join(f"fluxinductor.{op} x{n}" for op, n in sorted(op_calls.items())))
+    else:
+        logger.info("graph served from inductor's cache (no pass ran); it calls no fused op")
+
+
 _notes: set = set()
 
 
@@ -74,8 +87,9 @@ def note_once(message: str) -> None:
 def rewrite_stats() -> dict:
     """Counts since the last :func:`reset_rewrite_stats`.
 
-    Returns ``{"fused": {pattern: n}, "skipped": {pattern: {reason: n}}, "fallbacks": {op: {reason: n}}}``.
-    A compile served from inductor's FX graph cache runs no pass and adds nothing here.
+    Returns ``{"fused": {pattern: n}, "skipped": {pattern: {reason: n}}, "fallbacks": {op: {reason: n}},
+    "from_cache": {op: n}}``.  A compile served from inductor's FX graph or AOTAutograd cache runs no pass, so it adds
+    nothing to ``fused`` or ``skipped``; ``from_cache`` counts the fused-op calls in the served graphs' code instead.
     """
     with _lock:
         skipped: dict = {}
@@ -84,7 +98,7 @@ def rewrite_stats() -> dict:
         fallbacks: dict = {}
         for (op, reason), n in _fallbacks.items():
             fallbacks.setdefault(op, {})[reason] = n
-        return {"fused": dict(_fused), "skipped": skipped, "fallbacks": fallbacks}
+        return {"fused": dict(_fused), "skipped": skipped, "fallbacks": fallbacks, "from_cache": dict(_served)}
 
 
 def rewrite_stats_delta(after: dict, before: dict) -> dict:
@@ -100,7 +114,9 @@ def rewrite_stats_delta(after: dict, before: dict) -> dict:
         return out
 
     fused = {k: v - before["fused"].get(k, 0) for k, v in after["fused"].items()}
+    served = {k: v - before.get("from_cache", {}).get(k, 0) for k, v in after.get("from_cache", {}).items()}
     return {"fused": {k: v for k, v in fused.items() if v},
+            "from_cache": {k: v for k, v in served.items() if v},
             "skipped": nested(after["skipped"], before["skipped"]),
             "fallbacks": nested(after["fallbacks"], before["fallbacks"])}
 
@@ -111,3 +127,4 @@ def reset_rewrite_stats() -> None:
         _fused.clear()
         _skipped.clear()
         _fallbacks.clear()
+        _served.clear()

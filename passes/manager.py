@@ -39,6 +39,13 @@ class FluxPassManager(CustomGraphPass):
         self.fuse_matmul_sums = config.fuse_matmul_sums() if fuse_matmul_sums is None else fuse_matmul_sums
         self.split_all_reduce = config.split_all_reduce() if split_all_reduce is None else split_all_reduce
         self.dispatch_mode = os.environ.get("FLUXINDUCTOR_DISPATCH", "auto").strip().lower() or "auto"
+        # Graphs the passes ran on since the backend last asked (see fluxinductor.backend._report_cache_hits).
+        self._ran = 0
+
+    def take_ran(self) -> bool:
+        """Whether the passes ran since the last call: False for a graph served from inductor's caches."""
+        ran, self._ran = self._ran > 0, 0
+        return ran
 
     def group_allowed(self, group_name: str) -> bool:
         return self.tp_group_names is None or group_name in self.tp_group_names
@@ -85,6 +92,7 @@ class FluxPassManager(CustomGraphPass):
         from fluxinductor.passes.all_reduce_split import split_all_reduce
         from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_reduce_scatter
 
+        self._ran += 1
         promised = output_layouts(graph)
         if self.split_all_reduce != "off":
             split_all_reduce(graph, self.group_allowed, self.not_worth_fusing,
