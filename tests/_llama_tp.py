@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass
@@ -104,10 +103,16 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        # True: block 0 reads a copy of the embedding's output, a plain tensor instead of torchtitan's
+        # AsyncCollectiveTensor.  In torch 2.13 a compiled region that reads that AsyncCollectiveTensor fails in its
+        # backward for every AOTAutograd backend (DTensor's redistribute backward is handed a plain gradient).
+        self.plain_block_input = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, S] int64 -> logits [B, S, vocab] (a vocabulary-sharded DTensor once parallelized)."""
         h = self.tok_embeddings(tokens)
+        if self.plain_block_input:
+            h = h.clone()
         for layer in self.layers.values():
             h = layer(h, self.freqs)
         return self.output(self.norm(h))
@@ -161,7 +166,7 @@ def parallelize(model: Llama, mesh) -> Llama:
     return model
 
 
-def compile_blocks(model: Llama, backend, options: Optional[dict] = None, checkpoint: str = "none") -> Llama:
+def compile_blocks(model: Llama, backend, options: dict | None = None, checkpoint: str = "none") -> Llama:
     """torchtitan's ``apply_ac`` then ``apply_compile``: each block wrapped (activation checkpointing ``full`` or
     ``selective`` per-op) and compiled on its own with ``fullgraph=True``."""
     for name, block in list(model.layers.items()):
@@ -181,14 +186,17 @@ class _Checkpointed(nn.Module):
 
         if self.mode == "full":
             return checkpoint(self.block, x, freqs, use_reentrant=False)
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+        from torch.utils.checkpoint import (
+            CheckpointPolicy,
+            create_selective_checkpoint_contexts,
+        )
 
         # torchtitan's selective op policy: keep matmuls and collectives' results, recompute the rest.
         save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
-        def policy(ctx, op, *args, **kwargs):  # noqa: ARG001 - torch's policy signature
+        def policy(ctx, op, *args, **kwargs):
             return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
         return checkpoint(self.block, x, freqs, use_reentrant=False,
@@ -199,18 +207,6 @@ def checkpointed(block: nn.Module, mode: str) -> nn.Module:
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing {mode!r} is not one of 'none', 'full', 'selective'")
     return _Checkpointed(block, mode)
-
-
-def loss_fn(logits, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy; on a vocabulary-sharded DTensor under ``loss_parallel`` as torchtitan computes it."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(logits, DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def train_step(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -230,7 +226,7 @@ def train_step(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> 
     return loss.detach()
 
 
-def full_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full tensor (DTensor shards gathered), by the unwrapped module's names."""
     from torch.distributed.tensor import DTensor
 
@@ -243,7 +239,7 @@ def full_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def tokens_for(cfg: LlamaConfig, batch: int, seed: int = 1, device: str = "cpu") -> List[torch.Tensor]:
+def tokens_for(cfg: LlamaConfig, batch: int, seed: int = 1, device: str = "cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
     return [tokens[:, :-1].to(device), tokens[:, 1:].to(device)]
