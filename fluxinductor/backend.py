@@ -60,7 +60,9 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-_FUSED_OP_CALL = re.compile(r"torch\.ops\.fluxinductor\.(\w+)\.")
+# A call site in the generated wrapper (``buf0 = torch.ops.fluxinductor.all_gather_matmul.default(...)``); the same
+# name also appears in its size asserts and comments.
+_FUSED_OP_CALL = re.compile(r"=\s*torch\.ops\.fluxinductor\.(\w+)\.\w+\(")
 
 
 def fused_op_calls(source_code: str) -> Dict[str, int]:
