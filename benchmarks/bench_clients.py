@@ -10,8 +10,10 @@
 
 Run with torchrun, one process per rank::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_clients.py --out benchmarks/results/clients.json           # GPUs, bf16
-    torchrun --nproc-per-node 2 benchmarks/bench_clients.py --tiny --out /tmp/clients.json               # CPU, gloo
+    torchrun --nproc-per-node 2 benchmarks/bench_clients.py --out benchmarks/results/clients.json  # GPUs, bf16
+    torchrun --nproc-per-node 2 benchmarks/bench_clients.py --tiny --plain-block-input --out /tmp/c.json  # CPU, gloo
+
+(``python -m torch.distributed.run`` in place of ``torchrun`` runs the ranks with the current interpreter.)
 
 The JSON holds the device, versions, git revision, every step time and the numerics; the table is printed last.
 """
@@ -161,7 +163,8 @@ def bench_torchtitan(args, rank: int, world: int, device: torch.device) -> dict[
         order = names[round_index % len(names):] + names[:round_index % len(names)] if names else []
         for name in order:
             model, optim = runs[name]
-            result["contenders"][name]["times_ms"] += [timer(functools.partial(step, model, optim)) for _ in range(args.iters)]
+            timed = [timer(functools.partial(step, model, optim)) for _ in range(args.iters)]
+            result["contenders"][name]["times_ms"] += timed
     for name in names:
         result["contenders"][name]["summary"] = _summary(result["contenders"][name]["times_ms"])
     return result
@@ -209,7 +212,8 @@ def bench_transformers(args, rank: int, world: int, device: torch.device) -> dic
                 fluxinductor.reset_rewrite_stats()
                 logits = model(prompt).logits.float()
                 entry["logits_rel_err"] = float((logits - ref_logits).norm() / ref_logits.norm())
-                entry["prefill_ms"] = _summary([timer(functools.partial(model, prompt)) for _ in range(args.iters * args.rounds)])
+                entry["prefill_ms"] = _summary(
+                    [timer(functools.partial(model, prompt)) for _ in range(args.iters * args.rounds)])
                 generate = {"max_new_tokens": args.hf_new_tokens, "do_sample": False, "cache_implementation": "static"}
                 model.generate(prompt, **generate)  # compiles the decode graphs
                 entry["decode_ms_per_token"] = {k: v / args.hf_new_tokens if k != "n" else v for k, v in _summary(

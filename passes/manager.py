@@ -189,7 +189,8 @@ def keep_output_layouts(graph: torch.fx.Graph, promised: list) -> int:
             kept.meta["val"] = torch.empty_strided(shape, stride, dtype=dtype, device=val.device)
         replacements[index] = kept
         restored += 1
-        logger.info("graph output %d kept its strides %s (the rewrite gave %s)", index, list(stride), list(val.stride()))
+        logger.info("graph output %d kept its strides %s (the rewrite gave %s)", index, list(stride),
+                    list(val.stride()))
     if replacements:
         outputs = list(args)
         for index, kept in replacements.items():
