@@ -200,7 +200,11 @@ def bench_transformers(args, rank: int, world: int, device: torch.device) -> dic
         return model.eval()
 
     with torch.no_grad():
-        ref_logits = load()(prompt).logits.float()
+        try:
+            ref_logits = load()(prompt).logits.float()
+        except Exception as e:  # noqa: BLE001 - e.g. tp_plan needs accelerate: reported, not fatal
+            result["error"] = f"eager reference: {type(e).__name__}: {e}"
+            return result
         for name in ("inductor", "flux"):
             entry: dict[str, object] = {}
             result["contenders"][name] = entry
