@@ -6,12 +6,15 @@ importing fluxinductor first.
 
 from __future__ import annotations
 
+import collections
+import functools
+import re
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from fluxinductor import settings
-from fluxinductor.log import logger
+from fluxinductor.log import logger, record_served
 
 
 def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: Optional[Dict[str, Any]] = None,
@@ -72,7 +75,47 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
                                                                  if op not in listed]
     patches["post_grad_custom_post_pass"] = FluxPassManager(settings.tp_group_names(), fuse_matmul_sums,
                                                             split_all_reduce, cuda_graphs)
+    _report_cache_hits()
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+# A call site in the generated wrapper (``buf0 = torch.ops.fluxinductor.all_gather_matmul.default(...)``); the same
+# name also appears in its size asserts and comments.
+_FUSED_OP_CALL = re.compile(r"=\s*torch\.ops\.fluxinductor\.(\w+)\.\w+\(")
+
+
+def fused_op_calls(source_code: str) -> Dict[str, int]:
+    """``{op: n}``: how often inductor's generated ``source_code`` calls each ``torch.ops.fluxinductor`` op."""
+    return dict(collections.Counter(_FUSED_OP_CALL.findall(source_code or "")))
+
+
+def _report_cache_hits() -> None:
+    """Make graphs served from inductor's FX graph or AOTAutograd cache say what they run.
+
+    A served graph skips the post-grad passes, so nothing reaches :func:`fluxinductor.rewrite_stats` or the log.
+    Torch (2.11-2.13) has no post-load hook, but every compiled graph, fresh or loaded from either cache, goes through
+    ``CompiledFxGraph.post_compile`` with the compile's inductor config in force: there, a graph compiled under a
+    :class:`FluxPassManager` whose pass did not run since the last one was served from a cache, and its generated
+    code's fused-op calls are counted (``rewrite_stats()["from_cache"]``) and logged.  Installed once per process.
+    """
+    from torch._inductor.output_code import CompiledFxGraph
+
+    if getattr(CompiledFxGraph.post_compile, "_fluxinductor", False):
+        return
+    original = CompiledFxGraph.post_compile
+
+    @functools.wraps(original)
+    def post_compile(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        from fluxinductor.passes import FluxPassManager
+
+        manager = torch._inductor.config.post_grad_custom_post_pass
+        if isinstance(manager, FluxPassManager) and not manager.take_ran():
+            record_served(fused_op_calls(getattr(self, "source_code", "")))
+        return result
+
+    post_compile._fluxinductor = True  # type: ignore[attr-defined]
+    CompiledFxGraph.post_compile = post_compile
 
 
 def _mode_options(mode: str) -> Dict[str, Any]:

@@ -95,6 +95,7 @@ def collective_inserted_by(pattern: Optional[str]) -> Iterator[None]:
         yield
     finally:
         _inserting.pattern = previous
+_served: collections.Counter = collections.Counter()  # fused-op calls in graphs served from a cache
 
 
 def record_fused(pattern: str, detail: str = "") -> None:
@@ -128,6 +129,18 @@ def record_fallback(op: str, reason: str, path: str = "decomposed") -> None:
         logger.log(_decision_level(), "%s runs %s: %s", op, path, reason)
 
 
+def record_served(op_calls: dict) -> None:
+    """Count the fused ops a graph served from inductor's FX graph or AOTAutograd cache calls (``{op: calls}``): no
+    pass ran for it, so :func:`record_fused` was not called, yet the graph may well run fused ops."""
+    with _lock:
+        _served.update(op_calls)
+    if op_calls:
+        logger.info("graph served from inductor's cache (no pass ran); it calls %s",
+                    ", ".join(f"fluxinductor.{op} x{n}" for op, n in sorted(op_calls.items())))
+    else:
+        logger.info("graph served from inductor's cache (no pass ran); it calls no fused op")
+
+
 _notes: set = set()
 
 
@@ -154,7 +167,8 @@ def rewrite_stats() -> dict:
         {"fused":     {pattern: n},            # collectives of the user's graph rewritten by ``pattern``
          "skipped":   {pattern: {reason: n}},  # matches of the user's graph left alone, by reason
          "fallbacks": {op: {reason: n}},       # run time calls of a fused op that ran no fused kernel
-         "inserted":  {"fused": {pattern: n}, "skipped": {pattern: {reason: n}}}}
+         "inserted":  {"fused": {pattern: n}, "skipped": {pattern: {reason: n}}},
+         "from_cache": {op: n}}               # fused-op calls in graphs served from inductor's caches
 
     Each collective of the user's graph counts once, under the rewrite that took it: ``all_gather_matmul`` an
     all-gather fused with the matmul(s) reading it, ``matmul_reduce_scatter`` a reduce-scatter fused with the
@@ -164,11 +178,13 @@ def rewrite_stats() -> dict:
     with two all-reduces gives ``fused == {"all_reduce_split": 2}`` and ``inserted["fused"] ==
     {"matmul_reduce_scatter": 2}`` (plus ``"all_gather_matmul"`` where a gathered half fused with the next matmul).
     A skip is counted per match looked at (an all-gather may count one per matmul reading it).  A compile served
-    from inductor's FX graph cache runs no pass and adds nothing here.
+    from inductor's FX graph or AOTAutograd cache runs no pass, so it adds nothing to ``fused`` or ``skipped``;
+    ``from_cache`` counts the fused-op calls in the served graphs' code instead.
     """
     with _lock:
         return {"fused": dict(_fused), "skipped": _nest(_skipped), "fallbacks": _nest(_fallbacks),
-                "inserted": {"fused": dict(_inserted_fused), "skipped": _nest(_inserted_skipped)}}
+                "inserted": {"fused": dict(_inserted_fused), "skipped": _nest(_inserted_skipped)},
+                "from_cache": dict(_served)}
 
 
 def rewrite_stats_delta(after: dict, before: dict) -> dict:
@@ -192,7 +208,8 @@ def rewrite_stats_delta(after: dict, before: dict) -> dict:
             "skipped": nested(after["skipped"], before["skipped"]),
             "fallbacks": nested(after["fallbacks"], before["fallbacks"]),
             "inserted": {"fused": flat(inserted_after["fused"], inserted_before["fused"]),
-                         "skipped": nested(inserted_after["skipped"], inserted_before["skipped"])}}
+                         "skipped": nested(inserted_after["skipped"], inserted_before["skipped"])},
+            "from_cache": flat(after.get("from_cache", {}), before.get("from_cache", {}))}
 
 
 def reset_rewrite_stats() -> None:
@@ -203,3 +220,4 @@ def reset_rewrite_stats() -> None:
         _fallbacks.clear()
         _inserted_fused.clear()
         _inserted_skipped.clear()
+        _served.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import Optional
@@ -44,6 +45,13 @@ class FluxPassManager(CustomGraphPass):
         self.split_all_reduce = settings.compile_option(options, "split_all_reduce")
         self.cuda_graphs = settings.compile_option(options, "cuda_graphs")
         self.dispatch_mode = settings.current.dispatch
+        # Graphs the passes ran on since the backend last asked (see fluxinductor.backend._report_cache_hits).
+        self._ran = 0
+
+    def take_ran(self) -> bool:
+        """Whether the passes ran since the last call: False for a graph served from inductor's caches."""
+        ran, self._ran = self._ran > 0, 0
+        return ran
 
     def group_allowed(self, group_name: str) -> bool:
         return self.tp_group_names is None or group_name in self.tp_group_names
@@ -90,11 +98,14 @@ class FluxPassManager(CustomGraphPass):
         from fluxinductor.passes.all_reduce_split import split_all_reduce
         from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_reduce_scatter
 
+        self._ran += 1
+        promised = output_layouts(graph)
         if self.split_all_reduce != "off":
             split_all_reduce(graph, self.group_allowed, self.not_worth_fusing,
                              assume_replicated=self.split_all_reduce == "replicated", fuse_sums=self.fuse_matmul_sums)
         fuse_all_gather_matmul(graph, self.group_allowed, self.not_worth_fusing)
         fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums)
+        keep_output_layouts(graph, promised)
         graph.lint()
 
     def uuid(self) -> bytes:
@@ -135,4 +146,69 @@ class FluxPassManager(CustomGraphPass):
                       f"split_all_reduce={self.split_all_reduce};rank={rank};"
                       f"settings={settings.compute_hash()}".encode())
         return digest.digest()
+
+
+
+def output_layouts(graph: torch.fx.Graph) -> list:
+    """Per output of ``graph``: ``(shape, stride, dtype)`` of its ``meta['val']``, None where it is no tensor."""
+    layouts = []
+    for arg in _output_args(graph):
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        layouts.append((tuple(val.shape), tuple(val.stride()), val.dtype) if isinstance(val, torch.Tensor) else None)
+    return layouts
+
+
+def keep_output_layouts(graph: torch.fx.Graph, promised: list) -> int:
+    """Make every output of the rewritten ``graph`` keep the shape, dtype and strides it had before the passes.
+
+    Inductor lays out each graph output as its node's ``meta['val']`` says; only the user-visible outputs get the
+    strides recorded before the post-grad passes.  The others (a training forward's activations saved for backward,
+    read by a backward graph compiled for the old strides) and the strides a caller sees decide whether the next
+    call hits dynamo's cache: a block whose output changed layout feeds the next block an input whose strides differ
+    from the last call's, and automatic dynamic shapes turns the recompile dynamic.  A changed shape or dtype is a
+    pass bug (AssertionError); a changed stride is restored with ``prims.inductor_force_stride_order`` (a copy only
+    where the layouts differ) and logged.  Returns how many outputs were restored.
+    """
+    from torch._inductor import inductor_prims
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    from fluxinductor.log import logger
+
+    output = graph.find_nodes(op="output")[0]
+    args = _output_args(graph)
+    if len(args) != len(promised):
+        raise AssertionError(f"fluxinductor passes changed the number of graph outputs: {len(promised)} -> {len(args)}")
+    restored = 0
+    replacements = {}
+    for index, (arg, layout) in enumerate(zip(args, promised)):
+        if layout is None:
+            continue
+        shape, stride, dtype = layout
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dtype != dtype or len(val.shape) != len(shape) or not all(
+                statically_known_true(a == b) for a, b in zip(val.shape, shape)):
+            raise AssertionError(f"fluxinductor passes changed graph output {index} from {dtype}{list(shape)} to "
+                                 f"{getattr(val, 'dtype', None)}{list(getattr(val, 'shape', []))}")
+        if all(statically_known_true(a == b) for a, b in zip(val.stride(), stride)):
+            continue
+        with graph.inserting_before(output):
+            kept = graph.call_function(inductor_prims.force_stride_order, (arg, list(stride)))
+        with torch._guards.detect_fake_mode([val]) or contextlib.nullcontext():
+            kept.meta["val"] = torch.empty_strided(shape, stride, dtype=dtype, device=val.device)
+        replacements[index] = kept
+        restored += 1
+        logger.info("graph output %d kept its strides %s (the rewrite gave %s)", index, list(stride),
+                    list(val.stride()))
+    if replacements:
+        outputs = list(args)
+        for index, kept in replacements.items():
+            outputs[index] = kept
+        single = isinstance(output.args[0], torch.fx.Node)
+        output.args = (outputs[0],) if single else (type(output.args[0])(outputs),)
+    return restored
+
+
+def _output_args(graph: torch.fx.Graph) -> list:
+    output = graph.find_nodes(op="output")[0]
+    return [output.args[0]] if isinstance(output.args[0], torch.fx.Node) else list(output.args[0])
 
