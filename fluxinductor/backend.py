@@ -28,9 +28,9 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
       overriding :func:`fluxinductor.set_tp_group`;
     - ``"split_all_reduce"`` (``"exact"``, ``"replicated"``, ``"off"``), ``"fuse_matmul_sums"`` (bool): what the
       passes rewrite;
-    - ``"cuda_graphs"`` (bool): with CUDA graphs on, whether the fused ops are captured with the rest of the graph;
-      off, inductor partitions the graph around them (``custom_should_partition_ops``) and runs them between the
-      captured partitions.  See :mod:`fluxinductor.settings` for what it cannot change per compile.
+    - ``"cuda_graphs"`` (bool, default True): whether the fused ops may be captured in CUDA graphs with the rest of
+      the graph.  Off, a compile with CUDA graphs on (``mode="reduce-overhead"``) is left to plain inductor: running
+      the ops between captured partitions costs more than it hides at the sizes CUDA graphs serve.  See :mod:`fluxinductor.settings` for what it cannot change per compile.
 
     Each defaults to ``fluxinductor.settings.current``.  Forward and backward graphs are both rewritten: inductor
     applies the same config patches to the backward compile.  ``mode`` (``torch.compile(..., mode=...)``; torch
@@ -63,16 +63,14 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
             "backend='flux' installs inductor's post_grad_custom_post_pass itself; another one is already set"
         )
     cudagraphs = patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)
-    if cudagraphs and hasattr(torch._inductor.config, "graph_partition"):
-        # Capture around the fused ops instead of skipping CUDA graphs for every graph that has one.
-        patches.setdefault("graph_partition", True)
+    if cudagraphs and not cuda_graphs:
+        # The fused ops would have to run between captured partitions: each split costs a replay and an eager call,
+        # more than the communication of the small steps such graphs serve (decode).  The graph stays inductor's.
+        logger.info("CUDA graphs are on and the fused ops may not be captured (cuda_graphs=False): compiling with "
+                    "plain inductor")
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
     if cuda_graphs:
         settings.note_cuda_graphs_compile()  # the ops' kernels may run where this graph is captured
-    elif cudagraphs and hasattr(torch._inductor.config, "custom_should_partition_ops"):
-        # The fused kernels are not captured: inductor runs the ops between the captured partitions.
-        listed = patches.get("custom_should_partition_ops", torch._inductor.config.custom_should_partition_ops)
-        patches["custom_should_partition_ops"] = list(listed) + [op for op in fluxinductor.ops.FUSED_OPS
-                                                                 if op not in listed]
     patches["post_grad_custom_post_pass"] = FluxPassManager(settings.tp_group_names(), fuse_matmul_sums,
                                                             split_all_reduce, cuda_graphs)
     _report_cache_hits()

@@ -201,10 +201,8 @@ def _matmul_fields(group: dist.ProcessGroup, a: Tensor, weight: Tensor, bias: Op
 # ---------------------------------------------------------------------------------------------------
 
 
-# The fused ops, as inductor's custom_should_partition_ops names them.  With CUDA graphs on and the per-compile option
-# cuda_graphs off (the default), the backend lists them there, so inductor runs them eagerly between captured partitions
-# and their kernels still run; with it on they are captured like any other op.  They carry no cudagraph_unsafe tag,
-# which would fix that choice for the whole process when the ops are registered (at import, before any setting).
+# The fused ops.  They carry no cudagraph_unsafe tag: CUDA graphs capture them like any other op (the per-compile option
+# cuda_graphs, on by default; with it off the backend leaves graphs compiled under CUDA graphs to plain inductor).
 FUSED_OPS = ("fluxinductor::all_gather_matmul", "fluxinductor::matmul_reduce_scatter",
              "fluxinductor::matmul_all_reduce")
 

@@ -19,9 +19,9 @@ attribute lookups, no parsing.  :func:`configure`, :func:`set_tuning` and :func:
 ``reload()``).  :func:`compute_hash` digests all of it for the pass manager's ``uuid()``, so inductor's FX graph
 cache never serves a graph rewritten under other settings.
 
-``cuda_graphs`` (the per-compile option and its default): whether the fused ops may be captured in CUDA graphs with
-the rest of the graph instead of running between captured partitions.  Per compile it decides how inductor
-partitions the graph (``custom_should_partition_ops`` when CUDA graphs are on).  What it cannot make per compile is
+``cuda_graphs`` (the per-compile option and its default, on): whether the fused ops may be captured in CUDA graphs
+with the rest of the graph.  Per compile, off means a compile with CUDA graphs on is left to plain inductor (no
+rewrite, no partition).  What it cannot make per compile is
 the run-time side: under any CUDA graph capture a fused op runs its kernels only if :func:`kernels_under_capture`
 says so, and that is per process (the process-wide default, or any compile of this process that asked for
 ``cuda_graphs=True``); elsewhere the op decomposes while captured.  A user's own ``torch.cuda.graph`` around a
@@ -159,8 +159,8 @@ class Settings:
         "str")
     fuse_matmul_sums: bool = _knob(True, _parse_bool, "Fuse `sum_i a_i @ W_i -> reduce_scatter` as one matmul over "
                                    "`cat(a_i)` and `cat(W_i)` (copies those operands every step).", "bool")
-    cuda_graphs: bool = _knob(False, _parse_bool, "The fused ops are captured in CUDA graphs with the rest of the "
-                              "graph (`mode=\"reduce-overhead\"`) instead of running between captured partitions.",
+    cuda_graphs: bool = _knob(True, _parse_bool, "The fused ops are captured in CUDA graphs with the rest of the "
+                              "graph (`mode=\"reduce-overhead\"`); off, such compiles are left to plain inductor.",
                               "bool")
 
 
@@ -382,8 +382,7 @@ def note_cuda_graphs_compile() -> None:
 def kernels_under_capture() -> bool:
     """Whether a fused op captured in a CUDA graph runs its kernels (else it decomposes while captured), and whether
     kernel state is allocated outside CUDA graph trees' pools: :data:`current`'s ``cuda_graphs``, or any compile of
-    this process with ``cuda_graphs=True`` (see the module docstring).  Off by default until a two-GPU run has checked
-    the captured protocol across processes."""
+    this process with ``cuda_graphs=True`` (see the module docstring)."""
     return current.cuda_graphs or _cuda_graphs_compiled
 
 

@@ -1,8 +1,10 @@
-"""``torch.compile(model, backend="flux", mode=...)``: the mode means what it means for inductor, and with CUDA graphs
-on the fused ops stay out of the captured partitions unless the per-compile option ``cuda_graphs`` is on
-(tests/gpu/test_cudagraph_mode.py runs both on a GPU)."""
+"""``torch.compile(model, backend="flux", mode=...)``: the mode means what it means for inductor; with CUDA graphs on
+the fused ops are captured with the rest of the graph (the per-compile option ``cuda_graphs``, on by default), and with
+that option off the compile is plain inductor's (tests/gpu/test_cudagraph_mode.py runs both on a GPU)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -29,10 +31,11 @@ def _graph():
     return torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
 
 
-def test_reduce_overhead_turns_on_cuda_graphs_partitioned_around_the_ops(compile_fx_patches):
+def test_reduce_overhead_captures_the_ops_without_partitions(compile_fx_patches):
     backend.flux_backend(_graph(), [torch.randn(2, 4)], mode="reduce-overhead")
     assert compile_fx_patches["triton.cudagraphs"] is True
-    assert compile_fx_patches["graph_partition"] is True
+    assert "graph_partition" not in compile_fx_patches  # no partition is needed: the ops are captured
+    assert "custom_should_partition_ops" not in compile_fx_patches
     assert type(compile_fx_patches["post_grad_custom_post_pass"]).__name__ == "FluxPassManager"
 
 
@@ -43,38 +46,43 @@ def test_max_autotune_without_cuda_graphs(compile_fx_patches):
     assert "graph_partition" not in compile_fx_patches  # left as the user has it
 
 
-def test_options_can_turn_partitioning_off(compile_fx_patches):
-    backend.flux_backend(_graph(), [torch.randn(2, 4)], options={"triton.cudagraphs": True, "graph_partition": False})
-    assert compile_fx_patches["graph_partition"] is False
-
-
 def test_unknown_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="torch.compile mode 'fastest' is not one of"):
         backend.flux_backend(_graph(), [torch.randn(2, 4)], mode="fastest")
 
 
 @pytest.mark.parametrize("cuda_graphs", [None, False, True])
-def test_fused_ops_are_partitioned_out_unless_captured(compile_fx_patches, monkeypatch, cuda_graphs):
-    """With CUDA graphs on, the fused ops are listed in inductor's custom_should_partition_ops (inductor runs them
-    between captured partitions), unless the compile's ``cuda_graphs`` option is on: then they are captured with the
-    rest, and their kernels may run under capture from then on in this process.  The ops carry no
-    cudagraph_unsafe tag (it would fix the choice at registration), and the option is part of the pass manager's
-    cache key."""
-    from fluxinductor import ops, settings
+def test_cuda_graphs_option_captures_or_leaves_the_graph_to_inductor(compile_fx_patches, monkeypatch, cuda_graphs):
+    """With CUDA graphs on, the fused ops are captured with the rest (``cuda_graphs`` on, the default), and their
+    kernels may run under capture from then on in this process; with it off the compile is plain inductor's (no pass,
+    no partition).  The ops carry no cudagraph_unsafe tag (it would fix the choice at registration)."""
+    from fluxinductor import settings
 
     monkeypatch.setattr(settings, "_cuda_graphs_compiled", False)
+    # process default off, so that only a compile's option can make kernels_under_capture() true
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, cuda_graphs=False))
     assert not settings.kernels_under_capture()
     for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         assert torch.Tag.cudagraph_unsafe not in getattr(torch.ops.fluxinductor, name).default.tags
-    options = {"triton.cudagraphs": True, "custom_should_partition_ops": ["mylib::other"]}
+    options = {"triton.cudagraphs": True}
+    expected = settings.current.cuda_graphs if cuda_graphs is None else cuda_graphs
     if cuda_graphs is not None:
         options["cuda_graphs"] = cuda_graphs
     backend.flux_backend(_graph(), [torch.randn(2, 4)], options=options)
     assert "cuda_graphs" not in compile_fx_patches  # taken out before inductor sees the patches
-    listed = compile_fx_patches["custom_should_partition_ops"]
-    assert listed == (["mylib::other"] if cuda_graphs else ["mylib::other", *ops.FUSED_OPS])
-    assert settings.kernels_under_capture() == bool(cuda_graphs)
-    assert compile_fx_patches["post_grad_custom_post_pass"].cuda_graphs == bool(cuda_graphs)
+    assert "custom_should_partition_ops" not in compile_fx_patches and "graph_partition" not in compile_fx_patches
+    manager = compile_fx_patches.get("post_grad_custom_post_pass")
+    if expected:
+        assert manager.cuda_graphs is True
+    else:
+        assert manager is None  # plain inductor
+    assert settings.kernels_under_capture() == bool(expected)
+
+
+def test_cuda_graphs_is_on_by_default():
+    from fluxinductor import settings
+
+    assert settings.Settings().cuda_graphs is True
 
 
 def test_cuda_graphs_option_is_in_the_cache_key():

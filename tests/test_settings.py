@@ -43,7 +43,7 @@ def test_defaults(environment):
     current = environment()
     assert (current.disable, current.log, current.dispatch, current.tuning_dir, current.timeout_s,
             current.assume_nvlink) == (False, False, "auto", None, 10.0, False)
-    assert (current.split_all_reduce, current.fuse_matmul_sums, current.cuda_graphs) == ("exact", True, False)
+    assert (current.split_all_reduce, current.fuse_matmul_sums, current.cuda_graphs) == ("exact", True, True)
 
 
 @pytest.mark.parametrize("value, disabled", [("1", True), ("true", True), ("YES", True), ("on", True), (" 1 ", True),
@@ -151,7 +151,7 @@ def test_tuning_hash_is_its_values():
 
 @pytest.mark.parametrize("change", [dict(dispatch="fused"), dict(tuning_dir="/elsewhere"), dict(timeout_s=3),
                                     dict(split_all_reduce="replicated"), dict(fuse_matmul_sums=False),
-                                    dict(cuda_graphs=True), dict(ag_variant=5), dict(gemm_rs_push="split"),
+                                    dict(cuda_graphs=False), dict(ag_variant=5), dict(gemm_rs_push="split"),
                                     dict(asynctp=True)])
 def test_uuid_changes_when_a_setting_changes(environment, change):
     from fluxinductor.passes import FluxPassManager
