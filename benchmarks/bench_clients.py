@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 # The torchtitan-style model is shared with the tests that check it (tests/test_clients.py).
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from _common import DTYPES, git_sha, write_json
+from harness import DTYPES, git_sha, write_json
 
 TITAN_CONTENDERS = ("inductor", "asynctp", "flux")
 
