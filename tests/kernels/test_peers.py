@@ -15,7 +15,7 @@ import torch
 
 from fluxinductor import dispatch, settings
 from fluxinductor.kernels import peers
-from tests._dist import run_ranks
+from _dist import run_ranks
 
 Identity = peers.Identity
 
