@@ -33,7 +33,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-# The torchtitan-style model is shared with the tests that check it (tests/test_clients.py).
+# The torchtitan-style model is shared with the tests that check it (tests/compile/test_clients.py).
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from harness import DTYPES, git_sha, write_json

@@ -212,7 +212,7 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
     try:
         torch._dynamo.reset()
         if os.environ.get("BENCH_MODEL_INJECT_ERROR") == f"{mode}:{'fwd_bwd' if backward else 'fwd'}":
-            # Test hook (tests/test_bench_model_cpu.py): a mode that fails on every rank before it runs.
+            # Test hook (tests/benchmarks/test_bench_model.py): a mode that fails on every rank before it runs.
             raise RuntimeError("injected by BENCH_MODEL_INJECT_ERROR")
         fn, mode_ctx, census = mode_setup(mode, model, ctx, local["notes"])
         if ctx.autocast is not None:

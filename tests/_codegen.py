@@ -1,4 +1,4 @@
-"""Reading inductor's generated code for the rows-first checks (tests/test_compile_features.py on CPU,
+"""Reading inductor's generated code for the rows-first checks (tests/compile/test_compile_features.py on CPU,
 tests/gpu/test_rows_first_codegen.py with triton)."""
 
 from __future__ import annotations

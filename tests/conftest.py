@@ -2,7 +2,9 @@
 
 * Every test process gets its own empty ``TORCHINDUCTOR_CACHE_DIR``, so no test is served a graph an
   earlier run compiled (the multi-rank jobs of ``tests/_dist.py`` get a fresh one per job as well).
-* ``tests/`` is on ``sys.path`` so spawned ranks can import the test modules and ``_dist`` by name.
+* ``tests/`` is on ``sys.path`` so the tests in every folder below it import the shared helpers (``_dist``,
+  ``_pass_graphs``, ``_codegen``, ``_llama_tp``) by name.  pytest puts each test module's own folder there too, and
+  spawned ranks inherit the path, so they import the test modules by name (basenames are unique across folders).
 * Tests marked ``gpu`` skip, with the reason shown, where CUDA is not available.
 * The dispatcher's remembered decisions (``fluxinductor.dispatch._plans``) are forgotten before each test: tests
   replace its pieces (cost model, kernel module) with fakes, and a decision made with one test's fakes must not

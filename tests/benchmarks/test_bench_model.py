@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "bench_model.py")
 AG_MM, MM_RS = "all_gather_matmul", "matmul_reduce_scatter"
 FP32_ERROR = 1e-4

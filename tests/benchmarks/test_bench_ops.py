@@ -17,7 +17,7 @@ import pytest
 
 from fluxinductor import cost_model, tuning_table
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "benchmarks", "bench_ops.py")
 MEASURED_ON_CPU = ("gemm", "comm", "nccl_seq", "auto")
 UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_copy", "fused_split", "fused_split2", "fused_nocomm", "split_nocomm",

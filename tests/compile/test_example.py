@@ -10,7 +10,8 @@ import tempfile
 
 import pytest
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "sp_transformer_block.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "sp_transformer_block.py")
 
 
 def _run_example(disabled: bool) -> dict:

@@ -29,7 +29,7 @@ def fake_kernels(flux_settings, monkeypatch):
                                    split_reason=gemm_rs.split_reason)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
-    monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)  # tests/test_peers.py
+    monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)  # tests/kernels/test_peers.py
     monkeypatch.setattr(dispatch, "_device_name", lambda index: "a device with no tuning table")
     flux_settings(dispatch="auto")
     return calls

@@ -7,7 +7,7 @@ the recompile that the second length triggers.  Both graphs must still get the f
 compiled graph must be right at every length.  Per case: three input lengths, outputs and (for the training
 models) input and parameter gradients against the same model run eagerly; the patterns fused in the
 forward and backward compiles; and no compile after the one that made the dim symbolic.  Models are those of
-tests/test_compile_numerics.py.
+tests/compile/test_compile_numerics.py.
 """
 
 from __future__ import annotations

@@ -322,7 +322,7 @@ def _bench_result(op_key, m, k, n, **contenders):
                            for name, (ms, ok) in contenders.items()}}
 
 
-def test_bench_results_round_trip_to_choose(tmp_path, monkeypatch):
+def test_bench_results_round_trip_to_choose(tmp_path, flux_settings):
     """A bench_ops run's results -> table -> file -> load -> choose: each path wins where it was measured faster,
     a failed check or a missing sequential time keeps it out, and the split transport's faster configuration is
     what the dispatcher is given."""
@@ -354,7 +354,7 @@ def test_bench_results_round_trip_to_choose(tmp_path, monkeypatch):
     assert split_row["fused_split_config_ms"] == {"0": 1.5, "2": 1.4}
     assert rows[(AG, 4096, 12288, 49152)]["fused_ok"] is False
 
-    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    flux_settings(tuning_dir=str(tmp_path))
     cost_model.clear_cache()
     try:
         assert choose(AG, 4096, 8192, 28672)[0] == "fused"

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from fluxinductor import log
-from test_passes import (  # noqa: F401 - fake_world: the module's fake 2-rank default group (autouse)
+from _pass_graphs import (  # noqa: F401 - fake_world: the fake 2-rank default group (autouse, module scope)
     aten,
     c10d,
     count,
@@ -29,10 +28,11 @@ from test_passes import (  # noqa: F401 - fake_world: the module's fake 2-rank d
     split_ar,
     trace,
     tp_residual_block,
-    _tp_block_args,
+    tp_block_args,
     all_gather,
     linear,
 )
+from fluxinductor import log
 
 AG_MM = "all_gather_matmul"
 MM_RS = "matmul_reduce_scatter"
@@ -52,7 +52,7 @@ def fresh_stats():
 def test_split_all_reduce_counts_once_and_its_halves_as_inserted():
     """Plain TP (exact split): the all-reduce counts once; its reduce-scatter half fused with the matmul is an
     inserted fusion, its all-gather (read by the residual add, no matmul) an inserted skip, not a user's skip."""
-    gm = trace(tp_residual_block(group()), *_tp_block_args())
+    gm = trace(tp_residual_block(group()), *tp_block_args())
     split_ar(gm)
     run_passes(gm)
     assert count(gm, torch.ops.fluxinductor.matmul_reduce_scatter.default) == 1
@@ -71,7 +71,7 @@ def test_a_users_own_collectives_still_count_beside_a_split():
         up = linear(all_gather(shard, 0, 2, group()), w_up)
         return linear(h, w_q), up
 
-    args = _tp_block_args() + (torch.randn(4, 32), torch.randn(24, 32))
+    args = tp_block_args() + (torch.randn(4, 32), torch.randn(24, 32))
     gm = trace(fn, *args)
     split_ar(gm)
     run_passes(gm)
@@ -83,7 +83,7 @@ def test_a_users_own_collectives_still_count_beside_a_split():
 
 def test_rewrite_stats_delta_keeps_inserted_apart():
     before = log.rewrite_stats()
-    gm = trace(tp_residual_block(group()), *_tp_block_args())
+    gm = trace(tp_residual_block(group()), *tp_block_args())
     split_ar(gm)
     run_passes(gm)
     delta = log.rewrite_stats_delta(log.rewrite_stats(), before)

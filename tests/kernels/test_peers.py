@@ -15,7 +15,7 @@ import torch
 
 from fluxinductor import dispatch, settings
 from fluxinductor.kernels import peers
-from tests._dist import run_ranks
+from _dist import run_ranks
 
 Identity = peers.Identity
 
@@ -55,8 +55,6 @@ def test_objections_name_what_is_wrong():
 
 def _verdicts_on_two_ranks(rank, world):
     """Each scenario on a fresh group of both ranks (the verdict is remembered per group)."""
-    import os
-
     import torch.distributed as dist
 
     from fluxinductor.kernels import peers
