@@ -40,7 +40,7 @@ def flux_backend(gm: torch.fx.GraphModule, example_inputs: List[Any], options: O
     from torch._inductor.compile_fx import compile_fx
 
     # Registering the ops here makes graphs from the entry point (no `import fluxinductor`) work too.
-    import fluxinductor.ops
+    import fluxinductor.ops  # noqa: F401 - registers torch.ops.fluxinductor
     from fluxinductor.passes import FluxPassManager
 
     patches = dict(options or {})

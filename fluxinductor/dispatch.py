@@ -184,9 +184,15 @@ def _rows_first(t: Tensor, dim: int) -> Tensor:
 
 
 def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tensor:
-    """Inverse of :func:`_rows_first` for a result whose moved dim now has size ``lead``."""
+    """Inverse of :func:`_rows_first` for a result whose moved dim now has size ``lead``, with the contiguous strides
+    the ops' fake implementations promise.  Where only size-1 dims come before ``dim`` (batch 1 of a sequence-parallel
+    [B, S, H]) the moved view is already in row-major order, but its size-1 dims keep strides no contiguous tensor has
+    ([1, S, H] as (H, H, 1)); those reach the caller (inductor reuses the op's buffer for the pointwise op after it),
+    and dynamo's guards compare every stride: the next compiled block saw a new input layout and recompiled dynamic."""
     out = out2d.view((lead,) + rest + (out2d.shape[-1],)).movedim(0, dim)
-    return out if out.is_contiguous() else out.contiguous()
+    if out.is_contiguous() and out2d.is_contiguous():
+        return out2d.view(out.shape)
+    return out.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -478,7 +478,6 @@ def test_wide_variant_push_n_ranks_on_one_gpu(flux_settings, world, shard_rows, 
     """Variant 6 (256x160 tiles, which the automatic choice takes for 4096 x 14336 outputs) under the push: this rank's
     rows from the shard through the second TMA descriptor (256-row tiles), the peers' rows waited for per row chunk
     (chunks of 128 or 171 rows: a tile waits for two or three), N = 520 and 136 not multiples of 160."""
-    from fluxinductor.kernels import ag_gemm
 
     flux_settings(ag_variant=6)
     torch.manual_seed(world + shard_rows)

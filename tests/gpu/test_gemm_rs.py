@@ -475,7 +475,7 @@ def test_split_ring_dtypes_no_bias():
 def _tail_flags(rows, n, k, sm_count, max_parts, waves=1):
     """How many flags a split GEMM of [rows, n] x K=k raises when it splits its tail: 128x256 tiles in clusters of 2
     CTAs, sm_count / 2 clusters; after at least one full wave, each of the T tail tiles in P parts (the extension's
-    ag_tail_split_parts, checked against a simulation in tests/test_tail_split_cpu.py); every part but the last
+    ag_tail_split_parts, checked against a simulation in tests/kernels/test_tail_split.py); every part but the last
     raises a flag per CTA and consumer warp group (2 each)."""
     from fluxinductor import _C
 

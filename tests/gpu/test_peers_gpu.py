@@ -1,4 +1,4 @@
-"""The peer check's NVML queries on a real GPU (fluxinductor/kernels/peers.py; tests/test_peers.py has the logic).
+"""The peer check's NVML queries on a real GPU (fluxinductor/kernels/peers.py; tests/kernels/test_peers.py has the logic).
 
 The bus id that CUDA reports through torch must name the same GPU in NVML, or every group would fall back with
 "NVML does not see the GPU".  Where two GPUs are visible, NVML must answer for the pair.  The two-rank verdict is

@@ -4,7 +4,7 @@ A sequence-parallel MLP block on [B, S, H] sharded on S with B = 4 is compiled w
 whose default group is torch's fake process group of 2 ranks (its collectives do nothing, so only the generated
 code is checked, not numbers).  Both fused ops must be called rows-first (dim 0), the triton kernel computing gelu
 must read the all-gather's result and write the reduce-scatter's operand, and the residual add must read the
-reduce-scatter's result: the same fused layout as on CPU (tests/test_compile_features.py), with no copy kernel.
+reduce-scatter's result: the same fused layout as on CPU (tests/compile/test_compile_features.py), with no copy kernel.
 """
 
 from __future__ import annotations
