@@ -118,13 +118,17 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def build(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama:
-    """The same weights on every rank (seeded), small enough that fp32 sums stay exact to ~1e-6."""
+def build(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+          fan_in_init: bool = False) -> Llama:
+    """The same weights on every rank (seeded), small enough that fp32 sums stay exact to ~1e-6.  ``fan_in_init``:
+    matrices drawn with std 1/sqrt(fan in), as a trained model's are scaled, so that activations keep their size
+    through the layers of a full-size model (with std 0.2 a 4096-wide model's bf16 gradients are noise)."""
     torch.manual_seed(seed)
     model = Llama(cfg)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.2 if p.dim() > 1 else 1.0)
+            std = (p.shape[-1] ** -0.5 if fan_in_init else 0.2) if p.dim() > 1 else 1.0
+            p.normal_(0.0, std)
             if p.dim() == 1:
                 p.add_(1.0)
     model.to(device=device)
