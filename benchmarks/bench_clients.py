@@ -41,7 +41,7 @@ from harness import DTYPES, git_sha, write_json
 TITAN_CONTENDERS = ("inductor", "asynctp", "flux")
 
 
-def _setup():
+def setup():
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -55,7 +55,7 @@ def _setup():
     return rank, world, device
 
 
-class _Timer:
+class Timer:
     """Host-exposed time of one call: barrier first, then CUDA events around it (wall clock on CPU)."""
 
     def __init__(self, device: torch.device):
@@ -78,13 +78,13 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def _summary(times: list[float]) -> dict[str, float]:
+def summary(times: list[float]) -> dict[str, float]:
     ordered = sorted(times)
     return {"median_ms": statistics.median(ordered), "min_ms": ordered[0], "max_ms": ordered[-1],
             "p10_ms": ordered[len(ordered) // 10], "p90_ms": ordered[(9 * len(ordered)) // 10], "n": len(ordered)}
 
 
-def _backend_for(name: str, device: torch.device, group_name: str):
+def backend_for(name: str, device: torch.device, group_name: str):
     """(backend, options) for ``torch.compile``, or raise with why the contender cannot run here."""
     if name == "inductor":
         return "inductor", None
@@ -136,7 +136,7 @@ def bench_torchtitan(args, rank: int, world: int, device: torch.device) -> dict[
         entry: dict[str, object] = {}
         result["contenders"][name] = entry
         try:
-            backend, options = _backend_for(name, device, group_name)
+            backend, options = backend_for(name, device, group_name)
             model, optim = build()
             llama.compile_blocks(model, backend, options, checkpoint=args.checkpoint)
             fluxinductor.reset_rewrite_stats()
@@ -160,7 +160,7 @@ def bench_torchtitan(args, rank: int, world: int, device: torch.device) -> dict[
             entry["traceback"] = traceback.format_exc()[-4000:]
             if rank == 0:
                 print(f"[bench_clients] {name}: {entry['error']}", flush=True)
-    timer = _Timer(device)
+    timer = Timer(device)
     names = list(runs)
     for round_index in range(args.rounds):
         # Alternate the order each round so that no contender always runs first after the others.
@@ -170,7 +170,7 @@ def bench_torchtitan(args, rank: int, world: int, device: torch.device) -> dict[
             timed = [timer(functools.partial(step, model, optim)) for _ in range(args.iters)]
             result["contenders"][name]["times_ms"] += timed
     for name in names:
-        result["contenders"][name]["summary"] = _summary(result["contenders"][name]["times_ms"])
+        result["contenders"][name]["summary"] = summary(result["contenders"][name]["times_ms"])
     return result
 
 
@@ -197,7 +197,7 @@ def bench_transformers(args, rank: int, world: int, device: torch.device) -> dic
     dist.barrier()
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, args.vocab, (args.batch, args.hf_prompt), generator=g).to(device)
-    timer = _Timer(device)
+    timer = Timer(device)
 
     def load():
         model = LlamaForCausalLM.from_pretrained(path[0], torch_dtype=dtype, tp_plan="auto")
@@ -220,11 +220,11 @@ def bench_transformers(args, rank: int, world: int, device: torch.device) -> dic
                 fluxinductor.reset_rewrite_stats()
                 logits = model(prompt).logits.float()
                 entry["logits_rel_err"] = float((logits - ref_logits).norm() / ref_logits.norm())
-                entry["prefill_ms"] = _summary(
+                entry["prefill_ms"] = summary(
                     [timer(functools.partial(model, prompt)) for _ in range(args.iters * args.rounds)])
                 generate = {"max_new_tokens": args.hf_new_tokens, "do_sample": False, "cache_implementation": "static"}
                 model.generate(prompt, **generate)  # compiles the decode graphs
-                entry["decode_ms_per_token"] = {k: v / args.hf_new_tokens if k != "n" else v for k, v in _summary(
+                entry["decode_ms_per_token"] = {k: v / args.hf_new_tokens if k != "n" else v for k, v in summary(
                     [timer(functools.partial(model.generate, prompt, **generate)) for _ in range(args.rounds)]).items()}
                 entry["rewrite_stats"] = fluxinductor.rewrite_stats()
             except Exception as e:  # noqa: BLE001 - reported, not fatal
@@ -257,13 +257,14 @@ def main() -> None:
     p.add_argument("--hf-prompt", type=int, default=512)
     p.add_argument("--hf-new-tokens", type=int, default=32)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-torchtitan", action="store_true", help="only the transformers part")
     p.add_argument("--out", default=None, help="JSON path (rank 0 writes it)")
     args = p.parse_args()
     if args.tiny:
         args.dim, args.heads, args.kv_heads, args.ffn, args.vocab, args.tokens = 64, 4, 2, 128, 128, 32
         args.hf_prompt, args.hf_new_tokens, args.warmup, args.iters, args.rounds = 16, 4, 1, 2, 2
     args.contenders = [c for c in args.contenders.split(",") if c]
-    rank, world, device = _setup()
+    rank, world, device = setup()
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     torch.manual_seed(0)
@@ -271,14 +272,15 @@ def main() -> None:
     data = {"benchmark": "bench_clients", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
             else "cpu", "world": world, "torch": torch.__version__, "git_sha": sha, "git_dirty": dirty,
             "args": vars(args)}
-    data["torchtitan_llama3"] = bench_torchtitan(args, rank, world, device)
+    if not args.skip_torchtitan:
+        data["torchtitan_llama3"] = bench_torchtitan(args, rank, world, device)
     if not args.skip_transformers:
         data["transformers_llama"] = bench_transformers(args, rank, world, device)
     if rank == 0:
         if args.out:
             write_json(args.out, data)
         print(f"{'client':<20} {'contender':<10} {'median ms':>10} {'min':>8} {'max':>8} {'numerics':>10}")
-        for name, entry in data["torchtitan_llama3"]["contenders"].items():
+        for name, entry in data.get("torchtitan_llama3", {}).get("contenders", {}).items():
             s = entry.get("summary")
             if s is None:
                 print(f"{'torchtitan train':<20} {name:<10} {entry.get('error', '')[:60]}")
