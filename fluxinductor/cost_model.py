@@ -21,8 +21,11 @@ Lookup rule of :func:`choose`, in order:
 2. Rows of the op with exactly this (K, N): sorted by M.
    - M equal to a measured M: that row's gain.
    - M between two measured Ms: the gain interpolated linearly in log(M) between the two neighbours.
-   - M outside the measured range: the gain of the nearest measured M (the end row).
-3. Otherwise, rows whose K and N are each within a factor :data:`SIMILAR_KN` of this K and N: the row
+   - M above the measured range: the gain of the largest measured M (the end row).
+   - M below the measured range: ``"sequential"``.  Not extrapolated: below the smallest measured M a collective
+     costs its latency, not its bytes, and the overlapped paths lose there (decode sizes) by more than any
+     neighbour shows.
+3. Otherwise, if M is below the smallest M measured for the op, ``"sequential"`` (as above).  Else rows whose K and N are each within a factor :data:`SIMILAR_KN` of this K and N: the row
    nearest in log(flops) = log(2*M*K*N), if it is within a factor :data:`MAX_FLOPS_RATIO`; its gain.
    (K and N separately: the collective moves M*K (AG) or M*N (RS) elements, so swapping them, at the same
    K*N, changes the communication share.)
@@ -79,6 +82,12 @@ DEFAULT_PATHS = ("fused", "fused_copy", "fused_split")
 # GEMM+RS 1024x8192x8192 async-TP alone 0.138 ms, the same op picked by auto 0.229 ms, sequential 0.149 ms;
 # from 0.6 ms sequential up auto matched async-TP alone within noise.
 ASYNCTP_MIN_SEQUENTIAL_MS = 0.3
+
+# Splitting an all-reduce into a fused matmul + reduce-scatter and an all-gather moves the same bytes as the
+# all-reduce but pays one more collective's latency: the split is taken only where the fused reduce-scatter saves
+# more than this (ms).  NCCL's all-gather of a small tensor on 2xH200, host exposed
+# (benchmarks/probes/collective_latency.py, benchmarks/results/collective_latency/).
+SPLIT_ALL_REDUCE_LATENCY_MS = 0.03
 
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
@@ -166,6 +175,7 @@ def clear_cache() -> None:
         tuning_table.forget_loaded()
         _choices.clear()
         _split_configs.clear()
+        _savings.clear()
 
 
 def _gain(row: dict, path: str = "fused") -> float:
@@ -230,8 +240,7 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
             if r["m"] == m:
                 return _decide(_gains(r, paths), "measured " + _describe(r, paths))
         if m < same_kn[0]["m"]:
-            r = same_kn[0]
-            return _decide(_gains(r, paths), f"nearest measured M (below the range) {_describe(r, paths)}")
+            return "sequential", f"M={m} is below the measured range (smallest M={same_kn[0]['m']} at K={k} N={n})"
         if m > same_kn[-1]["m"]:
             r = same_kn[-1]
             return _decide(_gains(r, paths), f"nearest measured M (above the range) {_describe(r, paths)}")
@@ -246,6 +255,9 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
         basis = f"interpolated in log M between [{_describe(lo, paths)}] and [{_describe(hi, paths)}]"
         return _decide(gains, basis)
 
+    smallest = min(r["m"] for r in rows)
+    if m < smallest:
+        return "sequential", f"M={m} is below the measured range (smallest {op} M={smallest})"
     best = _nearest_similar(rows, m, k, n)
     if best is not None:
         return _decide(_gains(best, paths),
@@ -253,11 +265,45 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
     return "sequential", f"no measured {op} shape near M={m} K={k} N={n}"
 
 
+def _saving(row: dict, path: str) -> float:
+    """The row's measured saving of ``path`` over the sequential path, ms (0 where the path did not run)."""
+    t, seq = row.get(f"{path}_ms"), row.get("sequential_ms")
+    if row.get(f"{path}_ok") is False or t is None or seq is None:
+        return 0.0
+    return seq - t
+
+
+def saving_from_table(table: dict, op: str, m: int, k: int, n: int, path: str) -> float:
+    """The time ``path`` saves over the sequential path at the global GEMM (m, k, n), in ms, by the rows
+    :func:`choose_from_table` reads: the row itself, interpolated in log M, the largest M's saving scaled by M above
+    the range, the nearest-flops row's scaled by flops; 0 below the measured range and with no row near."""
+    op = canonical_op(op)
+    rows = [r for r in table["entries"] if canonical_op(r["op"]) == op]
+    if not rows or m < min(r["m"] for r in rows):
+        return 0.0
+    same_kn = sorted((r for r in rows if r["k"] == k and r["n"] == n), key=lambda r: r["m"])
+    if same_kn:
+        if m < same_kn[0]["m"]:
+            return 0.0
+        if m >= same_kn[-1]["m"]:
+            r = same_kn[-1]
+            return _saving(r, path) * m / r["m"]
+        lo = max((r for r in same_kn if r["m"] <= m), key=lambda r: r["m"])
+        hi = min((r for r in same_kn if r["m"] > m), key=lambda r: r["m"])
+        t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
+        return _saving(lo, path) + t * (_saving(hi, path) - _saving(lo, path))
+    best = _nearest_similar(rows, m, k, n)
+    if best is None:
+        return 0.0
+    return _saving(best, path) * (m * float(k) * n) / (best["m"] * float(best["k"]) * best["n"])
+
+
 # choose() results by (table file, its mtime, arguments): the dispatcher asks on every call of a fused op,
 # and a model repeats a few shapes; the lookup itself (filtering rows, interpolating, formatting the reason)
 # cost ~100 us of host time per call on the 4xH200 machine (benchmarks/probes/host_overhead.py).
 _choices: Dict[tuple, Tuple[str, str]] = {}
 _split_configs: Dict[tuple, Optional[int]] = {}
+_savings: Dict[tuple, float] = {}
 _MAX_CHOICES = 4096
 
 
@@ -278,6 +324,38 @@ def choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
         mtime = None
     memo = (path, mtime, op, int(m), int(k), int(n), str(dtype), tuple(paths))
     return _remembered(_choices, memo, lambda: _choose(op, device_name, world, m, k, n, dtype, paths, path))
+
+
+def saving_ms(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, path: str) -> float:
+    """:func:`saving_from_table` for this device's table at this world size (0 without a table or for a dtype it does
+    not cover): what a pass weighs against the cost a rewrite adds (an all-reduce split in two collectives)."""
+    table_file = table_path(device_name, world)
+    try:
+        mtime = os.stat(table_file).st_mtime
+    except OSError:
+        return 0.0
+
+    def compute() -> float:
+        table = load_table(table_file)
+        want, have = dtype_name(dtype), dtype_name((table or {}).get("dtype", "bfloat16"))
+        if table is None or (want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES)):
+            return 0.0
+        return saving_from_table(table, op, int(m), int(k), int(n), path)
+
+    return _remembered(_savings, (table_file, mtime, op, int(m), int(k), int(n), str(dtype), path), compute)
+
+
+def split_all_reduce_veto(device_name: str, world: int, m: int, k: int, n: int, dtype,
+                          paths: Tuple[str, ...] = PATHS) -> Optional[str]:
+    """Why an all-reduce after the matmul (m, k, n) should stay whole, or None where splitting it pays: the best of
+    ``paths`` at this shape saves more over matmul-then-reduce-scatter than the all-gather the split adds costs
+    (:data:`SPLIT_ALL_REDUCE_LATENCY_MS`); the bytes are the all-reduce's either way."""
+    op = MATMUL_REDUCE_SCATTER
+    best = max((saving_ms(op, device_name, world, m, k, n, dtype, p) for p in paths), default=0.0)
+    if best > SPLIT_ALL_REDUCE_LATENCY_MS:
+        return None
+    return (f"an all-reduce split at M={m} K={k} N={n} saves {best * 1e3:.0f} us in its fused reduce-scatter, "
+            f"not more than the {SPLIT_ALL_REDUCE_LATENCY_MS * 1e3:.0f} us the added all-gather costs")
 
 
 def _remembered(store: dict, memo: tuple, compute):

@@ -104,6 +104,19 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
     return choice, f"cost model chose {choice}: {reason}"
 
 
+def split_all_reduce_veto(a: Tensor, weight: Tensor, world: int) -> Optional[str]:
+    """Why the all-reduce of ``a @ weight`` should run whole rather than as a fused reduce-scatter and an all-gather
+    (``cost_model.split_all_reduce_veto``: the fused half must save more than the added all-gather costs), or None.
+    Only under ``auto`` dispatch on a GPU; the other modes do as they are told."""
+    if mode() != "auto" or a.device.type != "cuda":
+        return None
+    from fluxinductor import cost_model
+
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    return cost_model.split_all_reduce_veto(_device_name(a.device.index), world, rows, a.shape[-1] * world,
+                                            weight.shape[1], a.dtype, overlapped_paths("matmul_reduce_scatter"))
+
+
 def _split_config_choice(device: torch.device, world: int, m: int, k: int, n: int, dtype) -> Optional[int]:
     try:
         from fluxinductor import cost_model

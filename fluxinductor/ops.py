@@ -332,8 +332,8 @@ def matmul_all_reduce(
     tensor parallelism whose row count the graph does not know (dynamic shapes; ``passes/all_reduce_split.py``).
 
     a: [..., K], weight: [K, N], bias: [N] or None (added on every rank, as the graph did); returns [..., N].  Where
-    the rows split evenly over the group and :func:`fluxinductor.dispatch.matmul_reduce_scatter` takes the call (a
-    fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
+    the rows split evenly over the group, the split pays (:func:`fluxinductor.dispatch.split_all_reduce_veto`) and
+    :func:`fluxinductor.dispatch.matmul_reduce_scatter` takes the call (a fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
     otherwise as the matmul and the all-reduce, the graph's own decomposition.
     """
     group = _group(group_name)
@@ -342,8 +342,11 @@ def matmul_all_reduce(
                     lambda: _check_matmul_all_reduce(a, weight, bias, reduce_op))
     world = group.size()
     rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    veto = None if rows % world else dispatch.split_all_reduce_veto(a, weight, world)
     if rows % world:
         record_fallback("matmul_all_reduce", f"{rows} rows do not split over {world} ranks")
+    elif veto is not None:
+        record_fallback("matmul_all_reduce", veto)
     else:
         part = dispatch.matmul_reduce_scatter(a.reshape(rows, a.shape[-1]), weight, bias, reduce_op, 0, group_name,
                                               out_dtype)

@@ -147,7 +147,8 @@ def _match_source(ar: Node, group_allowed: Callable[[str], bool],
     if m.known_not_divisible(rows, world):
         raise Skip("rows do not split over the group", f"{shape}, {world} ranks")
     if not_worth_fusing is not None:
-        check_worth_fusing(not_worth_fusing, match.terms, world, rows, n, upcast=match.out_dtype is not None)
+        check_worth_fusing(not_worth_fusing, match.terms, world, rows, n, upcast=match.out_dtype is not None,
+                           replaces_all_reduce=True)
     if not all(isinstance(d, int) for d in shape):
         return match
     return _Source(match.wait, ar, ar.args[0], shape, rows, match.reduce_op, match.group_name, world, rank)

@@ -57,7 +57,7 @@ class FluxPassManager(CustomGraphPass):
         return self.tp_group_names is None or group_name in self.tp_group_names
 
     def not_worth_fusing(self, op: str, device: torch.device, world: int, m: Optional[int], k: int, n: int, dtype,
-                         weight: Optional[torch.Tensor] = None) -> Optional[str]:
+                         weight: Optional[torch.Tensor] = None, replaces_all_reduce: bool = False) -> Optional[str]:
         """Why a match on ``device`` of the global GEMM (m, k, n) should stay unfused, or None to fuse it.
         ``weight`` (GEMM+RS): a fake of the [K/world, N] weight the fused op will get (None: unknown); the split
         transport is a candidate only where it can take that weight.  ``m`` None: M is symbolic (dynamic shapes),
@@ -70,6 +70,9 @@ class FluxPassManager(CustomGraphPass):
         2-7% slower with such rewrites).  So the rewrite is kept only where the cost model picks an
         overlapped path: the fused kernel, or PyTorch's async-TP op (which the fused op then runs).
         Elsewhere (CPU, ``fused`` or ``decomposed`` modes) every match is rewritten.
+
+        ``replaces_all_reduce``: the GEMM+RS is half of a split all-reduce, so it is weighed against the all-reduce
+        it replaces: its saving must outweigh the all-gather the split adds (``cost_model.split_all_reduce_veto``).
         """
         if device.type != "cuda" or self.dispatch_mode != "auto":
             return None
@@ -81,9 +84,16 @@ class FluxPassManager(CustomGraphPass):
         split_eligible = op != "matmul_reduce_scatter" or (
             weight is not None and kernels.split_reason(world, weight, None) is None)
         paths = dispatch.overlapped_paths(op, split_eligible=split_eligible)
+        name = torch.cuda.get_device_name(device)
+        probes = (m,) if m is not None else SYMBOLIC_M_PROBES
+        choices = []
         try:
-            choices = [cost_model.choose(op, torch.cuda.get_device_name(device), world, rows, k, n, dtype, paths)
-                       for rows in ((m,) if m is not None else SYMBOLIC_M_PROBES)]
+            for rows in probes:
+                choice, reason = cost_model.choose(op, name, world, rows, k, n, dtype, paths)
+                if choice != "sequential" and replaces_all_reduce:
+                    veto = cost_model.split_all_reduce_veto(name, world, rows, k, n, dtype, paths)
+                    choice, reason = ("sequential", veto) if veto is not None else (choice, reason)
+                choices.append((choice, reason))
         except Exception as e:  # noqa: BLE001 - an unreadable table must not stop compilation
             return f"cost model failed ({type(e).__name__}: {e})"
         if any(choice != "sequential" for choice, _ in choices):

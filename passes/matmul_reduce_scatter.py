@@ -381,10 +381,11 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
 
 
 def check_worth_fusing(not_worth_fusing: Callable[..., Optional[str]], terms: List[_Term], world: int, rows: m.Size,
-                       n: int, upcast: bool) -> None:
+                       n: int, upcast: bool, replaces_all_reduce: bool = False) -> None:
     """Asks ``not_worth_fusing`` about the fused op for ``terms`` (the global GEMM shape; a symbolic M is asked as
     None, "at any M", as the graph serves every M); raises :class:`Skip` where it vetoes.  ``upcast``: the op would
-    produce an fp32 result from half-precision operands."""
+    produce an fp32 result from half-precision operands.  ``replaces_all_reduce``: the op is half of a split
+    all-reduce (weighed against the whole all-reduce)."""
     a = m.val(terms[0].a)
     k = world * sum(m.val(t.a).shape[1] for t in terms)
     # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
@@ -393,7 +394,7 @@ def check_worth_fusing(not_worth_fusing: Callable[..., Optional[str]], terms: Li
     if upcast:
         weight = None  # an fp32 result: the split transport (the operands' dtype only) is no candidate
     why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
-                           weight=weight)
+                           weight=weight, **({"replaces_all_reduce": True} if replaces_all_reduce else {}))
     if why is not None:
         raise Skip("not worth fusing here", why)
 

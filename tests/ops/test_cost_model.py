@@ -121,11 +121,25 @@ def test_interpolation_never_leans_on_a_failed_row(flux_settings, tmp_path, monk
     assert choose(AG, 2048, 4096, 4096)[0] == "sequential"
 
 
-def test_outside_measured_m_range_uses_the_end_row(table_dir):
-    choice, reason = choose(AG, 256, 8192, 28672)
-    assert choice == "sequential" and "below the range" in reason
+def test_above_the_measured_m_range_uses_the_end_row_and_below_it_stays_sequential(table_dir):
     choice, reason = choose(AG, 65536, 8192, 28672)
     assert choice == "fused" and "above the range" in reason
+    # Below the smallest measured M nothing is extrapolated, even where the smallest row wins.
+    choice, reason = choose(AG, 256, 8192, 28672)
+    assert choice == "sequential" and "below the measured range" in reason
+
+
+def test_decode_sizes_stay_sequential_even_next_to_a_winning_row(flux_settings, tmp_path):
+    flux_settings(tuning_dir=str(tmp_path))
+    rows = [_row(RS, 512, 8192, 8192, 0.1, 0.2), _row(RS, 4096, 8192, 8192, 0.3, 0.5)]
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), cost_model.make_table(DEVICE, 2, "bf16", rows))
+    assert choose(RS, 512, 8192, 8192)[0] == "fused"
+    for m in (1, 8, 64, 256, 511):
+        choice, reason = choose(RS, m, 8192, 8192)
+        assert choice == "sequential" and "below the measured range" in reason, (m, reason)
+        # Nor through the nearest-shape rule (K and N within 2x, not exact).
+        choice, reason = choose(RS, m, 8192, 6144)
+        assert choice == "sequential" and "below the measured range" in reason, (m, reason)
 
 
 def test_nearest_by_flops_with_similar_kn(table_dir):
@@ -140,9 +154,9 @@ def test_nearest_by_flops_with_similar_kn(table_dir):
     # The same K*N with K and N swapped is not similar: for GEMM+RS it moves 3.5x fewer bytes.
     choice, reason = choose(RS, 8192, 28672, 8192)
     assert choice == "sequential" and "no measured" in reason
-    # Similar K*N but flops too far from every row (M = 64: 8x below the smallest row).
+    # Similar K*N but M = 64, 8x below the smallest row: below the measured range, never extrapolated.
     choice, reason = choose(AG, 64, 8192, 30720)
-    assert choice == "sequential" and "no measured" in reason
+    assert choice == "sequential" and "below the measured range" in reason
 
 
 def test_op_without_rows(flux_settings, tmp_path, monkeypatch):

@@ -101,7 +101,7 @@ def test_all_reduce_split_counts_a_gather_the_cost_model_keeps_unfused_as_expose
 
     asked = []
 
-    def veto_all_gather_matmul(op, device, world, m, k, n, dtype, weight=None):
+    def veto_all_gather_matmul(op, device, world, m, k, n, dtype, weight=None, replaces_all_reduce=False):
         asked.append((op, world, m, k, n))
         return "sequential here" if op == "all_gather_matmul" else None
 

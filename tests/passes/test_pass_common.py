@@ -342,3 +342,37 @@ def test_manager_keys_the_async_tp_setting(flux_settings, monkeypatch):
     off = FluxPassManager().uuid()
     flux_settings(asynctp="1")
     assert FluxPassManager().uuid() != off
+
+
+def test_split_all_reduce_is_weighed_against_the_all_reduce(flux_settings, tmp_path, monkeypatch):
+    """Half of a split all-reduce is kept only where its saving over matmul-then-reduce-scatter outweighs the
+    all-gather the split adds; a plain GEMM+RS at the same shape needs only to beat the sequential path."""
+    from fluxinductor import cost_model, dispatch
+    from fluxinductor.kernels import gemm_rs
+    from fluxinductor.passes import FluxPassManager
+
+    # Saves 26 us at M=512 (below the added all-gather's latency), 140 us at M=4096.
+    rows = [dict(op="matmul_reduce_scatter", m=512, k=8192, n=8192, fused_ms=0.124, sequential_ms=0.150),
+            dict(op="matmul_reduce_scatter", m=4096, k=8192, n=8192, fused_ms=0.380, sequential_ms=0.520)]
+    flux_settings(tuning_dir=str(tmp_path), dispatch="auto")
+    cost_model.clear_cache()
+    cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"),
+                           cost_model.make_table("NVIDIA H200", 2, torch.bfloat16, rows, source={"test": True}),
+                           merge=False)
+    monkeypatch.setattr(dispatch, "_kernels", lambda op: (gemm_rs, None))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    manager = FluxPassManager()
+    cuda = torch.device("cuda", 0)
+
+    def veto(m, replaces_all_reduce):
+        return manager.not_worth_fusing("matmul_reduce_scatter", cuda, 2, m, 8192, 8192, torch.bfloat16,
+                                        weight=None, replaces_all_reduce=replaces_all_reduce)
+    try:
+        assert cost_model.SPLIT_ALL_REDUCE_LATENCY_MS > 0.026
+        assert veto(512, False) is None  # 17% ahead of matmul-then-reduce-scatter
+        assert "added all-gather" in veto(512, True)
+        assert veto(4096, True) is None
+        assert "below the measured range" in veto(64, True)  # decode sizes: never extrapolated
+        assert veto(None, True) is None  # symbolic M: some probed M pays, the op decides per call
+    finally:
+        cost_model.clear_cache()
