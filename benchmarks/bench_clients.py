@@ -209,8 +209,10 @@ def bench_transformers(args, rank: int, world: int, device: torch.device) -> dic
         except Exception as e:  # noqa: BLE001 - e.g. tp_plan needs accelerate: reported, not fatal
             result["error"] = f"eager reference: {type(e).__name__}: {e}"
             return result
+        generate = {"max_new_tokens": args.hf_new_tokens, "do_sample": False, "cache_implementation": "static"}
+        models = {}
         for name in ("inductor", "flux"):
-            entry: dict[str, object] = {}
+            entry: dict[str, object] = {"prefill": [], "generate": []}
             result["contenders"][name] = entry
             try:
                 import fluxinductor
@@ -220,16 +222,24 @@ def bench_transformers(args, rank: int, world: int, device: torch.device) -> dic
                 fluxinductor.reset_rewrite_stats()
                 logits = model(prompt).logits.float()
                 entry["logits_rel_err"] = float((logits - ref_logits).norm() / ref_logits.norm())
-                entry["prefill_ms"] = summary(
-                    [timer(functools.partial(model, prompt)) for _ in range(args.iters * args.rounds)])
-                generate = {"max_new_tokens": args.hf_new_tokens, "do_sample": False, "cache_implementation": "static"}
                 model.generate(prompt, **generate)  # compiles the decode graphs
-                entry["decode_ms_per_token"] = {k: v / args.hf_new_tokens if k != "n" else v for k, v in summary(
-                    [timer(functools.partial(model.generate, prompt, **generate)) for _ in range(args.rounds)]).items()}
                 entry["rewrite_stats"] = fluxinductor.rewrite_stats()
+                models[name] = model
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 entry["error"] = f"{type(e).__name__}: {e}"
                 entry["traceback"] = traceback.format_exc()[-4000:]
+        # Rounds alternate the contenders (and their order), as the training benchmark's do.
+        names = list(models)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                entry, model = result["contenders"][name], models[name]
+                entry["prefill"] += [timer(functools.partial(model, prompt)) for _ in range(args.iters)]
+                entry["generate"].append(timer(functools.partial(model.generate, prompt, **generate)))
+        for name in names:
+            entry = result["contenders"][name]
+            entry["prefill_ms"] = summary(entry.pop("prefill"))
+            entry["decode_ms_per_token"] = {k: v / args.hf_new_tokens if k != "n" else v
+                                            for k, v in summary(entry.pop("generate")).items()}
     return result
 
 
