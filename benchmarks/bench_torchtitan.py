@@ -101,6 +101,8 @@ def trainer_for(args, backend: str | None, tok_dir: str, data_dir: str, dump: st
         "--metrics.log_freq", "1000000", "--checkpoint.no-enable", "--job.dump_folder", dump,
         "--debug.seed", "0", "--training.dtype", {"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
     ]
+    if args.float8:
+        argv += ["--model.converters", "quantize.linear.float8"]
     if backend is not None:
         argv += ["--compile.enable", "--compile.components", "model", "--compile.backend", backend]
     return Trainer(ConfigManager().parse_args(argv))
@@ -133,6 +135,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--checkpoint", choices=("none", "full", "selective"), default="none",
                    help="torchtitan's --activation_checkpoint.mode")
+    p.add_argument("--float8", action="store_true",
+                   help="torchtitan's float8 training (--model.converters quantize.linear.float8, tensorwise; torchao)")
     p.add_argument("--contenders", default=",".join(TITAN_CONTENDERS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5, help="timed steps per contender per round")
