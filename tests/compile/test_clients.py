@@ -115,6 +115,54 @@ def test_blocks_compiled_separately_match_inductor(batch):
             f"{where}: flux fused nothing: {flux['stats']}")
 
 
+def _checkpointed_job(rank: int, world: int, backend: str, checkpoint: str) -> dict[str, object]:
+    import _llama_tp as llama
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fluxinductor
+    from fluxinductor.log import rewrite_stats_delta
+
+    torch._dynamo.reset()
+    cfg = llama.LlamaConfig(**CONFIG)
+    mesh = init_device_mesh("cpu", (world,))
+    eager = llama.parallelize(llama.build(cfg), mesh)
+    model = llama.compile_blocks(llama.parallelize(llama.build(cfg), mesh), backend, checkpoint=checkpoint)
+    model.plain_block_input = eager.plain_block_input = True
+    tokens, labels = llama.tokens_for(cfg, 1)
+    result: dict[str, object] = {"errors": {}}
+    s0 = fluxinductor.rewrite_stats()
+    try:
+        loss, loss_ref = llama.train_step(model, tokens, labels), llama.train_step(eager, tokens, labels)
+        result["errors"]["loss"] = abs(float(loss) - float(loss_ref)) / abs(float(loss_ref))
+        grads, grads_ref = llama.full_grads(model), llama.full_grads(eager)
+        for name, g in grads_ref.items():
+            result["errors"][f"grad {name}"] = _max_rel(grads[name], g)
+    except Exception as e:  # noqa: BLE001 - reported to the parent with the rank's traceback
+        result["failure"] = traceback.format_exc()
+        result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    result["stats"] = rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)
+    return result
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "selective"])
+def test_activation_checkpointed_blocks_train_like_eager_wherever_inductor_does(checkpoint):
+    """torchtitan's ``--activation_checkpoint.mode full`` / ``selective`` (its per-op policy) around each compiled
+    block: where inductor trains it, flux trains it too, matching eager, with the recomputed forward in the backward
+    fused as well.  Where inductor itself fails (torch 2.13 on CPU ranks: a ``DeviceMesh`` among the tensors saved
+    for the backward under ``full``; dynamo refusing the selective policy's ``context_fn``), the test skips naming
+    the error: the limitation is torch's, and flux can do no better than the graph it rewrites."""
+    ref = run_ranks(_checkpointed_job, 2, "inductor", checkpoint, timeout=900)
+    if any("failure" in r for r in ref):
+        pytest.skip(f"inductor itself fails under {checkpoint} checkpointing with torch {torch.__version__}: "
+                    f"{next(r['error'] for r in ref if 'failure' in r)}")
+    for rank, r in enumerate(run_ranks(_checkpointed_job, 2, "flux", checkpoint, timeout=900)):
+        assert "failure" not in r, f"rank {rank}:\n{r['failure']}"
+        bad = {k: v for k, v in r["errors"].items() if not v <= TOLERANCE}
+        assert not bad, f"rank {rank}, {checkpoint}: flux differs from eager: {bad}"
+        fused = r["stats"]["fused"]
+        assert fused.get("matmul_reduce_scatter", 0) > 0 and fused.get("all_gather_matmul", 0) > 0, r["stats"]
+
+
 def _fake_graph_with_permuted_output():
     """A graph whose output an (imitated) rewrite replaced by a row-major copy read back through a permute."""
     from torch.fx.experimental.proxy_tensor import make_fx
