@@ -1,12 +1,20 @@
 """Agreement across ranks on a fused op's call, checked once per call signature.
 
 A fused op's collective assumes that every rank of the group calls it with the same shapes, dtypes and arguments
-(tensor parallelism: each rank holds a shard of the same size).  A rank that does not (rows that differ per rank, fp32
-on one rank and fp64 on another, the same bytes in another shape) makes the collective abort on one rank while its
-peers return a result, or return a silently wrong one everywhere.  So the first call of each (op, signature, group)
-exchanges a small descriptor of the call across the group (one ``all_gather_object``), and raises the same
-:class:`RanksDisagreeError` on every rank, naming the ranks and what differs.  A signature the group agreed on is
+(tensor parallelism: each rank holds a shard of the same size), under the same settings that choose its path (the
+dispatch mode: a fused kernel on one rank and the decomposition's collective on another never meet).  A rank that does
+not (rows that differ per rank, fp32 on one rank and fp64 on another, the same bytes in another shape, another
+``FLUXINDUCTOR_DISPATCH``) makes the collective abort on one rank while its peers return a result, or return a silently
+wrong one everywhere.  So the first call of each (op, signature, group) exchanges a small descriptor of the call (the
+op's name, its ``fields``) across the group (one ``all_gather_object``), and raises the same
+:class:`RanksDisagreeError` on every rank, naming the ranks and what differs: a field, or the op itself (ranks at
+different fused ops, e.g. compiled with different ``split_all_reduce``).  A signature the group agreed on is
 remembered: later calls cost a dict lookup and no communication.
+
+A peer that never joins a collective of the op (it exited, or it runs other code) fails the collective on this rank
+when the transport notices (a closed connection at once, otherwise the process group's timeout); that error is raised
+as :class:`PeerFailureError` (:func:`peer_failure`), which names the op, the group, this rank and the peers, and says
+what to do.  The decomposition's collectives are wrapped the same way (:mod:`fluxinductor.ops`).
 
 What this does not catch: a rank that calls with a new signature while its peers repeat one the group agreed on
 (they skip the exchange it joins, and the collectives then mismatch as plain ones would); a per-call check would cost
@@ -38,7 +46,40 @@ _unchecked_under_capture: set = set()
 
 
 class RanksDisagreeError(ValueError):
-    """The ranks of a group called a fused op with different shapes, dtypes or arguments (raised on every rank)."""
+    """The ranks of a group called a fused op with different shapes, dtypes, arguments or settings, or called different
+    fused ops (raised on every rank)."""
+
+
+class PeerFailureError(getattr(dist, "DistError", RuntimeError)):
+    """A collective of a fused op failed on this rank because a peer did not take part in it (it exited, hangs, or
+    runs other code); the call has no result.  The original error is its ``__cause__``."""
+
+
+def peer_failure(op: str, group: dist.ProcessGroup, group_name: str, what: str, error: BaseException
+                 ) -> PeerFailureError:
+    """The :class:`PeerFailureError` for ``error``, raised by ``what`` (e.g. ``"its all-gather"``) of ``op`` on
+    ``group``: the group, this rank, the peers that could have failed it, the likely cause where the transport's
+    message tells it (a closed connection: a peer exited; a timeout: a peer did not join), and what to do."""
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    peers = [r for r in ranks if r != me]
+    suspects = _ranks(peers) if len(peers) == 1 else "one of " + _ranks(peers)
+    text = str(error)
+    lowered = text.lower()
+    if any(s in lowered for s in ("closed by peer", "reset by peer", "broken pipe", "connection refused",
+                                  "connection closed")):
+        cause = f"{suspects} exited (crashed or was killed) before or during it"
+    elif "timed out" in lowered or "timeout" in lowered:
+        cause = (f"{suspects} did not join it within the process group's timeout: it is stuck, or it runs other code "
+                 "(it did not call this op here)")
+    else:
+        cause = f"it failed ({type(error).__name__}); {suspects} may have exited or run other code"
+    return PeerFailureError(
+        f"fluxinductor::{op} on group {group_name!r} (ranks {','.join(map(str, ranks))}), rank {me}: {what} did not "
+        f"complete: {cause}. The call has no result. What to do: read the error or log of {suspects} first; every rank "
+        "of the group must call the same fused ops in the same order, with the same settings and compile options "
+        "(FLUXINDUCTOR_DISPATCH, split_all_reduce); the group cannot be used after this: end the job "
+        f"(destroy the process group) and restart it. The collective's error: {text}")
 
 
 def forget() -> None:
@@ -79,23 +120,33 @@ def check(op: str, group: dist.ProcessGroup, group_name: str, fields: Dict[str, 
                            "an eager call of the signature; run the graph once eagerly (a warm-up) to check it", op,
                            _describe(fields))
         return
-    descriptors: List[Optional[Tuple[Dict[str, object], Optional[str]]]] = [None] * world
-    dist.all_gather_object(descriptors, (fields, None if local_error is None else str(local_error)), group=group)
+    descriptors: List[Optional[Tuple[str, Dict[str, object], Optional[str]]]] = [None] * world
+    try:
+        dist.all_gather_object(descriptors, (op, fields, None if local_error is None else str(local_error)),
+                               group=group)
+    except RuntimeError as e:
+        raise peer_failure(op, group, group_name, "the exchange of the call's description (its first call)", e) from e
     ranks = dist.get_process_group_ranks(group)
     if local_error is not None:
         raise local_error
-    refused = [(ranks[i], why) for i, (_, why) in enumerate(descriptors) if why is not None]
+    refused = [(ranks[i], why) for i, (_, _, why) in enumerate(descriptors) if why is not None]
     if refused:
         raise RanksDisagreeError(
             f"fluxinductor::{op} on group {group_name!r}: "
             + "; ".join(f"rank {r} refused the call: {why}" for r, why in refused)
             + f" (this rank, {dist.get_rank()}, had no error; every rank stops here rather than wait for it)")
-    differences = _differences([d[0] for d in descriptors], ranks)
+    if any(d[0] != op for d in descriptors):
+        raise RanksDisagreeError(
+            f"fluxinductor: the ranks of group {group_name!r} called different fused ops at the same point: "
+            + _by_value([d[0] for d in descriptors], ranks) + ". Every rank must call the same fused ops in the same order (the same model, compiled with "
+            "the same options, e.g. split_all_reduce, and the same settings).")
+    differences = _differences([d[1] for d in descriptors], ranks)
     if differences:
         raise RanksDisagreeError(
             f"fluxinductor::{op}: the ranks of group {group_name!r} called it with different inputs: "
             + "; ".join(differences)
-            + ". Every rank must pass the same shapes, dtypes and arguments (each rank's shard of the same size).")
+            + ". Every rank must pass the same shapes, dtypes and arguments (each rank's shard of the same size) "
+            "and run with the same settings.")
     _remember(key)
 
 
@@ -112,13 +163,19 @@ def _capturing() -> bool:
 def _differences(descriptors: List[Dict[str, object]], ranks: List[int]) -> List[str]:
     """``"<field>: rank 0 <value>, rank 1 <value>"`` for each field whose values differ, ranks grouped by value."""
     out = []
-    for name in descriptors[0]:
-        by_value: Dict[str, List[int]] = {}
-        for rank, d in zip(ranks, descriptors):
-            by_value.setdefault(_show(d.get(name)), []).append(rank)
-        if len(by_value) > 1:
-            out.append(f"{name}: " + ", ".join(f"{_ranks(rs)} {value}" for value, rs in by_value.items()))
+    for name in dict.fromkeys(name for d in descriptors for name in d):
+        values = [d.get(name) for d in descriptors]
+        if any(_show(v) != _show(values[0]) for v in values):
+            out.append(f"{name}: " + _by_value(values, ranks))
     return out
+
+
+def _by_value(values: List[object], ranks: List[int]) -> str:
+    """``"rank 0 <value>, ranks 1,2 <value>"``: each rank's value, ranks grouped by value."""
+    by_value: Dict[str, List[int]] = {}
+    for rank, value in zip(ranks, values):
+        by_value.setdefault(_show(value), []).append(rank)
+    return ", ".join(f"{_ranks(rs)} {value}" for value, rs in by_value.items())
 
 
 def _ranks(ranks: List[int]) -> str:

@@ -5,6 +5,9 @@
 :mod:`fluxinductor.dispatch` may run a fused kernel; when it declines (CPU tensors, no extension, unsupported dtype
 or shape, a shape where the cost model says fusion loses) the op runs the reference decomposition below over the
 process group, so a rewritten graph runs anywhere: gloo on CPU, NCCL on GPUs.
+
+A collective of the decomposition that fails on this rank (a peer exited, or did not join it within the process
+group's timeout) raises :class:`fluxinductor.agreement.PeerFailureError`, naming the op, the group and the peers.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from fluxinductor import agreement, dispatch
+from fluxinductor import agreement, dispatch, settings
 from fluxinductor.log import record_fallback
 
 REDUCE_OPS = ("sum", "avg")
@@ -53,21 +56,27 @@ def _check_dim(dim: int, ndim: int, what: str) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def all_gather(shard: Tensor, gather_dim: int, group: dist.ProcessGroup) -> Tensor:
-    """Concatenate every rank's ``shard`` along ``gather_dim`` (rank order)."""
+def all_gather(shard: Tensor, gather_dim: int, group: dist.ProcessGroup, op: str = "all_gather") -> Tensor:
+    """Concatenate every rank's ``shard`` along ``gather_dim`` (rank order).  ``op``: the fused op a
+    :class:`~fluxinductor.agreement.PeerFailureError` names."""
     world = group.size()
     gather_dim = _check_dim(gather_dim, shard.dim(), "gather_dim")
     shard = shard.contiguous()
     # shard: [S, ...] -> gathered_rows: [world * S, ...]
     gathered_rows = shard.new_empty((world * shard.shape[0],) + tuple(shard.shape[1:]))
-    _all_gather_single(gathered_rows, shard, group=group)
+    try:
+        _all_gather_single(gathered_rows, shard, group=group)
+    except RuntimeError as e:
+        raise agreement.peer_failure(op, group, group.group_name, "its all-gather", e) from e
     if gather_dim == 0:
         return gathered_rows
     return torch.cat(gathered_rows.chunk(world, dim=0), dim=gather_dim)
 
 
-def reduce_scatter(partial: Tensor, reduce_op: str, scatter_dim: int, group: dist.ProcessGroup) -> Tensor:
-    """Sum (or average) ``partial`` over the group and keep this rank's slice of ``scatter_dim``."""
+def reduce_scatter(partial: Tensor, reduce_op: str, scatter_dim: int, group: dist.ProcessGroup,
+                   op: str = "reduce_scatter") -> Tensor:
+    """Sum (or average) ``partial`` over the group and keep this rank's slice of ``scatter_dim``.  ``op``: the fused
+    op a :class:`~fluxinductor.agreement.PeerFailureError` names."""
     world = group.size()
     scatter_dim = _check_dim(scatter_dim, partial.dim(), "scatter_dim")
     if partial.shape[scatter_dim] % world:
@@ -76,7 +85,10 @@ def reduce_scatter(partial: Tensor, reduce_op: str, scatter_dim: int, group: dis
         partial = torch.cat(partial.chunk(world, dim=scatter_dim), dim=0)
     partial = partial.contiguous()
     out = partial.new_empty((partial.shape[0] // world,) + tuple(partial.shape[1:]))
-    _reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=group)
+    try:
+        _reduce_scatter_single(out, partial, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as e:
+        raise agreement.peer_failure(op, group, group.group_name, "its reduce-scatter", e) from e
     # With scatter_dim > 0 the chunks were stacked on dim 0 above, so this rank's dim-0 slice already
     # has the output's shape: [..., size(scatter_dim) / world, ...].
     return out / world if reduce_op == "avg" else out
@@ -104,14 +116,18 @@ def all_gather_matmul_reference(
     group_name: str,
 ) -> Tuple[List[Tensor], Tensor]:
     """all_gather(shard, gather_dim) then ``gathered @ weights[i] + biases[i]`` for each i."""
-    gathered = all_gather(shard, gather_dim, _group(group_name))
+    gathered = all_gather(shard, gather_dim, _group(group_name), "all_gather_matmul")
     return [_linear(gathered, w, b) for w, b in zip(weights, biases)], gathered
 
 
-def all_reduce(partial: Tensor, reduce_op: str, group: dist.ProcessGroup) -> Tensor:
-    """Sum (or average) ``partial`` over the group."""
+def all_reduce(partial: Tensor, reduce_op: str, group: dist.ProcessGroup, op: str = "all_reduce") -> Tensor:
+    """Sum (or average) ``partial`` over the group.  ``op``: the fused op a
+    :class:`~fluxinductor.agreement.PeerFailureError` names."""
     out = partial.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    try:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as e:
+        raise agreement.peer_failure(op, group, group.group_name, "its all-reduce", e) from e
     return out / group.size() if reduce_op == "avg" else out
 
 
@@ -120,7 +136,7 @@ def matmul_all_reduce_reference(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """all_reduce((a @ weight + bias).to(out_dtype), reduce_op); the bias is added on every rank."""
-    return all_reduce(_partial(a, weight, bias, out_dtype), reduce_op, _group(group_name))
+    return all_reduce(_partial(a, weight, bias, out_dtype), reduce_op, _group(group_name), "matmul_all_reduce")
 
 
 def matmul_reduce_scatter_reference(
@@ -128,7 +144,8 @@ def matmul_reduce_scatter_reference(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """reduce_scatter((a @ weight + bias).to(out_dtype), reduce_op, scatter_dim); the bias is added on every rank."""
-    return reduce_scatter(_partial(a, weight, bias, out_dtype), reduce_op, scatter_dim, _group(group_name))
+    return reduce_scatter(_partial(a, weight, bias, out_dtype), reduce_op, scatter_dim, _group(group_name),
+                          "matmul_reduce_scatter")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,7 +210,14 @@ def _matmul_fields(group: dist.ProcessGroup, a: Tensor, weight: Tensor, bias: Op
     """What every rank of a reduced matmul's group must agree on (:mod:`fluxinductor.agreement`)."""
     return {"world": group.size(), "input shape": a.shape, "dtype": a.dtype, "device": a.device.type,
             "weight shape": weight.shape, "weight dtype": weight.dtype,
-            "bias shape": None if bias is None else bias.shape, "reduce_op": reduce_op, "out_dtype": out_dtype}
+            "bias shape": None if bias is None else bias.shape, "reduce_op": reduce_op, "out_dtype": out_dtype,
+            **_path_settings()}
+
+
+def _path_settings() -> dict:
+    """The settings that choose a call's path (a fused kernel, async-TP or the decomposition, each with its own
+    collectives): ranks that differ in them would wait in collectives their peers never join."""
+    return {"FLUXINDUCTOR_DISPATCH": settings.current.dispatch, "tuning asynctp": settings.tuning.asynctp}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,7 +293,7 @@ def all_gather_matmul(
         "world": group.size(), "shard shape": shard.shape, "dtype": shard.dtype, "device": shard.device.type,
         "weight shapes": tuple(w.shape for w in weights), "weight dtypes": tuple(w.dtype for w in weights),
         "bias shapes": tuple(None if b is None else b.shape for b in biases),
-        "gather_dim": _dim_or_raw(gather_dim, shard), "return_gathered": return_gathered,
+        "gather_dim": _dim_or_raw(gather_dim, shard), "return_gathered": return_gathered, **_path_settings(),
     }, lambda: _check_all_gather_matmul(shard, weights, biases, gather_dim))
     fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
     if fused is not None:
@@ -352,7 +376,7 @@ def matmul_all_reduce(
                                               out_dtype)
         if part is not None:
             # part: this rank's [rows / world, N] of the reduced result -> every rank's, [..., N]
-            return all_gather(part, 0, group).reshape(*a.shape[:-1], weight.shape[1])
+            return all_gather(part, 0, group, "matmul_all_reduce").reshape(*a.shape[:-1], weight.shape[1])
     return matmul_all_reduce_reference(a, weight, bias, reduce_op, group_name, out_dtype)
 
 
