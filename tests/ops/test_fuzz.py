@@ -1,123 +1,42 @@
 """A seeded fuzz of the fused ops' decomposed path (CPU, 2 gloo ranks) against an fp32 reference.
 
-Each case draws M, K, N from sizes around tiles and primes (1, 3, 7, 127, 128, 129, ...), a dtype (bf16, fp16, fp32),
-a bias or none, non-contiguous operands (a transposed weight, a strided shard), 1-3 weights per all-gather, gather and
-scatter dims of 3-D operands, ``sum`` / ``avg`` and autocast's fp32 reduction (``out_dtype``).  Every rank builds every
-rank's operands from the case's seed, so the reference (the gathered or reduced matmul in fp32 from the same rounded
-operands) needs no communication.  A failure names the case's seed: ``_case(seed)`` rebuilds it.
+The cases (tests/_fuzz.py) draw M, K, N from sizes around tiles and primes (1, 3, 7, 127, 128, 129, ...), a dtype
+(bf16, fp16, fp32), a bias or none, non-contiguous operands (a transposed weight, a strided shard), 1-3 weights per
+all-gather, gather and scatter dims of 3-D operands, ``sum`` / ``avg`` and autocast's fp32 reduction (``out_dtype``).
+Every rank builds every rank's operands from the case's seed, so the reference needs no communication.  A failure
+names the case's seed: ``_case(seed)`` rebuilds it.
+
+The suite runs seeds ``SEED`` .. ``SEED + CASES - 1``.  As a script it runs more, from seeds the suite never uses
+(``MAIN_SEED`` on), and writes a JSON summary::
+
+    python tests/ops/test_fuzz.py --cases 2000 --out benchmarks/results/fuzz/cpu_gloo_2rank.json
 """
 
 from __future__ import annotations
 
 import functools
-import random
+import os
+import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
+
+if __name__ == "__main__":  # as a script: tests/ holds the shared helpers (the spawned ranks inherit the path)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
 from _dist import run_ranks
+from _fuzz import OPS, SIZES, TOLERANCE, check_outputs, describe, make_case, reference, run_op
 
 WORLD = 2
 SEED = 20260
 CASES = 400
-SIZES = (1, 2, 3, 5, 7, 8, 13, 16, 31, 64, 127, 128, 129)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# ||out - ref|| / ||ref|| allowed: the op rounds its matmul (and, for a reduction, each partial and the sum) to dtype.
-TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+MAIN_SEED = 1_000_000  # the script's first seed: disjoint from the suite's
 
 
-def _randn(shape, g: torch.Generator, dtype, transposed: bool = False, strided: bool = False) -> torch.Tensor:
-    """Values offset from zero (a dropped term shows); ``transposed``: a [.., a, b] view of a [.., b, a] tensor;
-    ``strided``: every other column of a wider tensor."""
-    shape = list(shape)
-    if transposed and len(shape) >= 2:
-        return _randn(shape[:-2] + [shape[-1], shape[-2]], g, dtype).transpose(-1, -2)
-    if strided:
-        return _randn(shape[:-1] + [2 * shape[-1]], g, dtype)[..., ::2]
-    return (torch.randn(shape, generator=g) + 0.5).to(dtype)
-
-
-def _case(seed: int) -> Dict[str, object]:
-    """The case drawn from ``seed``: op, arguments and every rank's operands (the same on every rank)."""
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    op = rng.choice(("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))
-    dtype = rng.choice(DTYPES)
-    k, n = rng.choice(SIZES), rng.choice(SIZES)
-    three_d = rng.random() < 0.4
-    layout = {"transposed": rng.random() < 0.3, "strided": rng.random() < 0.3}
-    case: Dict[str, object] = {"seed": seed, "op": op, "dtype": dtype, "k": k, "n": n, "layout": layout}
-    if op == "all_gather_matmul":
-        rows = rng.choice(SIZES)
-        shape = (rng.choice((1, 2, 3)), rows, k) if three_d else (rows, k)
-        widths = [rng.choice(SIZES) for _ in range(rng.choice((1, 1, 2, 3)))]
-        has_bias = [rng.random() < 0.5 for _ in widths]
-        case.update(gather_dim=rng.randrange(len(shape) - 1), return_gathered=rng.random() < 0.5,
-                    shards=[_randn(shape, g, dtype, **layout) for _ in range(WORLD)],
-                    weights=[[_randn((k, w), g, dtype, transposed=rng.random() < 0.5) for w in widths]
-                             for _ in range(WORLD)],
-                    biases=[[_randn((w,), g, dtype) if b else None for w, b in zip(widths, has_bias)]
-                            for _ in range(WORLD)])
-        # Column parallel: the weights and biases are this rank's; every rank's have the same shapes.
-        return case
-    rows = rng.choice(SIZES)
-    if op == "matmul_reduce_scatter":
-        scatter_dim = rng.randrange(3 if three_d else 2)
-        shape = [rng.choice((1, 2, 3)), rows, k] if three_d else [rows, k]
-        if scatter_dim < len(shape) - 1:
-            shape[scatter_dim] *= WORLD  # the scattered dim splits over the ranks
-        elif n % WORLD:
-            n += 1  # scattering the output's last (N) dim
-        case.update(scatter_dim=scatter_dim, n=n)
-    else:
-        shape = [rng.choice((1, 2, 3)), rows, k] if three_d else [rows, k]
-    with_bias = rng.random() < 0.5
-    case.update(reduce_op=rng.choice(("sum", "avg")),
-                out_dtype=torch.float32 if dtype != torch.float32 and rng.random() < 0.3 else None,
-                partials=[_randn(shape, g, dtype, **layout) for _ in range(WORLD)],
-                weights=[_randn((k, n), g, dtype, transposed=rng.random() < 0.5) for _ in range(WORLD)],
-                biases=[_randn((n,), g, dtype) if with_bias else None for _ in range(WORLD)])
-    return case
-
-
-def _reference(case: Dict[str, object], rank: int) -> List[torch.Tensor]:
-    """The op's outputs on ``rank`` in fp32, from the same (rounded) operands."""
-    f32 = lambda t: None if t is None else t.float()  # noqa: E731
-    if case["op"] == "all_gather_matmul":
-        gathered = torch.cat([s.float() for s in case["shards"]], dim=case["gather_dim"])
-        outs = [gathered @ w.float() + (0 if b is None else b.float())
-                for w, b in zip(case["weights"][rank], case["biases"][rank])]
-        return outs + ([gathered] if case["return_gathered"] else [])
-    total = sum(a.float() @ w.float() + (0 if b is None else f32(b))
-                for a, w, b in zip(case["partials"], case["weights"], case["biases"]))
-    if case["reduce_op"] == "avg":
-        total = total / WORLD
-    if case["op"] == "matmul_all_reduce":
-        return [total]
-    return [total.chunk(WORLD, dim=case["scatter_dim"])[rank]]
-
-
-def _run(case: Dict[str, object], rank: int, group_name: str) -> List[torch.Tensor]:
-    ops = torch.ops.fluxinductor
-    if case["op"] == "all_gather_matmul":
-        outs, gathered = ops.all_gather_matmul(case["shards"][rank], case["weights"][rank], case["biases"][rank],
-                                               case["gather_dim"], group_name, case["return_gathered"])
-        return list(outs) + ([gathered] if case["return_gathered"] else [])
-    args = (case["partials"][rank], case["weights"][rank], case["biases"][rank], case["reduce_op"])
-    if case["op"] == "matmul_reduce_scatter":
-        return [ops.matmul_reduce_scatter(*args, case["scatter_dim"], group_name, case["out_dtype"])]
-    return [ops.matmul_all_reduce(*args, group_name, case["out_dtype"])]
-
-
-def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _describe(case: Dict[str, object]) -> str:
-    keys = ("op", "dtype", "k", "n", "gather_dim", "scatter_dim", "reduce_op", "out_dtype", "return_gathered", "layout")
-    shapes = [tuple(t.shape) for t in case.get("shards", case.get("partials"))[:1]]
-    return f"seed {case['seed']}: " + ", ".join(f"{k}={case[k]}" for k in keys if k in case) + f", operand {shapes}"
+def _case(seed: int, sizes: Sequence[int] = SIZES, world: int = WORLD, device="cpu") -> Dict[str, object]:
+    """The case drawn from ``seed`` (:func:`_fuzz.make_case`): op, arguments and every rank's operands."""
+    return make_case(seed, sizes, world, device)
 
 
 def _fuzz_job(rank: int, world: int, first_seed: int, count: int) -> Dict[str, object]:
@@ -128,33 +47,31 @@ def _fuzz_job(rank: int, world: int, first_seed: int, count: int) -> Dict[str, o
     name = dist.group.WORLD.group_name
     failures: List[str] = []
     counted: Dict[str, int] = {}
+    by_dtype: Dict[str, int] = {}
+    worst: Dict[str, float] = {}
     cpu_seconds: Dict[str, float] = {}
     start = time.process_time()
     with torch.no_grad():
         for seed in range(first_seed, first_seed + count):
-            case = _case(seed)
+            case = _case(seed, world=world)
+            where = f"{case['op']} {str(case['dtype']).replace('torch.', '')}"
             counted[case["op"]] = counted.get(case["op"], 0) + 1
-            expected = _reference(case, rank)
+            by_dtype[where] = by_dtype.get(where, 0) + 1
+            expected = reference(case, rank)
             op_start = time.process_time()
             try:
-                got = _run(case, rank, name)
+                got = run_op(case, rank, name)
             except Exception as e:  # noqa: BLE001 - every rank reports; the case is the same on every rank
-                failures.append(f"{_describe(case)}: raised {type(e).__name__}: {e}")
+                failures.append(f"{describe(case)}: raised {type(e).__name__}: {e}")
                 continue
             finally:
-                where = f"{case['op']} {str(case['dtype']).replace('torch.', '')}"
                 cpu_seconds[where] = cpu_seconds.get(where, 0.0) + time.process_time() - op_start
-            out_dtype = case.get("out_dtype") or case["dtype"]
-            for i, (out, ref) in enumerate(zip(got, expected)):
-                if out.shape != ref.shape or out.dtype != out_dtype:
-                    failures.append(f"{_describe(case)}: output {i} is {tuple(out.shape)} {out.dtype}, expected "
-                                    f"{tuple(ref.shape)} {out_dtype}")
-                    continue
-                err = _error(out, ref)
-                if not err <= TOLERANCE[case["dtype"]]:
-                    failures.append(f"{_describe(case)}: output {i} error {err:.3g}")
+            found, err = check_outputs(case, got, expected)
+            failures += found
+            worst[where] = max(worst.get(where, 0.0), err) if err == err else float("nan")
     cpu_seconds["total"] = time.process_time() - start
-    return {"failures": failures, "cases": counted, "cpu_seconds": cpu_seconds}
+    return {"failures": failures, "cases": counted, "cases_by_dtype": by_dtype, "worst_error": worst,
+            "cpu_seconds": cpu_seconds}
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,8 +88,7 @@ def test_fuzz_decomposed_ops_match_an_fp32_reference():
 def test_fuzz_covers_every_op():
     for r in _results():
         assert sum(r["cases"].values()) == CASES
-        assert min(r["cases"].get(op, 0) for op in ("all_gather_matmul", "matmul_reduce_scatter",
-                                                     "matmul_all_reduce")) >= CASES // 5, r["cases"]
+        assert min(r["cases"].get(op, 0) for op in OPS) >= CASES // 5, r["cases"]
 
 
 def test_a_case_is_rebuilt_from_its_seed():
@@ -180,3 +96,57 @@ def test_a_case_is_rebuilt_from_its_seed():
     assert a["op"] == b["op"] and a["dtype"] == b["dtype"]
     key = "shards" if a["op"] == "all_gather_matmul" else "partials"
     assert all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
+
+
+def main(argv=None) -> int:
+    """Run ``--cases`` cases from ``--first-seed`` on 2 gloo ranks; write the JSON summary to ``--out``; exit status 1
+    where a case failed."""
+    import argparse
+    import json
+    import platform
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=2000)
+    parser.add_argument("--first-seed", type=int, default=MAIN_SEED)
+    parser.add_argument("--out", required=True, help="the JSON summary's path")
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds before the ranks are killed")
+    args = parser.parse_args(argv)
+    if args.first_seed < SEED + CASES and args.first_seed + args.cases > SEED:
+        parser.error(f"seeds {args.first_seed}.. overlap the suite's {SEED}..{SEED + CASES - 1}")
+    start = time.monotonic()
+    results = run_ranks(_fuzz_job, WORLD, args.first_seed, args.cases, timeout=args.timeout)
+    failures = {f"rank {rank}": r["failures"] for rank, r in enumerate(results)}
+    summary = {
+        "what": "fluxinductor fused ops, decomposed path, CPU, 2 gloo ranks, against an fp32 reference "
+                "(tests/_fuzz.py cases)",
+        "command": "python tests/ops/test_fuzz.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "seeds": [args.first_seed, args.first_seed + args.cases - 1],
+        "cases": args.cases,
+        "world": WORLD,
+        "sizes": list(SIZES),
+        "tolerance": {str(k).replace("torch.", ""): v for k, v in TOLERANCE.items()},
+        "cases_by_op": results[0]["cases"],
+        "cases_by_op_dtype": results[0]["cases_by_dtype"],
+        "worst_error_by_op_dtype": {f"rank {rank}": r["worst_error"] for rank, r in enumerate(results)},
+        "failed": sum(len(v) for v in failures.values()),
+        "failures": failures,
+        "cpu_seconds_by_op_dtype": {f"rank {rank}": r["cpu_seconds"] for rank, r in enumerate(results)},
+        "wall_seconds": round(time.monotonic() - start, 1),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+    print(f"{args.cases} cases (seeds {args.first_seed}..{args.first_seed + args.cases - 1}): {summary['failed']} "
+          f"failures, {summary['wall_seconds']} s; {args.out}")
+    for rank, found in failures.items():
+        for line in found[:20]:
+            print(f"{rank}: {line}")
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
