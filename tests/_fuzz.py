@@ -35,18 +35,21 @@ def randn(shape, g: torch.Generator, dtype, transposed: bool = False, strided: b
     return (torch.randn(shape, generator=g, device=g.device) + 0.5).to(dtype)
 
 
-def draw(rng: random.Random, sizes: Sequence[int], world: int) -> Dict[str, object]:
-    """Every random choice of a case but its operands' values, in the order the suite's seeds were drawn in."""
+def draw(rng: random.Random, sizes: Sequence[int], world: int,
+         dim_sizes: Optional[Sequence[int]] = None) -> Dict[str, object]:
+    """Every random choice of a case but its operands' values, in the order the suite's seeds were drawn in: rows from
+    ``sizes``, K and N (each weight's width) from ``dim_sizes`` (default ``sizes``)."""
+    dim_sizes = sizes if dim_sizes is None else dim_sizes
     op = rng.choice(OPS)
     dtype = rng.choice(DTYPES)
-    k, n = rng.choice(sizes), rng.choice(sizes)
+    k, n = rng.choice(dim_sizes), rng.choice(dim_sizes)
     three_d = rng.random() < 0.4
     layout = {"transposed": rng.random() < 0.3, "strided": rng.random() < 0.3}
     spec: Dict[str, object] = {"op": op, "dtype": dtype, "k": k, "n": n, "layout": layout, "world": world}
     rows = rng.choice(sizes)
     if op == "all_gather_matmul":
         shape = (rng.choice((1, 2, 3)), rows, k) if three_d else (rows, k)
-        widths = [rng.choice(sizes) for _ in range(rng.choice((1, 1, 2, 3)))]
+        widths = [rng.choice(dim_sizes) for _ in range(rng.choice((1, 1, 2, 3)))]
         has_bias = [rng.random() < 0.5 for _ in widths]
         spec.update(shape=shape, widths=widths, has_bias=has_bias, gather_dim=rng.randrange(len(shape) - 1),
                     return_gathered=rng.random() < 0.5,
@@ -80,17 +83,15 @@ def work(spec: Dict[str, object]) -> int:
 
 
 def make_case(seed: int, sizes: Sequence[int] = SIZES, world: int = 2, device="cpu",
-              max_work: Optional[int] = None) -> Dict[str, object]:
-    """The case drawn from ``seed``: op, arguments and every rank's operands on ``device`` (the same on every rank).
-    Where :func:`work` exceeds ``max_work`` the choices are drawn again (from ``"<seed>/<attempt>"``) until it does
-    not; the operands always come from ``seed``."""
-    rng = random.Random(seed)
-    spec = draw(rng, sizes, world)
+              max_work: Optional[int] = None, dim_sizes: Optional[Sequence[int]] = None) -> Dict[str, object]:
+    """The case drawn from ``seed``: op, arguments and every rank's operands on ``device`` (the same on every rank);
+    rows from ``sizes``, K and N from ``dim_sizes`` (default ``sizes``).  Where :func:`work` exceeds ``max_work`` the
+    choices are drawn again (from ``"<seed>/<attempt>"``) until it does not; the operands always come from ``seed``."""
+    spec = draw(random.Random(seed), sizes, world, dim_sizes)
     attempt = 0
     while max_work is not None and work(spec) > max_work:
         attempt += 1
-        rng = random.Random(f"{seed}/{attempt}")
-        spec = draw(rng, sizes, world)
+        spec = draw(random.Random(f"{seed}/{attempt}"), sizes, world, dim_sizes)
     g = torch.Generator(device=device).manual_seed(seed)
     dtype, k, n, layout, shape = spec["dtype"], spec["k"], spec["n"], spec["layout"], spec["shape"]
     case = {key: spec[key] for key in ("op", "dtype", "k", "n", "layout", "world", "gather_dim", "return_gathered",
