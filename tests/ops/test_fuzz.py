@@ -98,6 +98,19 @@ def test_a_case_is_rebuilt_from_its_seed():
     assert all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
 
 
+def _git_sha() -> str:
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def main(argv=None) -> int:
     """Run ``--cases`` cases from ``--first-seed`` on 2 gloo ranks; write the JSON summary to ``--out``; exit status 1
     where a case failed."""
@@ -132,6 +145,7 @@ def main(argv=None) -> int:
         "failures": failures,
         "cpu_seconds_by_op_dtype": {f"rank {rank}": r["cpu_seconds"] for rank, r in enumerate(results)},
         "wall_seconds": round(time.monotonic() - start, 1),
+        "git": _git_sha(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
