@@ -1,5 +1,15 @@
 """bench_model.py's modes: what each compiles (eager, inductor, inductor + async-TP, ``backend="flux"`` with dispatch
-``auto`` or ``fused``), a census of the collectives left in inductor's graphs, and each mode's errors against eager."""
+``auto`` or ``fused``, and ``nocomm``: inductor on the no-communication replica), a census of the collectives left in
+inductor's graphs, and each mode's errors against eager.
+
+Every mode's callable stays alive for the whole run of its model (the contenders are timed in alternating rounds),
+so each must keep its own compiled code: torch.compile keys dynamo's cache entries by code object and tells
+backends apart by the backend callable only (two ``torch.compile`` calls with the same backend share compiled code
+across model instances), while inductor reads its config when it compiles.  So async-TP gets a backend callable of
+its own (``inductor_asynctp``, registered with dynamo) that applies ``_micro_pipeline_tp`` to the forward and
+backward compiles it makes, ``flux_fused`` another (``flux_fused``: flux's compiler under a second callable), the
+no-communication replica a root module of its own (``models.LocalReplica``), and every mode gets its context
+(dispatch mode, config patches) back each time it runs (``make_context``)."""
 
 from __future__ import annotations
 
@@ -13,10 +23,13 @@ import torch
 import torch.nn as nn
 from harness import RunContext, dispatch_mode
 
-MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused")
-# fluxinductor before async-TP (as in bench_ops.py), so async-TP's symmetric-memory workspace is allocated last.
-RUN_ORDER = ("eager", "inductor", "flux", "flux_fused", "asynctp")
+MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused", "nocomm")
+# Compile order: eager first (the reference), fluxinductor before async-TP (as in bench_ops.py), so async-TP's
+# symmetric-memory workspace is allocated last.  Timing rounds rotate this order.
+RUN_ORDER = ("eager", "inductor", "nocomm", "flux", "flux_fused", "asynctp")
 FLUX_DISPATCH = {"flux": "auto", "flux_fused": "fused"}
+# Modes whose share of the communication cost removed, G = (T_inductor - T) / (T_inductor - T_nocomm), is reported.
+GAIN_MODES = ("asynctp", "flux", "flux_fused")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -69,33 +82,91 @@ def _enable_symm_mem(group_name: str) -> Optional[str]:
     return None
 
 
+class InductorAsyncTP:
+    """``inductor_asynctp``: inductor with ``_micro_pipeline_tp`` on (PyTorch async-TP) and this run's graph census,
+    as a backend callable of its own.  The patches go to ``compile_fx(config_patches=...)``, which applies them to
+    the forward compile and to the backward compile whenever AOTAutograd makes it; ``mode`` / ``options`` (from
+    ``torch.compile(..., mode=...)``) mean what they mean for ``backend="inductor"``."""
+
+    __name__ = "inductor_asynctp"
+
+    def __init__(self):
+        self.census: Optional[GraphCensus] = None
+
+    def __call__(self, gm, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
+        patches = {"_micro_pipeline_tp": True}
+        if self.census is not None:
+            patches["post_grad_custom_post_pass"] = self.census
+        return torch._TorchCompileInductorWrapper(mode, options, None)(gm, example_inputs, config_patches=patches)
+
+
+ASYNCTP_BACKEND = InductorAsyncTP()
+
+
+def asynctp_backend() -> InductorAsyncTP:
+    """The async-TP backend callable, registered with dynamo as ``inductor_asynctp`` (once per process)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get("inductor_asynctp") is not ASYNCTP_BACKEND:
+        register_backend(ASYNCTP_BACKEND, name="inductor_asynctp")
+    return ASYNCTP_BACKEND
+
+
+def flux_fused(gm, example_inputs, **kwargs):
+    """``backend="flux"`` under a callable of its own, for the ``flux_fused`` mode: flux and flux_fused differ only in
+    the dispatch mode they run under, so with one backend callable dynamo would hand flux_fused flux's compiled code
+    (and, with CUDA graphs, graphs captured under flux's dispatch)."""
+    from fluxinductor.backend import flux_backend
+
+    return flux_backend(gm, example_inputs, **kwargs)
+
+
+def flux_backend_for(mode: str):
+    """The backend for a flux mode: ``"flux"`` (what users write) or the registered ``flux_fused`` callable."""
+    if mode == "flux":
+        return "flux"
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get("flux_fused") is not flux_fused:
+        register_backend(flux_fused, name="flux_fused")
+    return flux_fused
+
+
 def mode_setup(mode: str, model: nn.Module, ctx: RunContext, notes: List[str]):
-    """(callable, context manager, census or None) for ``mode``; context covers compile and timing."""
+    """(callable, make_context, census or None) for ``mode`` on ``model`` (for ``nocomm``: the no-communication
+    replica); ``make_context()`` gives a fresh context manager for every stretch of calls (compile and timing).
+    Compiling happens at the first call."""
     import torch._inductor.config as inductor_config
 
     if mode == "eager":
-        return model, contextlib.nullcontext(), None
-    if mode in ("inductor", "asynctp"):
+        return model, contextlib.nullcontext, None
+    if mode in ("inductor", "nocomm"):
         census = GraphCensus()
-        patches = {"post_grad_custom_post_pass": census}
-        if mode == "asynctp":
-            patches["_micro_pipeline_tp"] = True
-            if ctx.is_cuda:
-                err = _enable_symm_mem(ctx.group_name)
-                if err:
-                    notes.append(err)
-            else:
-                notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
-        return torch.compile(model, backend="inductor", **ctx.compile_kwargs), inductor_config.patch(patches), census
+        fn = torch.compile(model, backend="inductor", **ctx.compile_kwargs)
+        return fn, lambda: inductor_config.patch({"post_grad_custom_post_pass": census}), census
+    if mode == "asynctp":
+        if ctx.is_cuda:
+            err = _enable_symm_mem(ctx.group_name)
+            if err:
+                notes.append(err)
+        else:
+            notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
+        backend = asynctp_backend()
+        census = backend.census = GraphCensus()
+        return torch.compile(model, backend=backend, **ctx.compile_kwargs), contextlib.nullcontext, census
     if mode in FLUX_DISPATCH:
         import fluxinductor  # noqa: F401  (registers the ops and the backend)
 
-        stack = contextlib.ExitStack()
-        stack.enter_context(dispatch_mode(FLUX_DISPATCH[mode]))
-        # backend="flux" installs its own post_grad_custom_post_pass and refuses a foreign one.
-        stack.enter_context(inductor_config.patch({"post_grad_custom_post_pass": None}))
+        def make_context():
+            stack = contextlib.ExitStack()
+            stack.enter_context(dispatch_mode(FLUX_DISPATCH[mode]))
+            # backend="flux" installs its own post_grad_custom_post_pass and refuses a foreign one.
+            stack.enter_context(inductor_config.patch({"post_grad_custom_post_pass": None}))
+            return stack
+
         options = {"options": ctx.flux_options} if ctx.flux_options else {}
-        return torch.compile(model, backend="flux", **ctx.compile_kwargs, **options), stack, None
+        return (torch.compile(model, backend=flux_backend_for(mode), **ctx.compile_kwargs, **options), make_context,
+                None)
     raise ValueError(f"unknown mode {mode!r}")
 
 

@@ -1,6 +1,7 @@
 """bench_model.py's models: a sequence-parallel MLP and Llama-style decoder layers, parallelized with
-``torch.distributed.tensor.parallel`` over one mesh (sequence parallel, or plain tensor parallel), and their
-configurations (``full``: the shapes of docs/performance.md; ``small``: the CPU smoke test's)."""
+``torch.distributed.tensor.parallel`` over one mesh (sequence parallel, or plain tensor parallel), their
+configurations (``full``: the shapes of docs/performance.md; ``small``: the CPU smoke test's), and each model's
+no-communication replica (:func:`build_nocomm`: one rank's share of the work as plain modules, no collective)."""
 
 from __future__ import annotations
 
@@ -70,13 +71,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class Attention(nn.Module):
     """GQA attention; the column-wise Q/K/V projections split the heads over the ranks."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, seq: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, seq: int, shards: int = 1):
+        # shards > 1: one rank's column / row shard as a plain module (heads / shards query and KV heads each)
         super().__init__()
         self.head_dim = hidden // heads
-        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.wq = nn.Linear(hidden, heads // shards * self.head_dim, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads // shards * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads // shards * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads // shards * self.head_dim, hidden, bias=False)
         cos, sin = _rope_tables(seq, self.head_dim)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -109,12 +111,12 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, seq: int):
+    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, seq: int, shards: int = 1):
         super().__init__()
         self.attention_norm = RMSNorm(hidden)
-        self.attention = Attention(hidden, heads, kv_heads, seq)
+        self.attention = Attention(hidden, heads, kv_heads, seq, shards)
         self.ffn_norm = RMSNorm(hidden)
-        self.feed_forward = FeedForward(hidden, ffn)
+        self.feed_forward = FeedForward(hidden, ffn // shards)
 
     def forward(self, x):
         # x: [B, S / world, H], this rank's slice of the sequence
@@ -198,3 +200,116 @@ def input_shape(name: str, cfg: dict, world: int, shard_dim: int, tp: str = "seq
         t = cfg["tokens"] // world
         return (t, cfg["hidden"]) if shard_dim == 0 else (cfg.get("batch", 1), t, cfg["hidden"])
     return (cfg["batch"], cfg["seq"] // world, cfg["hidden"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# No-communication replica: one rank's share of the work, no collective
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tiled(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    sizes = [1] * x.dim()
+    sizes[dim] = world
+    return x.repeat(*sizes)
+
+
+class _LocalGather(torch.autograd.Function):
+    """Where the sequence all-gather was: ``world`` local copies of this rank's rows (a local tile, no peer); its
+    backward keeps this rank's rows of the gradient (the reduce-scatter's place: a view, no sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+        ctx.dim, ctx.rows = dim, x.shape[dim]
+        return _tiled(x, dim, world)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(ctx.dim, 0, ctx.rows), None, None
+
+
+class _LocalScatter(torch.autograd.Function):
+    """Where the reduce-scatter was: this rank's rows of the partial result (a view, no sum); its backward tiles the
+    gradient ``world`` times (the all-gather's place)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+        ctx.dim, ctx.world = dim, world
+        return x.narrow(dim, 0, x.shape[dim] // world)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _tiled(grad, ctx.dim, ctx.world), None, None
+
+
+def _gather_input(module: nn.Module, dim: int, world: int) -> None:
+    module.register_forward_pre_hook(lambda mod, args: (_LocalGather.apply(args[0], dim, world),) + tuple(args[1:]))
+
+
+def _scatter_output(module: nn.Module, dim: int, world: int) -> None:
+    module.register_forward_hook(lambda mod, args, out: _LocalScatter.apply(out, dim, world))
+
+
+class LocalReplica(nn.Module):
+    """The root of a no-communication replica.  Its forward is a code object of its own: torch.compile keeps
+    per-code-object state (cache entries, the shapes seen for automatic dynamic shapes), which the tensor-parallel
+    model's modes must not share with a model of other weight shapes."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+NOCOMM_METHOD = (
+    "one rank's share of the work as plain modules on its own GPU, no collective: column-parallel linears with "
+    "out_features / world (Q/K/V: heads / world query and KV heads), row-parallel linears with in_features / world, "
+    "sequence-parallel norms on this rank's rows, attention over this rank's heads; compiled with inductor")
+
+
+def nocomm_approximation(name: str, tp: str) -> str:
+    """How the replica departs from the per-rank work of ``build_model(name, ..., tp=tp)`` (empty: exact)."""
+    if tp == "plain":
+        return ""  # the all-reduces removed (identity): the rest is each rank's work exactly
+    return ("sequence parallel: each all-gather of the sequence is replaced by a local tile of this rank's rows "
+            "(one pass writing the gathered activation, fused by inductor into its producer) and each reduce-scatter "
+            "by a view of this rank's rows of the partial sum (the summation is dropped with the communication); "
+            "backward mirrors them (a view; a tile). "
+            + ("The norm weights' gradient all-reduce is dropped too. " if name == "llama2" else "")
+            + "GEMM, attention, norm and elementwise work per rank: as in the tensor-parallel model")
+
+
+def build_nocomm(name: str, cfg: dict, world: int, device: torch.device, dtype: torch.dtype, shard_dim: int,
+                 tp: str = "sequence") -> nn.Module:
+    """The per-rank work of ``build_model(name, cfg, ...)`` over ``world`` ranks with every collective removed
+    (:data:`NOCOMM_METHOD`, :func:`nocomm_approximation`); it takes the input of :func:`input_shape` and returns a
+    tensor of the tensor-parallel model's local output shape.  Raises ValueError where a rank's share is not a whole
+    number of heads, columns or rows (no exact replica).  Its weights are random (numerics are not compared)."""
+    need = {"ffn": cfg["ffn"]}
+    if name == "llama2":
+        need.update(heads=cfg["heads"], kv_heads=cfg["kv_heads"])
+        if tp == "sequence":
+            need["seq"] = cfg["seq"]
+    elif tp == "sequence":
+        need["tokens"] = cfg["tokens"]
+    uneven = {k: v for k, v in need.items() if v % world}
+    if uneven:
+        raise ValueError(f"no exact per-rank replica: {uneven} not divisible by world {world}")
+    torch.manual_seed(4321)
+    with torch.device(device):
+        if name == "mlp":
+            inner = MLP(cfg["hidden"], cfg["ffn"] // world).to(dtype)
+            if tp == "sequence":
+                _gather_input(inner.up, shard_dim, world)
+                _scatter_output(inner.down, shard_dim, world)
+            return LocalReplica(inner)
+        inner = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
+                        kv_heads=cfg["kv_heads"], seq=cfg["seq"], shards=world).to(dtype)
+    if tp == "sequence":
+        for layer in inner.layers:
+            _gather_input(layer.attention, 1, world)
+            _scatter_output(layer.attention.wo, 1, world)
+            _gather_input(layer.feed_forward, 1, world)
+            _scatter_output(layer.feed_forward.w2, 1, world)
+    return LocalReplica(inner)
