@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
-"""Model-level benchmark: eager, inductor, inductor + async-TP and ``backend="flux"`` on tensor-parallel models.
+"""Model-level benchmark: eager, inductor, inductor + async-TP and ``backend="flux"`` on tensor-parallel models,
+against the same per-rank work with no communication, alternated in rounds with the host exposed.
 
 Run (one process per GPU; the lead's device call is 2 x H200):
 
     PYTHONUNBUFFERED=1 torchrun --nproc-per-node 2 benchmarks/bench_model.py --out $OUT/h200x2_tp2_model
 
-CPU smoke run (gloo, tiny config, fp32, perf_counter timing):
+Decode-size steps (plain TP, 64 tokens of one position, forward, CUDA graphs):
+
+    torchrun --nproc-per-node 2 benchmarks/bench_model.py --models llama2 --tp plain --seq 1 --batch 64 \\
+        --phases fwd --modes inductor,asynctp,flux,nocomm --compile-mode reduce-overhead --out $OUT/decode64_ro
+
+CPU smoke run (gloo, tiny config, fp32, perf_counter timing, 2 rounds):
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_model.py --device cpu --quick --out /tmp/model_cpu
 
@@ -23,45 +29,78 @@ fluxinductor's all-reduce split turns into fusable reduce-scatters and all-gathe
 ``split_all_reduce``; ``--flux-options`` passes the flux modes' compile options).
 Phases: ``fwd`` (under torch.no_grad) and ``fwd_bwd`` (forward, then backward of a fixed random grad).
 
-Modes (``--modes``), each after ``torch._dynamo.reset()`` with a fresh ``torch.compile``:
+Modes (``--modes``), each on a model instance of its own (same weights), all alive for the whole run of a model:
   eager       the DTensor model as is (also the reference for every error)
   inductor    torch.compile(backend="inductor")
-  asynctp     inductor with torch._inductor.config._micro_pipeline_tp = True (PyTorch async-TP; symmetric
-              memory enabled for the TP group first where torch has enable_symm_mem_for_group)
+  asynctp     inductor with torch._inductor.config._micro_pipeline_tp = True (PyTorch async-TP), as a backend
+              callable of its own (``inductor_asynctp``, registered with dynamo: dynamo tells cached code apart by the
+              backend callable only, and applies the config to the forward and the lazily compiled backward);
+              symmetric memory enabled for the TP group first where torch has enable_symm_mem_for_group
   flux        torch.compile(backend="flux"), FLUXINDUCTOR_DISPATCH=auto (what users get)
-  flux_fused  torch.compile(backend="flux"), FLUXINDUCTOR_DISPATCH=fused (fused kernel wherever eligible)
+  flux_fused  flux's compiler under a backend callable of its own (``flux_fused``), run under
+              FLUXINDUCTOR_DISPATCH=fused (fused kernel wherever eligible)
+  nocomm      the same per-rank work with no collective (``models.build_nocomm``), torch.compile(backend="inductor"):
+              each rank runs its TP shard as plain modules on its own GPU: column-parallel linears with
+              out_features / world (Q/K/V: heads / world query and KV heads), row-parallel linears with
+              in_features / world, sequence-parallel norms on S / world rows.  Plain TP: the all-reduces removed,
+              exact.  Sequence parallel: each all-gather replaced by a local tile of the rank's rows and each
+              reduce-scatter by a view of the rank's rows of the partial sum (backward: the mirror images), so the
+              GEMM / attention / norm work is exact and only the collectives' data movement and summation are gone
+              (the JSON's ``nocomm`` entry says so per run).  A model whose heads, KV heads, FFN or sequence do not
+              divide by the world size has no exact replica: nocomm records an error and G is not reported.
 ``--tuning key=value[,...]`` sets fluxinductor's kernel-tuning fields (``fluxinductor.settings.set_tuning``) on every
 rank for the whole run; the JSON records them (``environment.tuning``).
-Modes run in the order eager, inductor, flux, flux_fused, asynctp (fluxinductor before async-TP, as in
-bench_ops.py, so async-TP's symmetric-memory workspace is allocated last).  The FX graph cache and the
-AOTAutograd cache are off so every mode really compiles and runs its passes (kernel caches stay warm, so
-later modes' first calls do not pay for compiling identical Triton kernels again).
 
-Recorded per (model, phase, mode): first-call seconds (compile + one call, max over ranks), steady-state
-time (median of ``--iters`` after ``--warmup`` warm-ups per rank, max over ranks; every per-rank
-per-iteration time is kept), the largest error against eager (max |out - ref| / max |ref| and
-||out - ref|| / ||ref||, for the output and, with backward, the input and parameter gradients; max over
-ranks), for flux modes ``fluxinductor.rewrite_stats()`` deltas (fused and skipped while compiling the
-forward and the backward; run-time fallbacks to the decomposition while timed), and for inductor modes a
-census of the collective / fused ops left in each post-grad graph (``symm_mem`` ops = async-TP fired).
+Order.  Per (model, phase): every mode is compiled and checked first (one call, compared with eager's, then
+``--warmup`` untimed steps), in the order eager, inductor, nocomm, flux, flux_fused, asynctp (fluxinductor before
+async-TP, as in bench_ops.py, so async-TP's symmetric-memory workspace is allocated last); no
+``torch._dynamo.reset()`` between modes (once per model, before its modes are built).  Then the modes that compiled
+are timed in ``--rounds`` rounds (default 5 on CUDA, 2 on CPU or with --quick), the order rotated by one each
+round (recorded: ``rounds[].order``), each mode ``--round-warmup`` untimed steps then ``--iters`` timed steps per
+round.  These machines are noisy (the GPU's clock drifts under load): alternating spreads drift over all modes
+alike, and the spread says how far apart two modes must be to count.  The FX graph cache and the AOTAutograd cache
+are off so every mode really compiles and runs its passes; dynamo's recompile limit is raised (every mode adds
+cache entries to the model's forward) and automatic dynamic shapes are off (every step has static shapes; a
+recompile must not turn a mode's graph dynamic).  ``compiles_while_timed`` counts graphs compiled during a
+mode's timed rounds (0 expected), ``graphs_compiled_first_call`` those compiled by its first call in a phase (at
+least 1 for a compiled mode: it did not inherit another mode's code).
 
-Timing on CUDA: before every iteration gradients are dropped, then ``dist.barrier`` + ``cuda.synchronize``,
-then ``torch.cuda._sleep(--sleep-cycles)`` (default 2,000,000 cycles) before the start event, so the host
-enqueues the step while the GPU sleeps and the events measure device time (host enqueue time is recorded
-separately, ``host_enqueue_ms``, with the measured sleep length, so a step whose enqueue outlasts the sleep
-shows).  On CPU: ``time.perf_counter`` around the step after a barrier.
+Timing (``host_exposed``: true).  Each step: gradients dropped (and, with ``--compile-mode reduce-overhead``,
+``torch.compiler.cudagraph_mark_step_begin()``), ``dist.barrier`` + ``cuda.synchronize``, then CUDA events around
+the step: host time shows where it is not covered by GPU work, as a training or serving loop sees it (the ranks'
+skew leaving the barrier, a few microseconds, is in it for every mode alike).  A step's time is the maximum over
+ranks; ``ms`` is the median over all steps of all rounds, with ``spread`` (min, p10, p90, max, n) and
+``round_median_ms`` (one median per round).  Beside it, never instead of it, ``hidden_host_ms``: in the same
+rounds, after the exposed steps, ``--iters`` more steps with the host hidden (``torch.cuda._sleep(--sleep-cycles)``
+before the start event, so the host enqueues the step while the GPU sleeps and the events measure device time;
+``hidden_host_enqueue_ms`` with the measured sleep shows a step whose enqueue outlasts the sleep; ``--sleep-cycles
+0``: no hidden-host figure).  On CPU: ``time.perf_counter`` around the step after a barrier (host exposed; no
+hidden-host figure).
 
-A mode that raises is recorded with its error and the run goes on; a mode that hangs past
-``--contender-timeout`` seconds ends the run (every thread's stack dumped) with the JSON written so far.
-``<out>.json`` (device, versions, git sha, settings, every raw number) is rewritten after every mode
-(``"complete": false`` until the end); the table is printed last.
+G.  Per (model, phase), from the host-exposed medians: ``G = (T_inductor - T_mode) / (T_inductor - T_nocomm)``,
+the share of inductor's communication cost that a mode removes (1: all of it, 0: none, < 0: slower than inductor),
+for flux, flux_fused and asynctp, with G per round (from the round medians of the same round) and its min and max
+(``gain`` in each result and the JSON's top-level ``gain``); also from the hidden-host medians
+(``gain_hidden_host``).  Call a difference real only when it outlasts the spread.
+
+Recorded per (model, phase, mode) besides the times: first-call seconds (compile + one call, max over ranks), the
+largest error against eager (max |out - ref| / max |ref| and ||out - ref|| / ||ref||, for the output and, with
+backward, the input and parameter gradients; max over ranks; nocomm has none: other weights, partial sums), for
+flux modes ``fluxinductor.rewrite_stats()`` deltas (fused and skipped while compiling the forward and the backward;
+run-time fallbacks to the decomposition while timed), and for inductor modes (nocomm included) a census of the
+collective / fused ops left in each post-grad graph (``symm_mem`` ops = async-TP fired).
+
+A mode that raises is recorded with its error and left out of the rounds (or, raising while timed, of the later
+rounds, its times dropped); a mode that hangs past ``--contender-timeout`` seconds (its compile, or one round of
+it) ends the run (every thread's stack dumped) with the JSON written so far.  ``<out>.json`` (device, versions, git
+sha, settings, every raw number) is rewritten after every compile and round (``"complete": false`` until the end);
+the table is printed last: host-exposed median and spread first, then the hidden-host median, G and its range.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gc
 import os
 import statistics
@@ -86,13 +125,12 @@ from harness import (
     environment,
     exit_now,
     parse_tuning,
-    per_rank_summary,
     time_iterations,
     watchdog,
     write_json,
 )
-from model_modes import FLUX_DISPATCH, MODES, RUN_ORDER, compare, mode_setup, snapshot
-from models import CONFIGS, MODELS, build_model, input_shape
+from model_modes import FLUX_DISPATCH, GAIN_MODES, MODES, RUN_ORDER, compare, mode_setup, snapshot
+from models import CONFIGS, MODELS, NOCOMM_METHOD, build_model, build_nocomm, input_shape, nocomm_approximation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -102,6 +140,9 @@ if REPO not in sys.path:  # fluxinductor from this checkout when it is not insta
 PHASES = ("fwd", "fwd_bwd")
 # Norm-relative error against eager that counts as "ok" (the compiled graph reorders bf16 math).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+# Every mode adds dynamo cache entries to the model's forward (per backend, per grad mode): torch's default limit
+# (8) would send the last modes to eager without a word.
+RECOMPILE_LIMIT = 64
 
 # Reference times of eager, inductor and async-TP, ms, measured on 2 x H200 (torch 2.11, bf16, TP=2, full config,
 # S = 4096 tokens, mlp Shard(0)) with a barrier before each iteration but no GPU sleep, so host enqueue time is in them.
@@ -136,13 +177,25 @@ class Ctx(RunContext):
                 raise SystemExit(f"--autocast runs an fp32 model; --dtype {args.dtype} contradicts it")
             self.dtype = torch.float32
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
+        self.rounds = args.rounds if args.rounds is not None else (5 if self.is_cuda and not args.quick else 2)
+        self.round_warmup = args.round_warmup
+        # The hidden-host figure: CUDA only, off with --sleep-cycles 0.
+        self.hidden = self.is_cuda and self.sleep_cycles > 0
         self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
         self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
+        self.cudagraphs = args.compile_mode == "reduce-overhead"
         self.flux_options = parse_tuning(args.flux_options)
+
+    def before_step(self, model: nn.Module, x: torch.Tensor) -> None:
+        """Before every step, outside the timed region: gradients dropped; with CUDA graph trees a new step begun
+        (the modes' graphs alternate; no output of an earlier step is held)."""
+        _drop_grads(model, x)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
 
 # ---------------------------------------------------------------------------------------------------
-# Measuring one mode
+# One step, its statistics
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -170,22 +223,101 @@ def _step(fn: Callable, x: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.
     return out
 
 
-def time_steps(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad) -> Tuple[List[float], List[float]]:
-    """(device ms per timed iteration, host enqueue ms per timed iteration).  On CUDA the GPU sleeps while the host
-    enqueues the step: the events bracket device time only."""
-    return time_iterations(ctx, lambda: _step(fn, x, grad), ctx.warmup, ctx.iters, sleep_cycles=ctx.sleep_cycles,
-                           before_iter=lambda: _drop_grads(model, x))
+def spread(times: List[float]) -> dict:
+    """Median, min, p10, p90, max and count of ``times`` (nearest-rank percentiles)."""
+    ordered = sorted(times)
+    n = len(ordered)
+    pick = lambda q: ordered[min(n - 1, max(0, int(round(q * (n - 1)))))]  # noqa: E731
+    return {"median_ms": statistics.median(ordered), "min_ms": ordered[0], "p10_ms": pick(0.1),
+            "p90_ms": pick(0.9), "max_ms": ordered[-1], "n": n}
 
 
-def profile_step(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad, top: int) -> List[dict]:
+def _step_max(per_rank_rounds: List[List[List[float]]]) -> List[List[float]]:
+    """Per round, each step's time as the maximum over ranks (``per_rank_rounds[rank][round][step]``)."""
+    return [[max(col) for col in zip(*(rank[r] for rank in per_rank_rounds))]
+            for r in range(len(per_rank_rounds[0]))]
+
+
+def _add_counts(total: dict, delta: dict) -> dict:
+    """``{op: {reason: n}}`` sums (run-time fallbacks over several rounds)."""
+    for op, reasons in delta.items():
+        mine = total.setdefault(op, {})
+        for reason, n in reasons.items():
+            mine[reason] = mine.get(reason, 0) + n
+    return total
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Contenders: one mode on one model instance
+# ---------------------------------------------------------------------------------------------------
+
+
+class Contender:
+    """One mode of one model: its own model instance, its callable (compiled at the first call), its context and
+    census; what it measured in the current phase (this rank's)."""
+
+    def __init__(self, mode: str, model: nn.Module, ctx: Ctx):
+        self.mode, self.model = mode, model
+        self.is_flux = mode in FLUX_DISPATCH
+        self.notes: List[str] = []
+        fn, self.make_context, self.census = mode_setup(mode, model, ctx, self.notes)
+        self.fn = _under_autocast(fn, ctx.device.type, ctx.autocast) if ctx.autocast is not None else fn
+        self.reset_phase()
+
+    def reset_phase(self) -> None:
+        self.exposed: List[List[float]] = []
+        self.host: List[List[float]] = []
+        self.hidden: List[List[float]] = []
+        self.hidden_host: List[List[float]] = []
+        self.fallbacks: dict = {}
+        self.compiles = 0
+        self.profile_top: Optional[List[dict]] = None
+
+
+def build_contenders(ctx: Ctx, model_name: str, cfg: dict, args, modes: List[str], log) -> Dict[str, Contender]:
+    """Eager (always: the reference) and every mode in ``modes``, each on a model instance of its own.  A mode whose
+    model cannot be built is returned as an error string in place of the contender."""
+    out: Dict[str, object] = {}
+    for mode in ("eager",) + tuple(m for m in modes if m != "eager"):
+        local = {"error": None}
+        try:
+            if mode == "nocomm":
+                model = build_nocomm(model_name, cfg, ctx.world, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp)
+            else:
+                model = build_model(model_name, cfg, ctx.mesh, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp)
+            cont = Contender(mode, model, ctx)
+        except Exception as e:  # noqa: BLE001
+            local["error"] = f"building {model_name} for {mode} failed: {type(e).__name__}: {e}"
+            local["traceback"] = traceback.format_exc(limit=8)
+            if not ctx.context_ok():
+                raise ContextBroken(local["error"]) from e
+        everyone, error = agree(ctx, {"error": local["error"]})
+        if error is not None:
+            if mode == "eager":
+                raise RuntimeError(error + "\n" + local.get("traceback", ""))
+            log(f"{model_name} {mode}: {error}")
+            out[mode] = error
+        else:
+            out[mode] = cont
+    return out
+
+
+def profile_step(ctx: Ctx, cont: Contender, x: torch.Tensor, grad, top: int) -> List[dict]:
     """One more step under torch.profiler: this rank's ``top`` GPU kernels by total device time (name, calls, us)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _drop_grads(model, x)
+    ctx.before_step(cont.model, x)
     ctx.barrier()
     ctx.sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(fn, x, grad)
+        _step(cont.fn, x, grad)
         ctx.sync()
     if ctx.profile_trace:
         prof.export_chrome_trace(f"{ctx.profile_trace}_{ctx.profile_seq}_rank{ctx.rank}.json")
@@ -195,72 +327,84 @@ def profile_step(ctx: Ctx, fn: Callable, model: nn.Module, x: torch.Tensor, grad
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
-def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, ref: Optional[dict],
-                 tol: float, time_it: bool = True) -> Tuple[dict, Optional[Dict[str, torch.Tensor]]]:
-    """Compile (fresh), first call, check against ``ref``, time (unless ``time_it`` is False).
+# ---------------------------------------------------------------------------------------------------
+# Compile and check one mode; time one round of it
+# ---------------------------------------------------------------------------------------------------
 
-    Returns (the record every rank agrees on, this rank's output / gradient snapshot from the first call).
+
+def first_call(ctx: Ctx, cont: Contender, phase: str, x: torch.Tensor, grad, ref: Optional[dict],
+               tol: float) -> Tuple[dict, Optional[Dict[str, torch.Tensor]]]:
+    """The phase's first call (compiles), checked against ``ref``, then ``ctx.warmup`` untimed steps.
+
+    Returns (the record every rank agrees on, this rank's output / gradient snapshot from the first call; None for
+    nocomm, whose numbers are not eager's).
     """
     import fluxinductor
     from fluxinductor.log import rewrite_stats_delta
 
-    backward = grad is not None
-    local: dict = {"error": None, "notes": []}
-    is_flux = mode in FLUX_DISPATCH
-    fn = census = None
-    stack = contextlib.ExitStack()
+    mode, model, backward = cont.mode, cont.model, grad is not None
+    local: dict = {"error": None, "notes": list(cont.notes)}
+    census_from = len(cont.census.graphs) if cont.census is not None else 0
+    snap = None
     try:
-        torch._dynamo.reset()
-        if os.environ.get("BENCH_MODEL_INJECT_ERROR") == f"{mode}:{'fwd_bwd' if backward else 'fwd'}":
+        if os.environ.get("BENCH_MODEL_INJECT_ERROR") == f"{mode}:{phase}":
             # Test hook (tests/benchmarks/test_bench_model.py): a mode that fails on every rank before it runs.
             raise RuntimeError("injected by BENCH_MODEL_INJECT_ERROR")
-        fn, mode_ctx, census = mode_setup(mode, model, ctx, local["notes"])
-        if ctx.autocast is not None:
-            fn = _under_autocast(fn, ctx.device.type, ctx.autocast)
-        stack.enter_context(mode_ctx)
-        _drop_grads(model, x)
-        s0 = fluxinductor.rewrite_stats()
-        ctx.barrier()
-        ctx.sync()
-        t0 = time.perf_counter()
-        out = fn(x) if backward else _step(fn, x, None)
-        s1 = fluxinductor.rewrite_stats()
-        if backward:
-            out.backward(grad)
-        ctx.sync()
-        local["first_call_s"] = time.perf_counter() - t0
-        s2 = fluxinductor.rewrite_stats()
-        snap = snapshot(model, out, x, backward)
-        del out
-        local["errors"] = compare(snap, ref) if ref is not None else None
-        local["snapshot"] = snap
-        if is_flux:
+        graphs0 = _compiled_graphs()
+        with cont.make_context():
+            ctx.before_step(model, x)
+            s0 = fluxinductor.rewrite_stats()
+            ctx.barrier()
+            ctx.sync()
+            t0 = time.perf_counter()
+            out = cont.fn(x) if backward else _step(cont.fn, x, None)
+            s1 = fluxinductor.rewrite_stats()
+            if backward:
+                out.backward(grad)
+            ctx.sync()
+            local["first_call_s"] = time.perf_counter() - t0
+            local["graphs_compiled"] = _compiled_graphs() - graphs0
+            s2 = fluxinductor.rewrite_stats()
+            if mode == "nocomm":
+                local["errors"] = None
+                local["notes"].append("no errors: the replica has other weights and returns partial sums")
+            else:
+                snap = snapshot(model, out, x, backward)
+                local["errors"] = compare(snap, ref) if ref is not None else None
+            del out
+            for _ in range(ctx.warmup):
+                ctx.before_step(model, x)
+                _step(cont.fn, x, grad)
+            ctx.sync()
+        if cont.is_flux:
             fwd, bwd = rewrite_stats_delta(s1, s0), rewrite_stats_delta(s2, s1)
             local["rewrite_stats"] = {
                 "fused_forward": fwd["fused"], "fused_backward": bwd["fused"],
                 "skipped_forward": fwd["skipped"], "skipped_backward": bwd["skipped"],
                 "fallbacks_first_call": rewrite_stats_delta(s2, s0)["fallbacks"],
             }
-        if census is not None:
-            local["graph_census"] = list(census.graphs)
+        if cont.census is not None:
+            local["graph_census"] = list(cont.census.graphs[census_from:])
     except Exception as e:  # noqa: BLE001
         local["error"] = f"{type(e).__name__}: {e}"
         local["traceback"] = traceback.format_exc(limit=8)
+        snap = None
         if not ctx.context_ok():
-            stack.close()
             raise ContextBroken(f"{mode} broke the CUDA context: {ctx.broken}") from e
+    finally:
+        _drop_grads(model, x)
 
-    snap = local.pop("snapshot", None)
     everyone, error = agree(ctx, {k: v for k, v in local.items() if k != "traceback"})
     record: dict = {"mode": mode, "ms": None, "error": None, "notes": everyone[0]["notes"]}
     if error is not None:
         record["error"] = error
         if "traceback" in local:
             record["traceback_rank%d" % ctx.rank] = local["traceback"]
-        stack.close()
         return record, None
     record["first_call_s"] = max(r["first_call_s"] for r in everyone)
     record["rank_first_call_s"] = [r["first_call_s"] for r in everyone]
+    # Graphs dynamo compiled in the first call: >= 1 for a compiled mode, so it did not reuse another mode's code.
+    record["graphs_compiled_first_call"] = max(r["graphs_compiled"] for r in everyone)
     if everyone[0].get("errors") is not None:
         merged: Dict[str, dict] = {}
         for key in everyone[0]["errors"]:
@@ -272,57 +416,151 @@ def measure_mode(ctx: Ctx, model: nn.Module, mode: str, x: torch.Tensor, grad, r
         record["max_error"] = max(e["max_rel"] for e in merged.values())
         record["max_norm_error"] = max(e["norm_rel"] for e in merged.values())
         record["error_ok"] = bool(record["max_norm_error"] <= tol)
-    if is_flux:
+    if cont.is_flux:
         record["rewrite_stats"] = everyone[0]["rewrite_stats"]
         record["rewrite_stats_per_rank_equal"] = all(r["rewrite_stats"] == everyone[0]["rewrite_stats"]
                                                      for r in everyone)
-    if census is not None:
+    if cont.census is not None:
         record["graph_census"] = everyone[0]["graph_census"]
-    if not time_it:
-        stack.close()
-        _drop_grads(model, x)
-        del fn
-        torch._dynamo.reset()
-        return record, snap
+    return record, snap
 
-    # Timing.
-    local = {"error": None}
+
+def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str]:
+    """One round of ``cont``: ``ctx.round_warmup`` untimed steps, ``ctx.iters`` host-exposed steps, then (CUDA, sleep
+    on) ``ctx.iters`` host-hidden steps, appended to the contender's lists.  Returns this rank's error, if any."""
+    import fluxinductor
+    from fluxinductor.log import rewrite_stats_delta
+
+    before = lambda: ctx.before_step(cont.model, x)  # noqa: E731
+    step = lambda: _step(cont.fn, x, grad)  # noqa: E731
+    graphs0 = _compiled_graphs()
+    s0 = fluxinductor.rewrite_stats()
     try:
-        s0 = fluxinductor.rewrite_stats()
-        times, host = time_steps(ctx, fn, model, x, grad)
-        local.update(times=times, host=host)
-        if ctx.profile and ctx.is_cuda:
-            local["profile_top"] = profile_step(ctx, fn, model, x, grad, ctx.profile)
-        if is_flux:
-            local["fallbacks_timed"] = rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"]
+        with cont.make_context():
+            times, host = time_iterations(ctx, step, ctx.round_warmup, ctx.iters, sleep_cycles=None,
+                                          before_iter=before)
+            hidden = hidden_host = None
+            if ctx.hidden:
+                hidden, hidden_host = time_iterations(ctx, step, 0, ctx.iters, sleep_cycles=ctx.sleep_cycles,
+                                                      before_iter=before)
     except Exception as e:  # noqa: BLE001
-        local["error"] = f"while timing: {type(e).__name__}: {e}"
         if not ctx.context_ok():
-            stack.close()
-            raise ContextBroken(f"{mode} broke the CUDA context while timed: {ctx.broken}") from e
+            raise ContextBroken(f"{cont.mode} broke the CUDA context while timed: {ctx.broken}") from e
+        return f"while timing: {type(e).__name__}: {e}"
     finally:
-        stack.close()
-        _drop_grads(model, x)
-        del fn
-        torch._dynamo.reset()
+        _drop_grads(cont.model, x)
+    cont.exposed.append(times)
+    cont.host.append(host)
+    if hidden is not None:
+        cont.hidden.append(hidden)
+        cont.hidden_host.append(hidden_host)
+    if cont.is_flux:
+        _add_counts(cont.fallbacks, rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"])
+    cont.compiles += _compiled_graphs() - graphs0
+    return None
+
+
+def summarize(ctx: Ctx, cont: Contender, record: dict) -> None:
+    """Gather every rank's round times of ``cont`` into ``record``: host-exposed ``ms`` (median over all steps of
+    each step's maximum over ranks), its ``spread`` and ``round_median_ms``, and the hidden-host figures."""
+    local = {"exposed": cont.exposed, "host": cont.host, "hidden": cont.hidden, "hidden_host": cont.hidden_host,
+             "fallbacks": cont.fallbacks, "compiles": cont.compiles, "profile_top": cont.profile_top}
     everyone = ctx.gather(local)
-    errors = [r["error"] for r in everyone]
-    if any(e is not None for e in errors):
-        record["error"] = next(e for e in errors if e is not None)
-        return record, snap
-    per_rank = [r["times"] for r in everyone]
-    record.update(per_rank_summary(per_rank))
-    record["iter_ms"] = per_rank
-    record["host_enqueue_ms"] = [statistics.median(r["host"]) for r in everyone]
-    if "profile_top" in everyone[0]:
+    if not everyone[0]["exposed"]:
+        return
+    rounds = _step_max([r["exposed"] for r in everyone])
+    steps = [t for rnd in rounds for t in rnd]
+    record["ms"] = statistics.median(steps)
+    record["host_exposed"] = True
+    record["spread"] = spread(steps)
+    record["round_median_ms"] = [statistics.median(rnd) for rnd in rounds]
+    record["iter_max_median_ms"] = record["ms"]
+    record["iter_ms"] = [[t for rnd in r["exposed"] for t in rnd] for r in everyone]
+    record["rank_median_ms"] = [statistics.median(t) for t in record["iter_ms"]]
+    record["host_enqueue_ms"] = [statistics.median(t for rnd in r["host"] for t in rnd) for r in everyone]
+    record["compiles_while_timed"] = max(r["compiles"] for r in everyone)
+    if everyone[0]["hidden"]:
+        hidden_rounds = _step_max([r["hidden"] for r in everyone])
+        hidden_steps = [t for rnd in hidden_rounds for t in rnd]
+        record["hidden_host_ms"] = statistics.median(hidden_steps)
+        record["hidden_host_spread"] = spread(hidden_steps)
+        record["hidden_host_round_median_ms"] = [statistics.median(rnd) for rnd in hidden_rounds]
+        record["hidden_host_iter_ms"] = [[t for rnd in r["hidden"] for t in rnd] for r in everyone]
+        record["hidden_host_enqueue_ms"] = [statistics.median(t for rnd in r["hidden_host"] for t in rnd)
+                                            for r in everyone]
+    if everyone[0]["profile_top"] is not None:
         record["profile_top"] = [r["profile_top"] for r in everyone]
-    if is_flux:
-        record["fallbacks_timed"] = everyone[0]["fallbacks_timed"]
+    if cont.is_flux:
+        fb = everyone[0]["fallbacks"]
+        record["fallbacks_timed"] = fb
         # Which path the timed calls took: "fused" when no call fell back to the decomposition.
-        fb = everyone[0]["fallbacks_timed"]
         record["path"] = "fused" if not fb else "decomposed: " + "; ".join(
             f"{op}: {reason} (x{n})" for op, reasons in fb.items() for reason, n in reasons.items())
-    return record, snap
+
+
+def run_phase(ctx: Ctx, conts: Dict[str, object], model_name: str, phase: str, modes: List[str], x: torch.Tensor,
+              grad, tol: float, timeout: float, data: dict, log, save) -> None:
+    """Compile and check every mode for ``phase``, then time them in rotating rounds; results into ``data``."""
+    records: Dict[str, dict] = {}
+    ref = None
+    for mode in ("eager",) + tuple(m for m in RUN_ORDER if m in modes and m != "eager"):
+        cont = conts.get(mode)
+        if isinstance(cont, str):  # its model could not be built
+            record = {"mode": mode, "ms": None, "error": cont, "notes": []}
+        else:
+            cont.reset_phase()
+            with watchdog(timeout):
+                record, snap = first_call(ctx, cont, phase, x, grad, ref, tol)
+            if mode == "eager":
+                ref = snap
+                if ref is None:
+                    log(f"{model_name} {phase} eager failed: {record['error']}; no errors against eager")
+            del snap
+        record.update(model=model_name, phase=phase)
+        if mode in modes:
+            records[mode] = record
+            data["results"].append(record)
+            status = record["error"] or (
+                f"first call {record['first_call_s']:.1f} s, "
+                + (f"err {record['max_error']:.1e} " if "max_error" in record else "")
+                + _fused_summary(record))
+            log(f"{model_name} {phase} {mode}: {status}")
+        gc.collect()
+        save()
+    ref = None
+    gc.collect()
+
+    live = [m for m in RUN_ORDER if m in records and records[m]["error"] is None]
+    rounds_entry = {"model": model_name, "phase": phase, "order": []}
+    data["rounds"].append(rounds_entry)
+    for r in range(ctx.rounds):
+        order = [m for m in live[r % len(live):] + live[:r % len(live)] if records[m]["error"] is None] if live else []
+        rounds_entry["order"].append(order)
+        for mode in order:
+            with watchdog(timeout):
+                error = time_round(ctx, conts[mode], x, grad)
+            _, error = agree(ctx, {"error": error})
+            if error is not None:
+                records[mode]["error"] = f"round {r}: {error}"
+                log(f"{model_name} {phase} {mode}: {records[mode]['error']}")
+        if ctx.is_cuda:
+            torch.cuda.empty_cache()
+        log(f"{model_name} {phase} round {r + 1}/{ctx.rounds}: {','.join(order)}")
+        save()
+    for mode in live:
+        cont, record = conts[mode], records[mode]
+        if record["error"] is not None:
+            continue
+        if ctx.profile and ctx.is_cuda:
+            with cont.make_context():
+                cont.profile_top = profile_step(ctx, cont, x, grad, ctx.profile)
+            _drop_grads(cont.model, x)
+        summarize(ctx, cont, record)
+        cont.reset_phase()
+        hidden = f", host hidden {record['hidden_host_ms']:.3f}" if "hidden_host_ms" in record else ""
+        log(f"{model_name} {phase} {mode}: {record['ms']:.3f} ms host exposed (p10 {record['spread']['p10_ms']:.3f}, "
+            f"p90 {record['spread']['p90_ms']:.3f}){hidden}")
+    save()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,8 +605,17 @@ def anchors_apply(data: dict) -> bool:
             and models.get("llama2", CONFIGS["full"]["llama2"]) == CONFIGS["full"]["llama2"])
 
 
+def gain(t_inductor: Optional[float], t: Optional[float], t_nocomm: Optional[float]) -> Optional[float]:
+    """G = (T_inductor - T) / (T_inductor - T_nocomm); None where a time is missing or inductor's communication
+    cost (T_inductor - T_nocomm) is not positive."""
+    if t_inductor is None or t is None or t_nocomm is None or t_inductor - t_nocomm <= 0:
+        return None
+    return (t_inductor - t) / (t_inductor - t_nocomm)
+
+
 def derive(data: dict) -> None:
-    """Speedups of every mode over eager and over inductor, per (model, phase); the reference time."""
+    """Per (model, phase): speedups of every mode over eager and over inductor, the reference time, and G of each
+    mode in GAIN_MODES (host exposed; per round; host hidden), also gathered in ``data["gain"]``."""
     use_anchors = anchors_apply(data)
     data["anchors"] = {"source": "ANCHOR_MS in benchmarks/bench_model.py", "applies": use_anchors,
                        "method": "no GPU sleep before the start event (host enqueue exposed); the reference model "
@@ -376,7 +623,8 @@ def derive(data: dict) -> None:
     by_key: Dict[Tuple[str, str], Dict[str, dict]] = collections.defaultdict(dict)
     for r in data["results"]:
         by_key[(r["model"], r["phase"])][r["mode"]] = r
-    for rows in by_key.values():
+    data["gain"] = []
+    for (model, phase), rows in by_key.items():
         eager = rows.get("eager", {}).get("ms")
         inductor = rows.get("inductor", {}).get("ms")
         for r in rows.values():
@@ -385,6 +633,32 @@ def derive(data: dict) -> None:
             r["speedup_vs_inductor"] = (inductor / t) if (t and inductor) else None
             anchor = ANCHOR_MS.get((r["model"], r["phase"]), {}).get(r["mode"]) if use_anchors else None
             r["anchor_ms"] = anchor
+        ind, noc = rows.get("inductor", {}), rows.get("nocomm", {})
+        entry = {"model": model, "phase": phase, "inductor_ms": ind.get("ms"), "nocomm_ms": noc.get("ms"),
+                 "comm_ms": None, "comm_share": None, "host_exposed": True,
+                 "nocomm_approximation": data["settings"]["nocomm"]["approximation"].get(model), "modes": {}}
+        if ind.get("ms") is not None and noc.get("ms") is not None:
+            entry["comm_ms"] = ind["ms"] - noc["ms"]
+            entry["comm_share"] = entry["comm_ms"] / ind["ms"]
+        for mode in GAIN_MODES:
+            r = rows.get(mode)
+            if r is None:
+                continue
+            g = gain(ind.get("ms"), r.get("ms"), noc.get("ms"))
+            per_round = [gain(a, b, c) for a, b, c in zip(ind.get("round_median_ms") or (),
+                                                          r.get("round_median_ms") or (),
+                                                          noc.get("round_median_ms") or ())]
+            known = [v for v in per_round if v is not None]
+            r["gain"] = g
+            r["gain_rounds"] = per_round
+            r["gain_min"] = min(known) if known else None
+            r["gain_max"] = max(known) if known else None
+            r["gain_hidden_host"] = gain(ind.get("hidden_host_ms"), r.get("hidden_host_ms"),
+                                         noc.get("hidden_host_ms"))
+            entry["modes"][mode] = {"ms": r.get("ms"), "G": g, "G_rounds": per_round, "G_min": r["gain_min"],
+                                    "G_max": r["gain_max"], "G_hidden_host": r["gain_hidden_host"]}
+        if entry["modes"] or noc:
+            data["gain"].append(entry)
 
 
 def _fused_summary(r: dict) -> str:
@@ -399,8 +673,17 @@ def _fused_summary(r: dict) -> str:
         return f"fwd[{f}] bwd[{b}] skip{skips} {path}"
     if "graph_census" in r:
         n = sum(v for g in r["graph_census"] for k, v in g.items() if "symm_mem" in k)
-        return f"symm_mem ops {n} in {len(r['graph_census'])} graphs"
+        colls = sum(v for g in r["graph_census"] for k, v in g.items()
+                    if any(c in k for c in ("all_gather", "reduce_scatter", "all_reduce")))
+        return f"symm_mem ops {n}, collectives {colls} in {len(r['graph_census'])} graphs"
     return ""
+
+
+def _gain_cell(r: dict) -> str:
+    if r.get("gain") is None:
+        return "-"
+    lo, hi = r.get("gain_min"), r.get("gain_max")
+    return f"{r['gain']:.2f}" + (f" [{lo:.2f},{hi:.2f}]" if lo is not None else "")
 
 
 def format_table(data: dict) -> str:
@@ -410,31 +693,58 @@ def format_table(data: dict) -> str:
         f"{' autocast ' + env['autocast'] if env.get('autocast') else ''} torch {env['torch']} "
         f"sha {env['git_sha']} config {s['config']}"
         f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''} "
-        f"(median of {s['iters']} after {s['warmup']} warm-ups, max over ranks; {s['timing']})",
+        f"({s['rounds']} rounds x {s['iters']} steps per mode, order rotated each round; {s['timing']})",
     ]
-    head = (f"{'model':7}{'phase':8}{'mode':11}|{'ms':>9}{'anchor':>8}{'first_s':>9}{'/eager':>8}{'/induct':>8} |"
-            f"{'max_err':>9}{'norm_err':>9} | notes")
+    head = (f"{'model':7}{'phase':8}{'mode':11}|{'ms':>9}{'p10':>8}{'p90':>8}{'min':>8}{'max':>8} |{'hidden':>8} |"
+            f"{'G [round min,max]':>20} |{'/induct':>8}{'anchor':>8}{'first_s':>8} |{'max_err':>8}{'norm_err':>9} "
+            f"| round medians; notes")
     lines += [head, "-" * len(head)]
     for r in data["results"]:
+        sp = r.get("spread") or {}
         if r.get("error"):
             note = "ERROR " + r["error"][:100]
         else:
-            note = _fused_summary(r)
+            rounds = " ".join(f"{t:.3f}" for t in r.get("round_median_ms") or ())
+            note = (rounds + "; " if rounds else "") + _fused_summary(r)
         lines.append(
-            f"{r['model']:7}{r['phase']:8}{r['mode']:11}|{cell(r.get('ms'), width=9)}"
-            f"{cell(r.get('anchor_ms'), '{:.2f}', 8)}{cell(r.get('first_call_s'), '{:.1f}', 9)}"
-            f"{cell(r.get('speedup_vs_eager'), '{:.2f}x', 8)}{cell(r.get('speedup_vs_inductor'), '{:.2f}x', 8)} |"
-            f"{cell(r.get('max_error'), '{:.1e}', 9)}{cell(r.get('max_norm_error'), '{:.1e}', 9)}"
+            f"{r['model']:7}{r['phase']:8}{r['mode']:11}|{cell(r.get('ms'), width=9)}{cell(sp.get('p10_ms'))}"
+            f"{cell(sp.get('p90_ms'))}{cell(sp.get('min_ms'))}{cell(sp.get('max_ms'))} |"
+            f"{cell(r.get('hidden_host_ms'))} |{_gain_cell(r):>20} |"
+            f"{cell(r.get('speedup_vs_inductor'), '{:.2f}x', 8)}{cell(r.get('anchor_ms'), '{:.2f}', 8)}"
+            f"{cell(r.get('first_call_s'), '{:.1f}', 8)} |"
+            f"{cell(r.get('max_error'), '{:.1e}', 8)}{cell(r.get('max_norm_error'), '{:.1e}', 9)}"
             f"{'!' if r.get('error_ok') is False else ' '}| {note}")
-    lines.append("ms = steady-state time per step; anchor = reference time (ANCHOR_MS; no GPU sleep: "
-                 "host time included); first_s = first call incl. compile; /x = T_x / T; "
-                 "errors vs eager (max |d|/max|ref|, ||d||/||ref||; '!' over tolerance); "
+    for g in data.get("gain") or ():
+        parts = [f"{m} {_gain_cell_from(v)}" for m, v in g["modes"].items()]
+        comm = ("-" if g["comm_ms"] is None else
+                f"{g['comm_ms']:.3f} ms ({100 * g['comm_share']:.0f}% of inductor)")
+        lines.append(f"G {g['model']} {g['phase']}: communication cost T_inductor - T_nocomm = {comm}; "
+                     + ("; ".join(parts) if parts else "no mode to compare"))
+    for rd in data.get("rounds") or ():
+        lines.append(f"rounds {rd['model']} {rd['phase']}: " + " | ".join(",".join(o) for o in rd["order"]))
+    lines.append("ms = steady-state time per step, host exposed (barrier, then CUDA events around the step; a step "
+                 "= max over ranks), median over all rounds, p10/p90/min/max over the same steps; hidden = the same "
+                 "steps with the host hidden (GPU sleep before the start event: device time); "
+                 "G = (T_inductor - T) / (T_inductor - T_nocomm) from the host-exposed medians, [min,max] of G per "
+                 "round; anchor = reference time (ANCHOR_MS, host exposed); first_s = first call incl. compile; "
+                 "/induct = T_inductor / T; errors vs eager (max |d|/max|ref|, ||d||/||ref||; '!' over tolerance); "
                  "fwd/bwd[...] = patterns fused by flux (ag = all_gather_matmul, rs = matmul_reduce_scatter)")
     for r in data["results"]:
         for rank, top in enumerate(r.get("profile_top") or ()):
             lines.append(f"profile {r['model']} {r['phase']} {r['mode']} rank {rank}: "
                          + "; ".join(f"{k['name'][:60]} x{k['calls']} {k['us'] / 1e3:.3f} ms" for k in top))
     return "\n".join(lines)
+
+
+def _gain_cell_from(v: dict) -> str:
+    if v.get("G") is None:
+        return "G -"
+    out = f"G {v['G']:.2f}"
+    if v.get("G_min") is not None:
+        out += f" [{v['G_min']:.2f},{v['G_max']:.2f}]"
+    if v.get("G_hidden_host") is not None:
+        out += f" (host hidden {v['G_hidden_host']:.2f})"
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -473,23 +783,35 @@ def build_args(argv=None) -> argparse.Namespace:
                    help="torch.compile(backend='flux', options={...}) for the flux modes, e.g. "
                         "split_all_reduce=replicated,cuda_graphs=true (torch takes options or --compile-mode, not both)")
     add_tuning_argument(p)
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 5; --quick 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed steps per mode (default 20; --quick 3)")
-    p.add_argument("--quick", action="store_true", help="fewer iterations")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timing rounds, the modes' order rotated each round (default 5 on cuda; 2 on cpu or --quick)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per mode after its first call (default 5; --quick 1)")
+    p.add_argument("--round-warmup", type=int, default=1, help="untimed steps per mode at the start of each round")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed steps per mode per round (default 10; --quick 3), host exposed; as many again with "
+                        "the host hidden on cuda")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and iterations")
     p.add_argument("--sleep-cycles", type=int, default=2_000_000,
-                   help="torch.cuda._sleep cycles before each start event (hides host enqueue; 0 = off)")
+                   help="torch.cuda._sleep cycles before each start event of the hidden-host steps (0 = no "
+                        "hidden-host figure)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after timing a mode, profile one more step and record each rank's N costliest GPU kernels "
-                        "(JSON profile_top; printed under the table)")
+                   help="after the rounds, profile one more step per mode and record each rank's N costliest GPU "
+                        "kernels (JSON profile_top; printed under the table)")
     p.add_argument("--profile-trace", default=None, metavar="PREFIX",
                    help="with --profile: also write each profiled step's Chrome trace to PREFIX_<i>_rank<r>.json")
     p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout, seconds")
     p.add_argument("--contender-timeout", type=float, default=150.0,
-                   help="seconds one mode (compile + check + timing) may take before the run exits")
+                   help="seconds one mode's compile (first call, check, warm-ups) or one round of it may take "
+                        "before the run exits")
     args = p.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
-    args.iters = args.iters if args.iters is not None else (3 if args.quick else 20)
+    args.iters = args.iters if args.iters is not None else (3 if args.quick else 10)
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.iters < 1:
+        p.error("--iters must be at least 1")
     for flag, allowed in (("models", MODELS), ("phases", PHASES), ("modes", MODES)):
         for name in getattr(args, flag).split(","):
             if name not in allowed:
@@ -503,10 +825,10 @@ def build_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = build_args(argv)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
-    # Every mode compiles from scratch and runs its passes: no FX graph / AOTAutograd cache hits.
+def configure_compile() -> dict:
+    """What every mode compiles under (recorded in the settings): no FX graph / AOTAutograd cache hits, so every mode
+    compiles and runs its passes; room in dynamo's cache for every mode's entries; static shapes."""
+    import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -515,6 +837,17 @@ def main(argv=None) -> int:
                              (functorch_config, "enable_remote_autograd_cache")):
         if hasattr(cfg_module, attr):
             setattr(cfg_module, attr, False)
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, attr):
+            setattr(dynamo_config, attr, max(getattr(dynamo_config, attr), RECOMPILE_LIMIT))
+    dynamo_config.automatic_dynamic_shapes = False
+    return {"recompile_limit": RECOMPILE_LIMIT, "automatic_dynamic_shapes": False}
+
+
+def main(argv=None) -> int:
+    args = build_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+    dynamo_settings = configure_compile()
 
     ctx = Ctx(args)
     tuning_values = apply_tuning(args.tuning)
@@ -533,23 +866,35 @@ def main(argv=None) -> int:
     phases = [p for p in PHASES if p in args.phases.split(",")]
     modes = [m for m in RUN_ORDER if m in args.modes.split(",")]
     tol = TOLERANCE[ctx.autocast or ctx.dtype]
-    timing = ("cuda_events: dist.barrier + cuda.synchronize before each iteration, then "
-              f"torch.cuda._sleep({ctx.sleep_cycles}) before the start event (host enqueue hidden); "
-              "per-rank median, max over ranks") if ctx.is_cuda else \
-        "perf_counter around each step after dist.barrier; per-rank median, max over ranks"
+    timing = ("cuda_events: per step, gradients dropped, dist.barrier + cuda.synchronize, then CUDA events around "
+              "the step (host exposed); a step = max over ranks; median over all rounds") if ctx.is_cuda else \
+        "perf_counter around each step after dist.barrier (host exposed); a step = max over ranks; median over all rounds"
+    sleep_ms = measure_sleep_ms(ctx) if ctx.hidden else None
     data = {
-        "schema": "fluxinductor.bench_model/1",
+        "schema": "fluxinductor.bench_model/2",
         "complete": False,
         "environment": run_environment(ctx, tuning_values),
         "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
                      "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp,
                      "compile_mode": args.compile_mode,
-                     "flux_options": ctx.flux_options, "warmup": ctx.warmup,
-                     "iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles if ctx.is_cuda else None,
-                     "sleep_ms": measure_sleep_ms(ctx), "timing": timing, "tolerance_norm_rel": tol,
-                     "fx_graph_cache": False, "autograd_cache": False,
+                     "flux_options": ctx.flux_options, "warmup": ctx.warmup, "round_warmup": ctx.round_warmup,
+                     "rounds": ctx.rounds, "iters": ctx.iters, "host_exposed": True,
+                     "order": "per (model, phase): every mode compiled and checked in RUN_ORDER, then timed in "
+                              "rounds, the order rotated by one each round (rounds[].order)",
+                     "hidden_host": ({"iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles, "sleep_ms": sleep_ms,
+                                      "method": "the same rounds, after the host-exposed steps: torch.cuda._sleep "
+                                                "before the start event, so the events measure device time"}
+                                     if ctx.hidden else None),
+                     "sleep_cycles": ctx.sleep_cycles if ctx.is_cuda else None,
+                     "sleep_ms": sleep_ms, "timing": timing, "tolerance_norm_rel": tol,
+                     "nocomm": {"method": NOCOMM_METHOD,
+                                "approximation": {m: nocomm_approximation(m, args.tp) or None for m in models},
+                                "exact": {m: not nocomm_approximation(m, args.tp) for m in models}},
+                     "gain_formula": "G = (T_inductor - T_mode) / (T_inductor - T_nocomm), host-exposed medians",
+                     "fx_graph_cache": False, "autograd_cache": False, "dynamo": dynamo_settings,
                      "contender_timeout_s": args.contender_timeout},
         "results": [],
+        "rounds": [],
     }
     out_json = os.path.abspath(args.out + ".json")
 
@@ -566,15 +911,16 @@ def main(argv=None) -> int:
     try:
         for model_name in models:
             cfg = configs[model_name]
+            torch._dynamo.reset()  # once per model, before its modes are built; never between modes
             try:
-                model = build_model(model_name, cfg, ctx.mesh, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp)
+                conts = build_contenders(ctx, model_name, cfg, args, modes, log)
+            except ContextBroken:
+                raise
             except Exception as e:  # noqa: BLE001
                 msg = f"building {model_name} failed: {type(e).__name__}: {e}"
                 log(msg)
-                data.setdefault("model_errors", {})[model_name] = msg + "\n" + traceback.format_exc(limit=8)
+                data.setdefault("model_errors", {})[model_name] = msg
                 save()
-                if not ctx.context_ok():
-                    raise ContextBroken(msg) from e
                 continue
             shape = input_shape(model_name, cfg, ctx.world, args.mlp_shard_dim, args.tp)
             # Plain TP: the input and the output's gradient are replicated, so every rank draws the same ones.
@@ -584,29 +930,8 @@ def main(argv=None) -> int:
             for phase in phases:
                 grad = grad_out if phase == "fwd_bwd" else None
                 x.requires_grad_(grad is not None)
-                ref = None
-                for mode in modes if "eager" in modes else ("eager",) + tuple(modes):
-                    step_name = f"{model_name} {phase} {mode}"
-                    with watchdog(args.contender_timeout):
-                        record, snap = measure_mode(ctx, model, mode, x, grad, ref, tol, time_it=mode in modes)
-                    if mode == "eager":
-                        ref = snap
-                        if "eager" not in modes:
-                            continue
-                    record.update(model=model_name, phase=phase)
-                    data["results"].append(record)
-                    status = record["error"] or (
-                        f"{record['ms']:.3f} ms, first call {record['first_call_s']:.1f} s, "
-                        + (f"err {record['max_error']:.1e} " if "max_error" in record else "reference ")
-                        + _fused_summary(record))
-                    log(f"{step_name}: {status}")
-                    del snap
-                    gc.collect()
-                    if ctx.is_cuda:
-                        torch.cuda.empty_cache()
-                    save()
-                ref = None
-            del model, x, grad_out
+                run_phase(ctx, conts, model_name, phase, modes, x, grad, tol, args.contender_timeout, data, log, save)
+            del conts, x, grad_out
             gc.collect()
             if ctx.is_cuda:
                 torch.cuda.empty_cache()

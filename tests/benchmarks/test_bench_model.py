@@ -1,19 +1,25 @@
 """CPU smoke test of benchmarks/bench_model.py: 2 gloo ranks under torchrun, tiny configs, fp32.
 
-Two runs (each a subprocess with a hard timeout; compile time on 2 cores dominates):
+Runs (each a subprocess with a hard timeout; compile time on 2 cores dominates):
 
-1. the sequence-parallel MLP, every mode, forward and forward+backward, with one mode made to fail on
-   every rank (``BENCH_MODEL_INJECT_ERROR``): the failure is recorded and the later modes still run;
-2. one Llama-style decoder layer, forward+backward, eager and ``backend="flux"``.
+1. the sequence-parallel MLP, every mode (nocomm included), forward and forward+backward, with one mode made to
+   fail on every rank (``BENCH_MODEL_INJECT_ERROR``): the failure is recorded and the other modes still run;
+2. a decode-style step (plain TP, one Llama layer, one position of 8 sequences, forward, reduce-overhead) of
+   inductor, async-TP, flux and nocomm in 3 rounds: the rounds rotate the modes' order, G is reported against the
+   no-communication replica, the times are host exposed;
+3. one Llama-style decoder layer, forward+backward, eager and ``backend="flux"`` (and plain TP, autocast, compile
+   mode variants).
 
-Checked: the JSON's fields, positive per-rank per-iteration times, flux fused counts while compiling the
-forward and the backward, every error against eager small, and the table printed last.
+Checked: the JSON's fields, positive per-rank per-step times in every round, nothing compiled while timed, flux
+fused counts while compiling the forward and the backward (flux_fused's own: it has compiled code of its own),
+every error against eager small, and the table printed last.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -54,6 +60,7 @@ def _check_common(data: dict, stdout: str, n_rows: int) -> None:
     s = data["settings"]
     assert s["config"] == "small" and s["warmup"] == 1 and s["iters"] == 3
     assert s["timing"].startswith("perf_counter") and s["fx_graph_cache"] is False
+    assert s["host_exposed"] is True and s["hidden_host"] is None and s["dynamo"]["automatic_dynamic_shapes"] is False
     assert data["complete"] is True and len(data["results"]) == n_rows
     # The table is printed last: its legend ends stdout, one row per result.
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
@@ -62,20 +69,34 @@ def _check_common(data: dict, stdout: str, n_rows: int) -> None:
     assert len(rows) == n_rows, rows
 
 
-def _check_measured(r: dict) -> None:
+def _check_measured(r: dict, rounds: int = 2, iters: int = 3) -> None:
     where = f"{r['model']} {r['phase']} {r['mode']}"
     assert r["error"] is None, (where, r["error"])
-    assert r["ms"] > 0 and r["first_call_s"] > 0, where
-    assert r["ms"] == pytest.approx(max(r["rank_median_ms"])), where
-    assert len(r["iter_ms"]) == 2 and all(len(t) == 3 and all(v > 0 for v in t) for t in r["iter_ms"]), where
+    assert r["ms"] > 0 and r["first_call_s"] > 0 and r["host_exposed"] is True, where
+    # Every rank's every step of every round; a step's time is the slowest rank's, ms the median over all steps.
+    assert len(r["iter_ms"]) == 2 and all(len(t) == rounds * iters and all(v > 0 for v in t) for t in r["iter_ms"]), \
+        where
+    assert r["ms"] == pytest.approx(statistics.median(max(col) for col in zip(*r["iter_ms"]))), where
+    sp = r["spread"]
+    assert sp["n"] == rounds * iters and sp["min_ms"] <= sp["p10_ms"] <= r["ms"] <= sp["p90_ms"] <= sp["max_ms"], where
+    assert len(r["round_median_ms"]) == rounds and all(t > 0 for t in r["round_median_ms"]), where
+    assert r["compiles_while_timed"] == 0, where  # every mode's compiled code stayed valid through the rounds
+    # Each compiled mode compiles its own graph (none inherits another's cached code); eager compiles nothing.
+    assert (r["graphs_compiled_first_call"] == 0) if r["mode"] == "eager" else (r["graphs_compiled_first_call"] >= 1)
+    assert "hidden_host_ms" not in r  # CUDA only
     assert len(r["rank_first_call_s"]) == 2
-    if r["mode"] == "eager":  # the reference itself
+    if r["mode"] in ("eager", "nocomm"):  # the reference itself; the replica (other weights, partial sums)
         assert "errors" not in r
         return
     keys = {"output", "grad_input", "grad_params"} if r["phase"] == "fwd_bwd" else {"output"}
     assert set(r["errors"]) == keys, (where, r["errors"])
     assert 0 <= r["max_error"] <= FP32_ERROR and r["error_ok"] is True, (where, r["errors"])
     assert all(0 < e["norm_rel"] <= e["max_rel"] * 10 for e in r["errors"].values()), (where, r["errors"])
+
+
+def _no_collectives(r: dict, n_graphs: int) -> None:
+    census = r["graph_census"]
+    assert len(census) == n_graphs and all(not g for g in census), census
 
 
 def _check_flux(r: dict, n_layers: int) -> None:
@@ -95,30 +116,80 @@ def _check_flux(r: dict, n_layers: int) -> None:
 
 def test_bench_model_cpu_mlp_all_modes(tmp_path):
     data, stdout = _run(tmp_path, "mlp", ["--models", "mlp"], inject="flux_fused:fwd")
-    _check_common(data, stdout, n_rows=10)
+    modes = ("eager", "inductor", "nocomm", "flux", "flux_fused", "asynctp")
+    _check_common(data, stdout, n_rows=12)
+    assert data["settings"]["rounds"] == 2  # --quick
     rows = {(r["phase"], r["mode"]): r for r in data["results"]}
-    assert set(rows) == {(p, m) for p in ("fwd", "fwd_bwd")
-                         for m in ("eager", "inductor", "asynctp", "flux", "flux_fused")}
-    # Eager first (the reference), fluxinductor before async-TP.
-    assert [r["mode"] for r in data["results"][:5]] == ["eager", "inductor", "flux", "flux_fused", "asynctp"]
+    assert set(rows) == {(p, m) for p in ("fwd", "fwd_bwd") for m in modes}
+    # Compiled in this order: eager first (the reference), fluxinductor before async-TP.
+    assert tuple(r["mode"] for r in data["results"][:6]) == modes
 
     failed = rows[("fwd", "flux_fused")]
     assert failed["ms"] is None and "injected by BENCH_MODEL_INJECT_ERROR" in failed["error"]
+    # The failed mode sits out the rounds; the others rotate.
+    orders = {(rd["model"], rd["phase"]): rd["order"] for rd in data["rounds"]}
+    assert orders[("mlp", "fwd")] == [["eager", "inductor", "nocomm", "flux", "asynctp"],
+                                      ["inductor", "nocomm", "flux", "asynctp", "eager"]]
+    assert orders[("mlp", "fwd_bwd")][1] == list(modes[1:]) + ["eager"]
     for key, r in rows.items():
         if key == ("fwd", "flux_fused"):
             continue
         _check_measured(r)
+        n_graphs = 2 if r["phase"] == "fwd_bwd" else 1
         if r["mode"] in ("flux", "flux_fused"):
             _check_flux(r, n_layers=1)
         if r["mode"] in ("inductor", "asynctp"):
             # One post-grad graph per compiled graph, collectives still there (nothing fuses on CPU).
             census = r["graph_census"]
-            assert len(census) == (2 if r["phase"] == "fwd_bwd" else 1), census
+            assert len(census) == n_graphs, census
             assert not any("symm_mem" in k for g in census for k in g)
             assert any("all_gather" in k for k in census[0]) and any("reduce_scatter" in k for k in census[0])
+        if r["mode"] == "nocomm":
+            _no_collectives(r, n_graphs)
         assert r["speedup_vs_eager"] > 0
     assert any("symmetric memory" in n for n in rows[("fwd", "asynctp")]["notes"])
     assert "ERROR RuntimeError: injected" in stdout
+    # Sequence parallel: the replica's gathers and reduce-scatters are local stand-ins, and the JSON says so.
+    assert data["settings"]["nocomm"]["exact"] == {"mlp": False}
+    gains = {(g["model"], g["phase"]): g for g in data["gain"]}
+    assert "reduce-scatter" in gains[("mlp", "fwd")]["nocomm_approximation"]
+    assert set(gains[("mlp", "fwd")]["modes"]) == {"asynctp", "flux", "flux_fused"}
+    assert gains[("mlp", "fwd")]["modes"]["flux_fused"]["G"] is None  # it failed
+    assert rows[("fwd_bwd", "flux_fused")]["gain_rounds"] and "G mlp fwd_bwd:" in stdout
+
+
+def test_bench_model_cpu_decode_rounds_gain(tmp_path):
+    # A decode-style step (plain TP, one position of 8 sequences, forward, reduce-overhead) in 3 rounds.
+    modes = ["inductor", "nocomm", "flux", "asynctp"]  # compile order
+    data, stdout = _run(tmp_path, "decode", [
+        "--models", "llama2", "--layers", "1", "--tp", "plain", "--seq", "1", "--batch", "8", "--phases", "fwd",
+        "--modes", "inductor,asynctp,flux,nocomm", "--compile-mode", "reduce-overhead", "--rounds", "3"])
+    _check_common(data, stdout, n_rows=4)
+    s = data["settings"]
+    assert s["rounds"] == 3 and s["compile_mode"] == "reduce-overhead" and s["models"]["llama2"]["seq"] == 1
+    rows = {r["mode"]: r for r in data["results"]}
+    assert [r["mode"] for r in data["results"]] == modes
+    for r in rows.values():
+        _check_measured(r, rounds=3)
+    # The order rotates by one each round: every mode leads once, and each round is the last one shifted.
+    (entry,) = data["rounds"]
+    assert (entry["model"], entry["phase"]) == ("llama2", "fwd")
+    assert entry["order"] == [modes[r:] + modes[:r] for r in range(3)]
+    # nocomm: the same per-rank work, no collective (plain TP: exact).
+    _no_collectives(rows["nocomm"], 1)
+    assert s["nocomm"]["exact"] == {"llama2": True} and s["nocomm"]["approximation"] == {"llama2": None}
+    # G per phase, host exposed, from the medians and per round.
+    (g,) = data["gain"]
+    ind, noc = rows["inductor"]["ms"], rows["nocomm"]["ms"]
+    assert g["host_exposed"] is True and g["inductor_ms"] == ind and g["nocomm_ms"] == noc
+    assert g["comm_ms"] == pytest.approx(ind - noc) and g["nocomm_approximation"] is None
+    assert set(g["modes"]) == {"flux", "asynctp"}
+    for mode in ("flux", "asynctp"):
+        want = (ind - rows[mode]["ms"]) / (ind - noc) if ind > noc else None
+        assert g["modes"][mode]["G"] == (pytest.approx(want) if want is not None else None), g
+        assert rows[mode]["gain"] == g["modes"][mode]["G"] and len(g["modes"][mode]["G_rounds"]) == 3
+    assert rows["flux"]["rewrite_stats"]["fused_forward"].get("all_reduce_split", 0) >= 2
+    assert "G llama2 fwd: communication cost" in stdout and "rounds llama2 fwd: " in stdout
 
 
 def test_bench_model_cpu_llama_layer(tmp_path):
