@@ -702,7 +702,7 @@ def format_table(data: dict) -> str:
     for r in data["results"]:
         sp = r.get("spread") or {}
         if r.get("error"):
-            note = "ERROR " + r["error"][:100]
+            note = "ERROR " + " ".join(r["error"].split())[:100]
         else:
             rounds = " ".join(f"{t:.3f}" for t in r.get("round_median_ms") or ())
             note = (rounds + "; " if rounds else "") + _fused_summary(r)
@@ -716,7 +716,7 @@ def format_table(data: dict) -> str:
             f"{'!' if r.get('error_ok') is False else ' '}| {note}")
     for g in data.get("gain") or ():
         parts = [f"{m} {_gain_cell_from(v)}" for m, v in g["modes"].items()]
-        comm = ("-" if g["comm_ms"] is None else
+        comm = (("- (no nocomm time)" if g["nocomm_ms"] is None else "-") if g["comm_ms"] is None else
                 f"{g['comm_ms']:.3f} ms ({100 * g['comm_share']:.0f}% of inductor)")
         lines.append(f"G {g['model']} {g['phase']}: communication cost T_inductor - T_nocomm = {comm}; "
                      + ("; ".join(parts) if parts else "no mode to compare"))
@@ -725,8 +725,8 @@ def format_table(data: dict) -> str:
     lines.append("ms = steady-state time per step, host exposed (barrier, then CUDA events around the step; a step "
                  "= max over ranks), median over all rounds, p10/p90/min/max over the same steps; hidden = the same "
                  "steps with the host hidden (GPU sleep before the start event: device time); "
-                 "G = (T_inductor - T) / (T_inductor - T_nocomm) from the host-exposed medians, [min,max] of G per "
-                 "round; anchor = reference time (ANCHOR_MS, host exposed); first_s = first call incl. compile; "
+                 "G = (T_inductor - T) / (T_inductor - T_nocomm) from the host-exposed medians of all rounds, "
+                 "[min,max] of G from each round's own medians; anchor = reference time (ANCHOR_MS, host exposed); first_s = first call incl. compile; "
                  "/induct = T_inductor / T; errors vs eager (max |d|/max|ref|, ||d||/||ref||; '!' over tolerance); "
                  "fwd/bwd[...] = patterns fused by flux (ag = all_gather_matmul, rs = matmul_reduce_scatter)")
     for r in data["results"]:

@@ -94,10 +94,14 @@ class InductorAsyncTP:
         self.census: Optional[GraphCensus] = None
 
     def __call__(self, gm, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
-        patches = {"_micro_pipeline_tp": True}
+        from torch._inductor.compile_fx import compile_fx
+
+        # What backend="inductor" would apply for this mode and options (CUDA graphs for reduce-overhead, ...).
+        patches = dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
+        patches["_micro_pipeline_tp"] = True
         if self.census is not None:
             patches["post_grad_custom_post_pass"] = self.census
-        return torch._TorchCompileInductorWrapper(mode, options, None)(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 ASYNCTP_BACKEND = InductorAsyncTP()
