@@ -145,7 +145,7 @@ def check(op: str, group: dist.ProcessGroup, group_name: str, fields: Dict[str, 
         raise RanksDisagreeError(
             f"fluxinductor::{op}: the ranks of group {group_name!r} called it with different inputs: "
             + "; ".join(differences)
-            + ". Every rank must pass the same shapes, dtypes and arguments (each rank's shard of the same size) "
+            + ". Every rank must pass the same shapes, dtypes, layouts and arguments (each rank's shard of the same size) "
             "and run with the same settings.")
     _remember(key)
 

@@ -207,11 +207,20 @@ def _dim_or_raw(dim: int, t: Tensor) -> int:
 
 def _matmul_fields(group: dist.ProcessGroup, a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                    out_dtype: Optional[torch.dtype]) -> dict:
-    """What every rank of a reduced matmul's group must agree on (:mod:`fluxinductor.agreement`)."""
+    """What every rank of a reduced matmul's group must agree on (:mod:`fluxinductor.agreement`): shapes, dtypes and
+    arguments, and what the dispatcher decides a path on (operand layouts, path settings), so that no two ranks take
+    paths with different collectives."""
     return {"world": group.size(), "input shape": a.shape, "dtype": a.dtype, "device": a.device.type,
             "weight shape": weight.shape, "weight dtype": weight.dtype,
             "bias shape": None if bias is None else bias.shape, "reduce_op": reduce_op, "out_dtype": out_dtype,
+            "layouts (strides, 16-byte aligned) of input, weight, bias": (_layout(a), _layout(weight), _layout(bias)),
             **_path_settings()}
+
+
+def _layout(t: Optional[Tensor]) -> Optional[tuple]:
+    """What a dispatch plan reads of an operand beyond its shape and dtype: its strides and whether its data is 16-byte
+    aligned (the kernels' eligibility, a weight's K- or N-major form)."""
+    return None if t is None else (tuple(t.stride()), t.data_ptr() % 16 == 0)
 
 
 def _path_settings() -> dict:
@@ -293,7 +302,10 @@ def all_gather_matmul(
         "world": group.size(), "shard shape": shard.shape, "dtype": shard.dtype, "device": shard.device.type,
         "weight shapes": tuple(w.shape for w in weights), "weight dtypes": tuple(w.dtype for w in weights),
         "bias shapes": tuple(None if b is None else b.shape for b in biases),
-        "gather_dim": _dim_or_raw(gather_dim, shard), "return_gathered": return_gathered, **_path_settings(),
+        "gather_dim": _dim_or_raw(gather_dim, shard), "return_gathered": return_gathered,
+        "layouts (strides, 16-byte aligned) of shard, weights, biases": (
+            _layout(shard), tuple(_layout(w) for w in weights), tuple(_layout(b) for b in biases)),
+        **_path_settings(),
     }, lambda: _check_all_gather_matmul(shard, weights, biases, gather_dim))
     fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
     if fused is not None:

@@ -53,7 +53,8 @@ def draw(rng: random.Random, sizes: Sequence[int], world: int,
         has_bias = [rng.random() < 0.5 for _ in widths]
         spec.update(shape=shape, widths=widths, has_bias=has_bias, gather_dim=rng.randrange(len(shape) - 1),
                     return_gathered=rng.random() < 0.5,
-                    transposed_weights=[[rng.random() < 0.5 for _ in widths] for _ in range(world)])
+                    transposed_weights=_same_on_every_rank([[rng.random() < 0.5 for _ in widths]
+                                                            for _ in range(world)]))
         return spec
     if op == "matmul_reduce_scatter":
         scatter_dim = rng.randrange(3 if three_d else 2)
@@ -67,8 +68,15 @@ def draw(rng: random.Random, sizes: Sequence[int], world: int,
         shape = [rng.choice((1, 2, 3)), rows, k] if three_d else [rows, k]
     spec.update(shape=shape, with_bias=rng.random() < 0.5, reduce_op=rng.choice(("sum", "avg")),
                 out_dtype=torch.float32 if dtype != torch.float32 and rng.random() < 0.3 else None,
-                transposed_weights=[rng.random() < 0.5 for _ in range(world)])
+                transposed_weights=_same_on_every_rank([rng.random() < 0.5 for _ in range(world)]))
     return spec
+
+
+def _same_on_every_rank(per_rank: list) -> list:
+    """Rank 0's draw for every rank (the draws stay, so every later choice of a seed is unchanged): the ranks of a
+    tensor-parallel program hold their operands in one layout, and ranks that do not are refused by the agreement
+    check (``tests/ops/test_agreement.py``), not fuzzed."""
+    return [per_rank[0]] * len(per_rank)
 
 
 def work(spec: Dict[str, object]) -> int:

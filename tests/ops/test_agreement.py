@@ -2,7 +2,7 @@
 
 On 2 gloo ranks (the decomposed path every CPU and non-fused GPU call takes): rows that differ per rank, fp32 on one
 rank and fp64 on the other, the same bytes in another shape, a weight whose dtype differs from the input on one rank
-only.  In each case every rank raises (none returns, none hangs: the job has a hard timeout), the message names the
+only, a weight held K-major on one rank and N-major on the other.  In each case every rank raises (none returns, none hangs: the job has a hard timeout), the message names the
 ranks and what differs, and the group goes on working with a good call afterwards.  A signature the group agreed on
 costs no communication on later calls.
 """
@@ -74,6 +74,10 @@ def _job(rank: int, world: int) -> Dict[str, object]:
         "mrs_rows_differ": lambda: mrs(ones(4 if rank == 0 else 6, 8), ones(8, 6), None, "sum", 0, name),
         "mrs_reduce_op_differs": lambda: mrs(ones(4, 8), ones(8, 6), None, "sum" if rank == 0 else "avg", 0, name),
         "mar_bias_on_one_rank": lambda: mar(ones(4, 8), ones(8, 6), ones(6) if rank == 1 else None, "sum", name),
+        # A K-major weight on one rank, N-major on the other: on a GPU the fused kernel may take one and not the
+        # other, and the ranks would run different collectives (a wrong answer on one, a timeout on the other).
+        "mar_weight_layout_differs": lambda: mar(ones(4, 8), ones(8, 6) if rank == 0 else ones(6, 8).t(), None,
+                                                 "sum", name),
     }
     out: Dict[str, object] = {}
     for case, fn in cases.items():
@@ -134,6 +138,8 @@ DISAGREEMENTS = {
     "mrs_rows_differ": "input shape: rank 0 [4, 8], rank 1 [6, 8]",
     "mrs_reduce_op_differs": "reduce_op: rank 0 'sum', rank 1 'avg'",
     "mar_bias_on_one_rank": "bias shape: rank 0 None, rank 1 [6]",
+    "mar_weight_layout_differs": "layouts (strides, 16-byte aligned) of input, weight, bias: rank 0 (((8, 1), True), "
+                                 "((6, 1), True), None), rank 1 (((8, 1), True), ((1, 8), True), None)",
 }
 
 
