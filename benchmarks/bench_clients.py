@@ -25,9 +25,7 @@ import functools
 import os
 import statistics
 import sys
-import time
 import traceback
-from collections.abc import Callable
 
 import torch
 
@@ -36,7 +34,7 @@ sys.path.insert(0, HERE)
 # The torchtitan-style model is shared with the tests that check it (tests/compile/test_clients.py).
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from harness import DTYPES, git_sha, write_json
+from harness import DTYPES, Timer, git_sha, write_json
 
 TITAN_CONTENDERS = ("inductor", "asynctp", "flux")
 
@@ -55,33 +53,23 @@ def setup():
     return rank, world, device
 
 
-class Timer:
-    """Host-exposed time of one call: barrier first, then CUDA events around it (wall clock on CPU)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        import torch.distributed as dist
-
-        dist.barrier()
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-
 def summary(times: list[float]) -> dict[str, float]:
     ordered = sorted(times)
     return {"median_ms": statistics.median(ordered), "min_ms": ordered[0], "max_ms": ordered[-1],
             "p10_ms": ordered[len(ordered) // 10], "p90_ms": ordered[(9 * len(ordered)) // 10], "n": len(ordered)}
+
+
+def numerics(loss: float, loss_ref: float, grads: dict, grads_ref: dict) -> dict[str, object]:
+    """A training step's loss and gradients against eager's: relative errors of the loss, of all gradients together,
+    and of the worst parameter (named)."""
+    per_param = {k: float((grads[k] - g).norm() / g.norm().clamp_min(1e-12)) for k, g in grads_ref.items()}
+    return {
+        "loss_rel_err": abs(loss - loss_ref) / abs(loss_ref),
+        "grad_rel_err_max": max(per_param.values()),
+        "grad_rel_err_worst_param": max(per_param, key=per_param.get),
+        "grad_rel_err_all": float(sum(float((grads[k] - g).square().sum()) for k, g in grads_ref.items()) ** 0.5
+                                  / sum(float(g.square().sum()) for g in grads_ref.values()) ** 0.5),
+    }
 
 
 def backend_for(name: str, device: torch.device, group_name: str):
@@ -142,13 +130,7 @@ def bench_torchtitan(args, rank: int, world: int, device: torch.device) -> dict[
             fluxinductor.reset_rewrite_stats()
             loss = float(llama.train_step(model, tokens, labels))  # compiles; numerics before any optimizer step
             grads = llama.full_grads(model)
-            entry["loss_rel_err"] = abs(loss - loss_ref) / abs(loss_ref)
-            per_param = {k: float((grads[k] - g).norm() / g.norm().clamp_min(1e-12)) for k, g in grads_ref.items()}
-            entry["grad_rel_err_max"] = max(per_param.values())
-            entry["grad_rel_err_worst_param"] = max(per_param, key=per_param.get)
-            entry["grad_rel_err_all"] = float(
-                sum(float((grads[k] - g).square().sum()) for k, g in grads_ref.items()) ** 0.5
-                / sum(float(g.square().sum()) for g in grads_ref.values()) ** 0.5)
+            entry.update(numerics(loss, loss_ref, grads, grads_ref))
             optim.zero_grad(set_to_none=True)
             for _ in range(args.warmup):
                 step(model, optim)

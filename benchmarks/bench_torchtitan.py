@@ -37,8 +37,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_clients import TITAN_CONTENDERS, Timer, backend_for, summary
-from harness import git_sha, write_json
+from bench_clients import TITAN_CONTENDERS, backend_for, numerics, setup, summary
+from harness import Timer, git_sha, write_json
 
 FLAVOR = "fluxinductor_bench"
 
@@ -152,8 +152,6 @@ def main() -> None:
         sys.exit(f"torchtitan is not installed ({e}); pip install -e .[clients]")
     import torch.distributed as dist
 
-    from bench_clients import setup
-
     rank, args.world, device = setup()
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
@@ -204,13 +202,7 @@ def main() -> None:
             fluxinductor.reset_rewrite_stats()
             loss = first_step(trainer)  # compiles; the same first batch and initial weights as eager
             grads = grads_of(trainer)
-            entry["loss_rel_err"] = abs(loss - loss_ref) / abs(loss_ref)
-            per_param = {k: float((grads[k] - g).norm() / g.norm().clamp_min(1e-12)) for k, g in grads_ref.items()}
-            entry["grad_rel_err_max"] = max(per_param.values())
-            entry["grad_rel_err_worst_param"] = max(per_param, key=per_param.get)
-            entry["grad_rel_err_all"] = float(
-                sum(float((grads[k] - g).square().sum()) for k, g in grads_ref.items()) ** 0.5
-                / sum(float(g.square().sum()) for g in grads_ref.values()) ** 0.5)
+            entry.update(numerics(loss, loss_ref, grads, grads_ref))
             for i in range(args.warmup):
                 step(trainer, 1 + i)
             entry["rewrite_stats"] = fluxinductor.rewrite_stats()

@@ -303,6 +303,27 @@ def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iter
     return times, host
 
 
+class Timer:
+    """Host-exposed time of one call: barrier first, then CUDA events around it (wall clock on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
 def per_rank_summary(per_rank: List[List[float]]) -> dict:
     """``ms`` (the maximum over ranks of each rank's median: the reported time), ``rank_median_ms`` and
     ``iter_max_median_ms`` (the median of per-call maxima over ranks) from each rank's per-call times."""

@@ -233,36 +233,48 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
     rows = [r for r in table["entries"] if canonical_op(r["op"]) == op]
     if not rows:
         return "sequential", f"no {op} rows in the tuning table"
-
-    same_kn = sorted((r for r in rows if r["k"] == k and r["n"] == n), key=lambda r: r["m"])
-    if same_kn:
-        for r in same_kn:
-            if r["m"] == m:
-                return _decide(_gains(r, paths), "measured " + _describe(r, paths))
-        if m < same_kn[0]["m"]:
-            return "sequential", f"M={m} is below the measured range (smallest M={same_kn[0]['m']} at K={k} N={n})"
-        if m > same_kn[-1]["m"]:
-            r = same_kn[-1]
-            return _decide(_gains(r, paths), f"nearest measured M (above the range) {_describe(r, paths)}")
-        lo = max((r for r in same_kn if r["m"] < m), key=lambda r: r["m"])
-        hi = min((r for r in same_kn if r["m"] > m), key=lambda r: r["m"])
-        t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
+    kind, basis, t, reason = _basis(rows, op, m, k, n)
+    if kind in ("below", "none"):
+        return "sequential", reason
+    if kind == "between":
+        lo, hi = basis
         gains = {}
         for path in paths:
             g_lo, g_hi = _gain(lo, path), _gain(hi, path)
             # never interpolate towards a shape where the path was not measured to work
             gains[path] = -math.inf if -math.inf in (g_lo, g_hi) else g_lo + t * (g_hi - g_lo)
-        basis = f"interpolated in log M between [{_describe(lo, paths)}] and [{_describe(hi, paths)}]"
-        return _decide(gains, basis)
+        return _decide(gains, f"interpolated in log M between [{_describe(lo, paths)}] and [{_describe(hi, paths)}]")
+    (r,) = basis
+    prefix = {"exact": "measured", "above": "nearest measured M (above the range)",
+              "similar": "nearest measured shape by flops with similar K and N"}[kind]
+    return _decide(_gains(r, paths), f"{prefix} {_describe(r, paths)}")
 
+
+def _basis(rows: List[dict], op: str, m: int, k: int, n: int) -> Tuple[str, tuple, float, str]:
+    """Which of an op's ``rows`` the lookup rule (module docstring) reads at (m, k, n): ``(kind, rows, t, reason)``
+    with kind ``"exact"`` / ``"above"`` / ``"similar"`` (one row), ``"between"`` (the two neighbours in M, ``t`` the
+    position in log M between them), ``"below"`` or ``"none"`` (no row; ``reason`` says why)."""
+    same_kn = sorted((r for r in rows if r["k"] == k and r["n"] == n), key=lambda r: r["m"])
+    if same_kn:
+        for r in same_kn:
+            if r["m"] == m:
+                return "exact", (r,), 0.0, ""
+        if m < same_kn[0]["m"]:
+            return "below", (), 0.0, (f"M={m} is below the measured range (smallest M={same_kn[0]['m']} at K={k} "
+                                      f"N={n})")
+        if m > same_kn[-1]["m"]:
+            return "above", (same_kn[-1],), 0.0, ""
+        lo = max((r for r in same_kn if r["m"] < m), key=lambda r: r["m"])
+        hi = min((r for r in same_kn if r["m"] > m), key=lambda r: r["m"])
+        t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
+        return "between", (lo, hi), t, ""
     smallest = min(r["m"] for r in rows)
     if m < smallest:
-        return "sequential", f"M={m} is below the measured range (smallest {op} M={smallest})"
+        return "below", (), 0.0, f"M={m} is below the measured range (smallest {op} M={smallest})"
     best = _nearest_similar(rows, m, k, n)
     if best is not None:
-        return _decide(_gains(best, paths),
-                       f"nearest measured shape by flops with similar K and N {_describe(best, paths)}")
-    return "sequential", f"no measured {op} shape near M={m} K={k} N={n}"
+        return "similar", (best,), 0.0, ""
+    return "none", (), 0.0, f"no measured {op} shape near M={m} K={k} N={n}"
 
 
 def _saving(row: dict, path: str) -> float:
@@ -279,23 +291,16 @@ def saving_from_table(table: dict, op: str, m: int, k: int, n: int, path: str) -
     the range, the nearest-flops row's scaled by flops; 0 below the measured range and with no row near."""
     op = canonical_op(op)
     rows = [r for r in table["entries"] if canonical_op(r["op"]) == op]
-    if not rows or m < min(r["m"] for r in rows):
+    if not rows:
         return 0.0
-    same_kn = sorted((r for r in rows if r["k"] == k and r["n"] == n), key=lambda r: r["m"])
-    if same_kn:
-        if m < same_kn[0]["m"]:
-            return 0.0
-        if m >= same_kn[-1]["m"]:
-            r = same_kn[-1]
-            return _saving(r, path) * m / r["m"]
-        lo = max((r for r in same_kn if r["m"] <= m), key=lambda r: r["m"])
-        hi = min((r for r in same_kn if r["m"] > m), key=lambda r: r["m"])
-        t = (math.log(m) - math.log(lo["m"])) / (math.log(hi["m"]) - math.log(lo["m"]))
+    kind, basis, t, _ = _basis(rows, op, m, k, n)
+    if kind in ("below", "none"):
+        return 0.0
+    if kind == "between":
+        lo, hi = basis
         return _saving(lo, path) + t * (_saving(hi, path) - _saving(lo, path))
-    best = _nearest_similar(rows, m, k, n)
-    if best is None:
-        return 0.0
-    return _saving(best, path) * (m * float(k) * n) / (best["m"] * float(best["k"]) * best["n"])
+    (r,) = basis
+    return _saving(r, path) * (m * float(k) * n) / (r["m"] * float(r["k"]) * r["n"])
 
 
 # choose() results by (table file, its mtime, arguments): the dispatcher asks on every call of a fused op,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import git_sha, write_json  # noqa: E402
+from harness import Timer, git_sha, write_json  # noqa: E402
 
 SIZES = (8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20)
 
@@ -51,17 +51,6 @@ def collectives(numel: int, world: int, device: torch.device, group_name: str):
         if dist.get_rank() == 0:
             print(f"symm_mem one-shot all-reduce unavailable: {type(e).__name__}: {e}", flush=True)
     return ops
-
-
-def exposed_us(fn) -> float:
-    dist.barrier()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
 
 
 def graphed(fn):
@@ -100,6 +89,7 @@ def main() -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     group_name = dist.group.WORLD.group_name
+    timer = Timer(device)
     results = []
     for size in SIZES:
         ops = collectives(size // 2, world, device, group_name)
@@ -113,7 +103,7 @@ def main() -> None:
         times = {name: {"exposed_us": [], "graph_us": []} for name in ops}
         for _ in range(args.rounds):
             for name, fn in ops.items():
-                times[name]["exposed_us"].append(exposed_us(fn))
+                times[name]["exposed_us"].append(timer(fn) * 1e3)
                 if name in graphs:
                     times[name]["graph_us"].append(graph_us(graphs[name], args.calls))
         for name, t in times.items():
