@@ -6,6 +6,8 @@
 
 #include "ag_gemm/ag_gemm.h"
 #include "ag_gemm/ag_gemm_py.h"
+#include "allreduce/one_shot.h"
+#include "allreduce/one_shot_py.h"
 #include "gemm_rs/gemm_rs.h"
 #include "gemm_rs/gemm_rs_py.h"
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
@@ -103,6 +105,22 @@ void export_gemm_rs(py::module_& m) {
         "(host address, device address) of a new zeroed host-mapped int32 error word");
 }
 
+void export_one_shot(py::module_& m) {
+  m.def("one_shot_all_reduce", &api::one_shot_all_reduce,
+        "One rank's one-shot all-reduce on `stream` (csrc/allreduce/one_shot.h): out = out_scale * sum of every "
+        "rank's partial (inputs, as mapped here) + bias_scale * bias + residual, between two barriers on the "
+        "signal words",
+        py::arg("dtype"), py::arg("out_float"), py::arg("rows"), py::arg("n"), py::arg("world"), py::arg("rank"),
+        py::arg("inputs"), py::arg("signals"), py::arg("counters"), py::arg("bias"), py::arg("residual"),
+        py::arg("out"), py::arg("out_scale"), py::arg("bias_scale"), py::arg("error"), py::arg("timeout_ns"),
+        py::arg("trap_on_timeout"), py::arg("blocks"), py::arg("stream"));
+  m.def("one_shot_blocks", &api::one_shot_blocks, "the grid a one-shot call launches with", py::arg("rows"),
+        py::arg("n"), py::arg("element_size"), py::arg("max_blocks"));
+  m.attr("ONE_SHOT_MAX_WORLD") = fluxinductor::allreduce::kOneShotMaxWorld;
+  m.attr("ONE_SHOT_MAX_BLOCKS") = fluxinductor::allreduce::kOneShotMaxBlocks;
+  m.attr("ONE_SHOT_SIGNAL_WORDS") = fluxinductor::allreduce::kOneShotSignalWords;
+}
+
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
 // Measurement only (csrc/tuning/probe_stock_gemm.h): stock CUTLASS GEMMs on the AG+GEMM kernel's tiles.
 void export_probes(py::module_& m) {
@@ -119,9 +137,10 @@ void export_probes(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a)";
+  m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a) and the one-shot all-reduce";
   export_ag_gemm(m);
   export_gemm_rs(m);
+  export_one_shot(m);
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
   export_probes(m);
 #endif

@@ -1,0 +1,209 @@
+// The one-shot all-reduce kernel (protocol: csrc/allreduce/one_shot.h).  Torch-free, CUTLASS-free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fluxinductor::allreduce {
+
+template <int MaxWorld>
+struct OneShotParams {
+  char const* inputs[MaxWorld];  // every rank's partial, as mapped here
+  uint32_t* peer_start[MaxWorld];  // [q]: start[0][rank] on peer q (block b adds b * max_world)
+  uint32_t* peer_end[MaxWorld];    // [q]: end[0][rank] on peer q
+  uint32_t const* own_start;       // this rank's start[0][0]
+  uint32_t const* own_end;         // this rank's end[0][0]
+  uint32_t* counters;
+  char const* bias;
+  char const* residual;
+  char* out;
+  int64_t vectors;  // rows * n / elements per 16-byte vector
+  int64_t n_vectors;  // n / elements per vector
+  int world, rank, max_world;
+  float out_scale, bias_scale;
+  int32_t* error;
+  int64_t timeout_ns;
+  bool trap_on_timeout;
+};
+
+namespace detail {
+
+__device__ __forceinline__ uint32_t one_shot_load_acquire(uint32_t const* address) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void one_shot_store_release(uint32_t* address, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int64_t one_shot_globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return int64_t(t);
+}
+
+// A peer's partial: written before this kernel started, read once; volatile keeps it out of L1.
+__device__ __forceinline__ uint4 one_shot_load_vector(char const* address) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+
+// kElems elements of T at `address` (kElems * sizeof(T) a multiple of 16 bytes, 16-byte aligned) added to acc.
+template <typename T, int kElems>
+__device__ __forceinline__ void accumulate(float (&acc)[kElems], char const* address, float scale) {
+  constexpr int kChunks = kElems * int(sizeof(T)) / 16;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    uint4 const v = *reinterpret_cast<uint4 const*>(address + 16 * c);
+    T const* e = reinterpret_cast<T const*>(&v);
+#pragma unroll
+    for (int i = 0; i < 16 / int(sizeof(T)); ++i) {
+      acc[c * (16 / int(sizeof(T))) + i] += scale * to_float<T>(e[i]);
+    }
+  }
+}
+
+template <typename T, int kElems>
+__device__ __forceinline__ void store(char* address, float const (&acc)[kElems]) {
+  constexpr int kChunks = kElems * int(sizeof(T)) / 16;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    uint4 v;
+    T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 16 / int(sizeof(T)); ++i) {
+      e[i] = from_float<T>(acc[c * (16 / int(sizeof(T))) + i]);
+    }
+    *reinterpret_cast<uint4*>(address + 16 * c) = v;
+  }
+}
+
+// Thread q (< world, != rank) of the block writes `epoch` into peer q's word and waits for peer q's word here.
+// Returns whether any wait of the block gave up (then `code` is in the error word).
+template <int MaxWorld>
+__device__ __forceinline__ bool one_shot_barrier(OneShotParams<MaxWorld> const& p, uint32_t* const (&peer_words)[MaxWorld],
+                                                 uint32_t const* own_words, uint32_t epoch, int32_t code) {
+  int const q = int(threadIdx.x);
+  bool gave_up = false;
+  if (q < p.world && q != p.rank) {
+    int64_t const slot = int64_t(blockIdx.x) * p.max_world;
+    uint32_t* peer_word = nullptr;
+#pragma unroll
+    for (int i = 0; i < MaxWorld; ++i) {  // constant indices: the parameters stay out of local memory
+      peer_word = i == q ? peer_words[i] : peer_word;
+    }
+    one_shot_store_release(peer_word + slot, epoch);
+    uint32_t const* word = own_words + slot + q;
+    if (int32_t(one_shot_load_acquire(word) - epoch) < 0) {
+      int64_t const start = one_shot_globaltimer();
+      while (int32_t(one_shot_load_acquire(word) - epoch) < 0) {
+        if (one_shot_globaltimer() - start > p.timeout_ns) {
+          if (p.error != nullptr) {
+            *reinterpret_cast<int32_t volatile*>(p.error) = code;
+            __threadfence_system();
+          }
+          gave_up = true;
+          break;
+        }
+      }
+    }
+  }
+  return __syncthreads_or(gave_up) != 0;
+}
+
+}  // namespace detail
+
+// In: the partials' (and bias's) type; Out: out's and residual's; World: the group size (1..MaxWorld).
+template <typename In, typename Out, int World, int MaxWorld, int Threads>
+__global__ void __launch_bounds__(Threads) one_shot_all_reduce_kernel(OneShotParams<MaxWorld> const p) {
+  constexpr int kElems = 16 / int(sizeof(In));
+  __shared__ uint32_t epoch_shared;
+  if (threadIdx.x == 0) {
+    epoch_shared = p.counters[blockIdx.x] + 1u;
+  }
+  __syncthreads();
+  uint32_t const epoch = epoch_shared;
+  if (detail::one_shot_barrier(p, p.peer_start, p.own_start, epoch, 1)) {
+    if (p.trap_on_timeout) {
+      __trap();
+    }
+    return;
+  }
+
+  char const* inputs[World];
+#pragma unroll
+  for (int q = 0; q < World; ++q) {
+    inputs[q] = p.inputs[q];
+  }
+  int64_t const step = int64_t(gridDim.x) * Threads;
+  for (int64_t v = int64_t(blockIdx.x) * Threads + threadIdx.x; v < p.vectors; v += step) {
+    uint4 loaded[World];
+#pragma unroll
+    for (int q = 0; q < World; ++q) {  // every load in flight before the first add
+      loaded[q] = detail::one_shot_load_vector(inputs[q] + v * 16);
+    }
+    float acc[kElems];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+      acc[i] = detail::to_float<In>(reinterpret_cast<In const*>(&loaded[0])[i]);
+    }
+#pragma unroll
+    for (int q = 1; q < World; ++q) {  // rank order: every rank sums alike
+      In const* e = reinterpret_cast<In const*>(&loaded[q]);
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        acc[i] += detail::to_float<In>(e[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+      acc[i] *= p.out_scale;
+    }
+    if (p.bias != nullptr) {
+      detail::accumulate<In, kElems>(acc, p.bias + (v % p.n_vectors) * 16, p.bias_scale);
+    }
+    if (p.residual != nullptr) {
+      detail::accumulate<Out, kElems>(acc, p.residual + v * kElems * int64_t(sizeof(Out)), 1.f);
+    }
+    detail::store<Out, kElems>(p.out + v * kElems * int64_t(sizeof(Out)), acc);
+  }
+
+  __syncthreads();
+  if (detail::one_shot_barrier(p, p.peer_end, p.own_end, epoch, 2)) {
+    if (p.trap_on_timeout) {
+      __trap();
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    p.counters[blockIdx.x] = epoch;
+  }
+}
+
+}  // namespace fluxinductor::allreduce
