@@ -12,7 +12,7 @@ group's timeout) raises :class:`fluxinductor.agreement.PeerFailureError`, naming
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fluxinductor import agreement, dispatch, settings
+from fluxinductor.kernels import symm
 from fluxinductor.log import record_fallback
 
 REDUCE_OPS = ("sum", "avg")
@@ -365,12 +366,16 @@ def matmul_all_reduce(
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """``all_reduce((a @ weight + bias).to(out_dtype), reduce_op)`` over the group: a row-parallel matmul in plain
-    tensor parallelism whose row count the graph does not know (dynamic shapes; ``passes/all_reduce_split.py``).
+    tensor parallelism whose all-reduce the graph leaves whole (symbolic rows, rows that do not split over the group,
+    or a split the cost model vetoes: ``passes/all_reduce_split.py``).
 
-    a: [..., K], weight: [K, N], bias: [N] or None (added on every rank, as the graph did); returns [..., N].  Where
-    the rows split evenly over the group, the split pays (:func:`fluxinductor.dispatch.split_all_reduce_veto`) and
-    :func:`fluxinductor.dispatch.matmul_reduce_scatter` takes the call (a fused kernel or async-TP), the all-reduce runs as that fused reduce-scatter and an all-gather of the result;
-    otherwise as the matmul and the all-reduce, the graph's own decomposition.
+    a: [..., K], weight: [K, N], bias: [N] or None (added on every rank, as the graph did); returns [..., N].  It runs
+    one of three paths (:func:`_all_reduce_plan`, decided on a call signature's first call and remembered):
+    ``oneshot``, the matmul into this rank's symmetric buffer and the one-shot all-reduce kernel
+    (:mod:`fluxinductor.kernels.one_shot`: small outputs on NVLink peers); ``split``, where the rows split over the
+    group and :func:`fluxinductor.dispatch.matmul_reduce_scatter` takes the call (a fused kernel or async-TP), that
+    fused reduce-scatter and an all-gather of the result; otherwise ``sequential``, the matmul and the all-reduce, the
+    graph's own decomposition.
     """
     group = _group(group_name)
     agreement.check("matmul_all_reduce", group, group_name,
@@ -378,18 +383,153 @@ def matmul_all_reduce(
                     lambda: _check_matmul_all_reduce(a, weight, bias, reduce_op))
     world = group.size()
     rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
-    veto = None if rows % world else dispatch.split_all_reduce_veto(a, weight, world)
-    if rows % world:
-        record_fallback("matmul_all_reduce", f"{rows} rows do not split over {world} ranks")
-    elif veto is not None:
-        record_fallback("matmul_all_reduce", veto)
-    else:
-        part = dispatch.matmul_reduce_scatter(a.reshape(rows, a.shape[-1]), weight, bias, reduce_op, 0, group_name,
-                                              out_dtype)
+    a2d = a.reshape(rows, a.shape[-1])
+    path, why = _all_reduce_plan(a, a2d, weight, bias, reduce_op, group_name, out_dtype, world, rows)
+    if path == "oneshot":
+        from fluxinductor.kernels import one_shot
+
+        return one_shot.matmul_all_reduce(a2d, weight, bias, reduce_op, group_name, out_dtype,
+                                          checked=True).reshape(*a.shape[:-1], weight.shape[1])
+    if path == "split":
+        part = _split_all_reduce(a2d, weight, bias, reduce_op, group_name, out_dtype, group)
         if part is not None:
-            # part: this rank's [rows / world, N] of the reduced result -> every rank's, [..., N]
-            return all_gather(part, 0, group, "matmul_all_reduce").reshape(*a.shape[:-1], weight.shape[1])
+            return part.reshape(*a.shape[:-1], weight.shape[1])
+    elif why is not None:
+        record_fallback("matmul_all_reduce", why)
     return matmul_all_reduce_reference(a, weight, bias, reduce_op, group_name, out_dtype)
+
+
+def _split_all_reduce(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+                      out_dtype: Optional[torch.dtype], group: dist.ProcessGroup) -> Optional[Tensor]:
+    """The split path: [rows, N] through :func:`fluxinductor.dispatch.matmul_reduce_scatter` and an all-gather, or
+    None where the dispatcher declined the reduce-scatter (it recorded why)."""
+    part = dispatch.matmul_reduce_scatter(a2d, weight, bias, reduce_op, 0, group_name, out_dtype)
+    # part: this rank's [rows / world, N] of the reduced result -> every rank's, [rows, N]
+    return None if part is None else all_gather(part, 0, group, "matmul_all_reduce")
+
+
+# ---------------------------------------------------------------------------------------------------
+# matmul_all_reduce's path: one-shot, split or sequential.
+# ---------------------------------------------------------------------------------------------------
+
+# Decisions remembered per call signature (as dispatch._plans): the measured choice runs collectives on its first call,
+# so it must never run again for the same signature, and a call under CUDA graph capture can only reuse it.
+_all_reduce_plans: Dict[tuple, Tuple[str, Optional[str]]] = {}
+_MAX_PLANS = 4096
+
+
+def clear_plans() -> None:
+    """Forget matmul_all_reduce's remembered paths (tests that replace the dispatcher's pieces between calls)."""
+    _all_reduce_plans.clear()
+
+
+def _operand_key(t: Optional[Tensor]) -> Optional[tuple]:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def _all_reduce_plan(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                     group_name: str, out_dtype: Optional[torch.dtype], world: int,
+                     rows: int) -> Tuple[str, Optional[str]]:
+    """(path, reason): "oneshot", "split" or "sequential", with the reason a path other than the one-shot kernel
+    runs (None for split, whose fallbacks the dispatcher records).
+
+    * the one-shot kernel is offered only on CUDA tensors of NVLink peers (``dispatch._peers_reason``) under the
+      ``auto`` or ``fused`` dispatch where :func:`fluxinductor.kernels.one_shot.unsupported_reason` finds nothing;
+      without it the choice is the split where the rows split and (``auto``) the cost model does not veto it, else
+      sequential;
+    * ``fused``: the one-shot kernel for small outputs (:func:`fluxinductor.kernels.one_shot.small_enough`) or where
+      the split cannot run, the split above;
+    * ``auto``: measured on the signature's first call by :func:`fluxinductor.calibration.choose_measured` among
+      sequential, oneshot and (where not vetoed) split, on every rank at the same call.  Where that module does not
+      offer the function, the ``fused`` size rule with the split veto.  Under CUDA graph capture only a remembered
+      plan counts (a capture measures nothing); without one, sequential.
+    """
+    dispatch_mode = dispatch.mode()
+    capturing = symm.capturing()
+    key = (dispatch_mode, group_name, world, reduce_op, out_dtype, _operand_key(a), _operand_key(weight),
+           _operand_key(bias),
+           dispatch._auto_key(a.device, world) if dispatch_mode == "auto" and a.is_cuda else None)
+    plan = _all_reduce_plans.get(key)
+    if plan is not None:
+        if plan[0] == "oneshot" and capturing:
+            why = _one_shot_reason(a2d, weight, bias, reduce_op, group_name, out_dtype, dispatch_mode)
+            if why is not None:
+                return "sequential", why
+        return plan
+    plan = _decide_all_reduce(a, a2d, weight, bias, reduce_op, group_name, out_dtype, world, rows, dispatch_mode)
+    if capturing:
+        return plan
+    if len(_all_reduce_plans) >= _MAX_PLANS:
+        _all_reduce_plans.clear()
+    _all_reduce_plans[key] = plan
+    return plan
+
+
+def _one_shot_reason(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+                     out_dtype: Optional[torch.dtype], dispatch_mode: str) -> Optional[str]:
+    """Why this call cannot run the one-shot kernel, or None.  The group's NVLink check (a collective on the group's
+    first call) comes first and depends only on what every rank shares (the mode, CUDA operands)."""
+    if dispatch_mode not in ("auto", "fused"):
+        return f"FLUXINDUCTOR_DISPATCH={dispatch_mode}"
+    if not a2d.is_cuda:
+        return f"{a2d.device.type} tensors have no one-shot all-reduce"
+    why = dispatch._peers_reason(group_name, a2d.device)
+    try:
+        from fluxinductor.kernels import one_shot
+    except Exception as e:  # noqa: BLE001 - a broken kernel module means "no one-shot path"
+        return f"one-shot all-reduce unavailable ({type(e).__name__}: {e})"
+    return why or one_shot.unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
+
+
+def _decide_all_reduce(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                       group_name: str, out_dtype: Optional[torch.dtype], world: int, rows: int,
+                       dispatch_mode: str) -> Tuple[str, Optional[str]]:
+    """The plan of :func:`_all_reduce_plan` for a signature it has not seen."""
+    split_why = (f"{rows} rows do not split over {world} ranks" if rows % world else
+                 dispatch.split_all_reduce_veto(a, weight, world))
+    one_shot_why = _one_shot_reason(a2d, weight, bias, reduce_op, group_name, out_dtype, dispatch_mode)
+    if one_shot_why is not None:
+        return ("split", None) if split_why is None else ("sequential", split_why)
+    from fluxinductor.kernels import one_shot
+
+    n = weight.shape[1]
+    small = one_shot.small_enough(rows, n, a.dtype, world)
+    if dispatch_mode == "fused":
+        return ("oneshot", None) if small or split_why is not None else ("split", None)
+    if symm.capturing():
+        return "sequential", "CUDA graph capture before an eager call measured the paths of this call"
+    choose = _choose_measured()
+    if choose is None:
+        if small:
+            return "oneshot", None
+        return ("split", None) if split_why is None else ("sequential", split_why)
+    group = _group(group_name)
+    candidates = {
+        "sequential": lambda: matmul_all_reduce_reference(a2d, weight, bias, reduce_op, group_name, out_dtype),
+        "oneshot": lambda: one_shot.matmul_all_reduce(a2d, weight, bias, reduce_op, group_name, out_dtype,
+                                                      checked=True),
+    }
+    if split_why is None:
+        def split() -> Tensor:  # where the dispatcher declines the reduce-scatter, what the op would then run
+            part = _split_all_reduce(a2d, weight, bias, reduce_op, group_name, out_dtype, group)
+            return part if part is not None else matmul_all_reduce_reference(a2d, weight, bias, reduce_op,
+                                                                             group_name, out_dtype)
+
+        candidates["split"] = split
+    path, reason = choose(op="matmul_all_reduce", device=a.device, group_name=group_name, world=world, m=rows,
+                          k=a.shape[-1] * world, n=n, dtype=a.dtype, candidates=candidates)
+    if path not in candidates:
+        return "sequential", f"calibration chose {path!r}, not one of {sorted(candidates)}"
+    return path, None if path != "sequential" else f"measured: {reason}"
+
+
+def _choose_measured():
+    """``fluxinductor.calibration.choose_measured``, or None where that module or function is not there."""
+    try:
+        from fluxinductor import calibration
+    except ImportError:
+        return None
+    return getattr(calibration, "choose_measured", None)
 
 
 @torch.library.register_fake("fluxinductor::matmul_all_reduce")

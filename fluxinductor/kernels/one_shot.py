@@ -1,0 +1,385 @@
+"""One-shot all-reduce of a row-parallel matmul for small outputs (decode): ``fluxinductor._C.one_shot_all_reduce``.
+
+Every rank's matmul writes its partial ``a2d @ weight`` [rows, N] straight into its own symmetric buffer
+(``torch.mm(..., out=)``, no copy), then one kernel per rank reads every rank's partial over NVLink with 16-byte
+loads, sums them in fp32 in rank order (every rank writes the same bits), scales for ``avg``, adds the bias once
+(times world for ``sum``: the graph added it on every rank) and an optional residual, and writes the result.  For
+the small outputs of decode this costs one kernel and two NVLink round trips, where NCCL's all-reduce is latency
+bound (csrc/allreduce/one_shot.h has the protocol).
+
+The workspace of one (process group, device): one symmetric data buffer (allocated on first use, grown to the next
+power of two bytes: a collective step, which every rank takes on the same call because the op checks that the ranks'
+shapes agree first), one symmetric allocation of signal words (the start and end barriers' words, per block and
+peer), per-block call counters on the device, and a host-mapped error word.  The kernel takes its epoch from its
+block's counter and advances it itself, so the host passes no epoch: a call captured in a CUDA graph takes the next
+epoch on every replay, and eager calls and replays interleave freely.  The end barrier makes one buffer enough: once
+a call's kernel finished on a rank, no peer reads that rank's partial any more, so its next matmul may overwrite it.
+
+A barrier wait past ``FLUXINDUCTOR_TIMEOUT_S`` writes its code into the error word and the kernel gives up (a call
+captured in a CUDA graph traps instead: no host code would see the word); the next call on the group raises
+RuntimeError, and so does :func:`check_error`, after which :func:`reset` lets the group start afresh (collectively).
+
+Under CUDA graph capture a call needs an eager call of at least its size first (capture may not grow the buffer) and
+``settings.kernels_under_capture()`` (as the other fused ops: the workspace is allocated outside CUDA graph trees'
+pools only then).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fluxinductor import settings
+from fluxinductor.kernels import symm as _symm
+from fluxinductor.kernels.loader import extension
+
+# The element types the kernel takes (its dtype codes), and the partials' dtype -> what the output may be.
+DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+OUT_DTYPES = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float16: (torch.float16, torch.float32),
+              torch.float32: (torch.float32,)}
+REDUCE_OPS = ("sum", "avg")
+MAX_WORLD = 8
+# The kernel's grid: at most this many blocks of 512 threads (each block carries its own barrier words; the kernel
+# allows up to the extension's ONE_SHOT_MAX_BLOCKS).  64 blocks keep a 4 MiB bf16 output (256 x 8192) at 8 vectors
+# per thread and a decode row (8192 bf16) on 2 blocks.
+DEFAULT_MAX_BLOCKS = 64
+# Under FLUXINDUCTOR_DISPATCH=fused (and under auto until a measurement decides), the one-shot path takes a call whose
+# remote reads, (world - 1) x the output's bytes per rank, are at most this many, and the split path larger ones.  The
+# one-shot kernel moves world / 2 times the bytes of a reduce-scatter + all-gather (every rank reads every peer's whole
+# partial) but pays one kernel and two NVLink round trips (a few us) where NCCL's all-reduce costs ~50-100 us of
+# latency at decode sizes (2xH200).  4 MiB of reads take ~10 us at NVLink's ~400 GB/s, still well below that latency:
+# at TP=2 every decode output up to 256 x 8192 bf16 (4 MiB) goes one-shot, at TP=8 up to ~0.6 MiB (vLLM's custom
+# all-reduce stops its one-shot at 512 KB on 8 GPUs for the same reason).
+FUSED_MAX_REMOTE_BYTES = 4 << 20
+_MIN_BYTES = 1 << 20
+_ERRORS = {
+    1: "a peer never entered the call (it crashed, hung, or made a different sequence of calls)",
+    2: "a peer entered the call but never finished reading this rank's partial",
+}
+
+
+def error_message(code: int) -> str:
+    return f"one-shot all-reduce failed (code {code}): {_ERRORS.get(code, 'unknown error')}"
+
+
+def _extension():
+    """The extension with the one-shot kernel built in; RuntimeError with the reason otherwise."""
+    ext = extension()
+    if not hasattr(ext, "one_shot_all_reduce"):
+        raise RuntimeError("fluxinductor._C was built without the one-shot all-reduce")
+    return ext
+
+
+def timeout_ns() -> int:
+    return int(settings.current.timeout_s * 1e9)
+
+
+class ErrorWord:
+    """A host-mapped int32 the kernel writes its error code into; read without synchronizing."""
+
+    def __init__(self) -> None:
+        self.host, self.device = _extension().ag_alloc_host_mapped_word()
+
+    def read(self) -> int:
+        return ctypes.c_int32.from_address(self.host).value
+
+    def clear(self) -> None:
+        ctypes.c_int32.from_address(self.host).value = 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The workspace of one (group, device).
+# ---------------------------------------------------------------------------------------------------
+
+
+class OneShotWorkspace:
+    """The symmetric data buffer (this rank's partial), the signal words, the per-block counters and the error word
+    of one group on one device (see the module docstring)."""
+
+    def __init__(self, group_name: str, device: torch.device):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        self.group_name = group_name
+        self.group = _resolve_process_group(group_name)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.device = device
+        self.capacity = 0
+        self.buffer: Optional[Tensor] = None
+        self.handle = None
+        self.buffer_ptrs: List[int] = []
+        self.retired: list = []  # buffers a captured graph may still use
+        self.captured = False
+        self.signals: Optional[Tensor] = None
+        self._signal_handle = None
+        self.signal_ptrs: List[int] = []
+        self.counters: Optional[Tensor] = None
+        self._views: Dict[tuple, Tensor] = {}
+        with torch.cuda.device(device):
+            self.error = ErrorWord()
+
+    def raise_if_error(self) -> None:
+        code = self.error.read()
+        if code:
+            raise RuntimeError(error_message(code) + f" on group {self.group_name!r} rank {self.rank}; "
+                               "fluxinductor.kernels.one_shot.reset(group_name) on every rank starts afresh")
+
+    def ready_for(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` needs no collective step (what a call under CUDA graph capture requires)."""
+        return self.signals is not None and nbytes <= self.capacity
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the data buffer hold ``nbytes`` (collective on the first call and on growth)."""
+        if not self.ready_for(nbytes):
+            _symm.outside_graph_pools(lambda: self._grow(nbytes), self.device)
+
+    def _grow(self, nbytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        _symm._enable_group(self.group_name)
+        ext = _extension()
+        if self.signals is None:
+            words = ext.ONE_SHOT_SIGNAL_WORDS
+            signals = symm_mem.empty(words, dtype=torch.int32, device=self.device)
+            signals.zero_()  # below every epoch, before any peer can write them
+            self.counters = torch.zeros(ext.ONE_SHOT_MAX_BLOCKS, dtype=torch.int32, device=self.device)
+            torch.cuda.synchronize(self.device)
+            self._signal_handle = symm_mem.rendezvous(signals, self.group_name)
+            self.signals = signals
+            self.signal_ptrs = [int(p) for p in self._signal_handle.buffer_ptrs]
+            self._signal_handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)  # every rank zeroed
+        if nbytes <= self.capacity:
+            return
+        if self.handle is not None:
+            # Every peer finished reading the old buffer once this device drained (the kernels' end barrier).
+            torch.cuda.synchronize(self.device)
+            self.handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)
+            if self.captured:
+                self.retired.append((self.buffer, self.handle))
+        capacity = max(_MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
+        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buffer, self.group_name)
+        self._views.clear()
+        self.buffer, self.handle, self.capacity = buffer, handle, capacity
+        self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
+
+    def partial(self, rows: int, n: int, dtype: torch.dtype) -> Tensor:
+        """This rank's [rows, n] ``dtype`` partial: a view of the start of its data buffer."""
+        key = (rows, n, dtype, self.buffer.data_ptr())
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.buffer[:rows * n * dtype.itemsize].view(dtype).view(rows, n)
+        return view
+
+
+_workspaces: Dict[Tuple[str, int], OneShotWorkspace] = {}
+
+
+def workspace(group_name: str, device: torch.device) -> OneShotWorkspace:
+    """The workspace of ``group_name`` on ``device`` (created on first use; its buffers on the first call)."""
+    key = (group_name, device.index)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = OneShotWorkspace(group_name, device)
+    return ws
+
+
+def check_error(group_name: str, device: Optional[torch.device] = None, synchronize: bool = True) -> None:
+    """Raise RuntimeError if a one-shot call on ``group_name`` failed (after syncing the device when
+    ``synchronize``)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    if synchronize:
+        torch.cuda.synchronize(device)
+    ws = _workspaces.get((group_name, device.index))
+    if ws is not None:
+        ws.raise_if_error()
+
+
+def reset(group_name: str) -> None:
+    """Forget the workspaces of ``group_name`` (after an error, on every rank; the next call allocates new ones,
+    collectively).  A CUDA graph that captured a call must not be replayed afterwards."""
+    for key in [k for k in _workspaces if k[0] == group_name]:
+        del _workspaces[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch (raw pointers: also what the single-GPU N-rank tests drive).
+# ---------------------------------------------------------------------------------------------------
+
+
+def launch(
+    *,
+    dtype: torch.dtype,
+    out: Tensor,
+    rows: int,
+    n: int,
+    world: int,
+    rank: int,
+    inputs: Sequence[int],
+    signals: Sequence[int],
+    counters: int,
+    bias: Optional[Tensor] = None,
+    residual: Optional[Tensor] = None,
+    out_scale: float = 1.0,
+    bias_scale: float = 1.0,
+    error_address: int = 0,
+    timeout: Optional[int] = None,
+    trap_on_timeout: bool = False,
+    blocks: int = 0,
+    stream: Optional[torch.cuda.Stream] = None,
+) -> None:
+    """Enqueue one rank's kernel: out [rows, n] = out_scale * sum_q partial_q + bias_scale * bias + residual.
+
+    ``inputs``/``signals``: every rank's partial ([rows, n] ``dtype``, contiguous) and signal words
+    (``ONE_SHOT_SIGNAL_WORDS`` int32, zeroed before first use), addresses as mapped on this device, in rank order;
+    ``counters``: this rank's ``ONE_SHOT_MAX_BLOCKS`` int32 call counters.  bias: [n] ``dtype``; residual: [rows, n]
+    in out's dtype, contiguous.  ``blocks``: the grid (0: :func:`blocks_for`'s choice; every rank must launch the
+    same).  ``timeout`` in ns (None: FLUXINDUCTOR_TIMEOUT_S)."""
+    stream = stream if stream is not None else torch.cuda.current_stream(out.device)
+    _extension().one_shot_all_reduce(  # positional: pybind11's keyword parsing costs microseconds
+        DTYPES[dtype], out.dtype != dtype, rows, n, world, rank, list(inputs), list(signals), counters,
+        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+        out_scale, bias_scale, error_address, timeout_ns() if timeout is None else timeout, trap_on_timeout,
+        blocks or blocks_for(rows, n, dtype), stream.cuda_stream)
+
+
+_blocks: Dict[tuple, int] = {}
+
+
+def blocks_for(rows: int, n: int, dtype: torch.dtype, max_blocks: int = DEFAULT_MAX_BLOCKS) -> int:
+    """The grid of a call: one 512-thread block per 512 16-byte vectors of the output, at most ``max_blocks``."""
+    key = (rows, n, dtype, max_blocks)
+    found = _blocks.get(key)
+    if found is None:
+        found = _blocks[key] = _extension().one_shot_blocks(rows, n, dtype.itemsize, max_blocks)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interface the op calls.
+# ---------------------------------------------------------------------------------------------------
+
+
+def small_enough(rows: int, n: int, dtype: torch.dtype, world: int) -> bool:
+    """Whether a [rows, n] ``dtype`` all-reduce over ``world`` ranks is small enough for the one-shot path without a
+    measurement (:data:`FUSED_MAX_REMOTE_BYTES`)."""
+    return (world - 1) * rows * n * dtype.itemsize <= FUSED_MAX_REMOTE_BYTES
+
+
+def shape_reason(n: int, dtype: torch.dtype, out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Why the kernel cannot take a [*, n] output of ``dtype`` partials (and an ``out_dtype`` result), or None: what
+    a compile-time check can know (no tensors, no group)."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype}: the one-shot all-reduce takes bf16, fp16 or fp32"
+    if out_dtype is not None and out_dtype not in OUT_DTYPES[dtype]:
+        return f"a {out_dtype} result of {dtype} partials (the one-shot all-reduce writes {OUT_DTYPES[dtype]})"
+    if n <= 0 or (n * dtype.itemsize) % 16:
+        return f"N={n} of {dtype}: a row of {n * dtype.itemsize} bytes is not a multiple of 16 (16-byte vectors)"
+    return None
+
+
+def unsupported_reason(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+                       out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when :func:`matmul_all_reduce` can run this call, else why not (cheap, never collective; the group's
+    NVLink check is the dispatcher's).  Under CUDA graph capture also whether an eager call prepared the workspace."""
+    try:
+        _extension()
+    except RuntimeError as e:
+        return str(e)
+    if not (a2d.is_cuda and weight.is_cuda) or (bias is not None and not bias.is_cuda):
+        return "tensors are not on a CUDA device"
+    if a2d.device != weight.device or (bias is not None and bias.device != a2d.device):
+        return "tensors are on different devices"
+    if a2d.dim() != 2 or weight.dim() != 2 or a2d.shape[1] != weight.shape[0]:
+        return f"shapes {tuple(a2d.shape)} @ {tuple(weight.shape)} are not a 2-D matmul"
+    if weight.dtype != a2d.dtype or (bias is not None and bias.dtype != a2d.dtype):
+        return "operands of different dtypes"
+    if reduce_op not in REDUCE_OPS:
+        return f"reduce_op {reduce_op!r} is not one of {REDUCE_OPS}"
+    rows, n = a2d.shape[0], weight.shape[1]
+    why = shape_reason(n, a2d.dtype, out_dtype)
+    if why is not None:
+        return why
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        return f"bias of shape {tuple(bias.shape)} is not [N={n}]"
+    ws = _workspaces.get((group_name, a2d.device.index))
+    world = ws.world if ws is not None else _world(group_name)
+    if isinstance(world, str):
+        return world
+    if world > MAX_WORLD:
+        return f"world size {world} > {MAX_WORLD}"
+    if _symm.capturing():
+        if not settings.kernels_under_capture():
+            return "CUDA graph capture (the per-compile option cuda_graphs=True captures the fused kernels)"
+        if ws is None or not ws.ready_for(rows * n * a2d.element_size()):
+            return "CUDA graph capture before an eager call of this size set up the group's one-shot buffer"
+    return None
+
+
+_world_sizes: Dict[str, int] = {}
+
+
+def _world(group_name: str):
+    """The group's size, or why it does not resolve."""
+    world = _world_sizes.get(group_name)
+    if world is None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            world = _world_sizes[group_name] = dist.get_world_size(_resolve_process_group(group_name))
+        except Exception as e:  # noqa: BLE001
+            return f"group {group_name!r} does not resolve ({e})"
+    return world
+
+
+def matmul_all_reduce(
+    a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+    out_dtype: Optional[torch.dtype] = None, *, residual: Optional[Tensor] = None, checked: bool = False,
+    max_blocks: int = DEFAULT_MAX_BLOCKS,
+) -> Tensor:
+    """all_reduce(a2d @ weight + bias, reduce_op) over ``group_name`` (+ ``residual``), through the one-shot kernel.
+
+    a2d: [rows, K/world] (this rank's partial operand), weight: [K/world, N], bias: [N] or None (added on every rank
+    before the reduction, as the graph did: world times for "sum", once for "avg").  ``out_dtype`` (None: a2d's;
+    float32 for bf16/fp16 operands: the partials round to the operands' dtype, the sum is fp32, as autocast's
+    ``all_reduce(mm(a, w).float())``).  residual: [rows, N] in the result's dtype, added after the reduction.
+    Returns [rows, N].  Every rank must call with the same shapes (the op checks that first); ``checked``: the caller
+    just had :func:`unsupported_reason` return None.  Raises RuntimeError when an earlier call on the group failed.
+    """
+    reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
+    if reason is not None:
+        raise ValueError(f"one-shot matmul_all_reduce cannot run: {reason}")
+    ws = workspace(group_name, a2d.device)
+    ws.raise_if_error()
+    rows, n = a2d.shape[0], weight.shape[1]
+    dtype = a2d.dtype
+    out_dtype = out_dtype or dtype
+    capturing = _symm.capturing()
+    if capturing:
+        ws.captured = True  # the buffer's address is now in a graph: a growth keeps it
+    else:
+        ws.reserve(rows * n * a2d.element_size())
+    partial = ws.partial(rows, n, dtype)
+    torch.mm(a2d, weight, out=partial)
+    out = torch.empty((rows, n), dtype=out_dtype, device=a2d.device)
+    if rows == 0:
+        return out
+    if bias is not None and (bias.data_ptr() % 16 or not bias.is_contiguous()):
+        bias = bias.clone()
+    if residual is not None:
+        if residual.shape != out.shape or residual.dtype != out_dtype:
+            raise ValueError(f"residual {residual.dtype}{list(residual.shape)} is not {out_dtype}{list(out.shape)}")
+        if residual.data_ptr() % 16 or not residual.is_contiguous():
+            residual = residual.contiguous().clone()
+    world = ws.world
+    launch(dtype=dtype, out=out, rows=rows, n=n, world=world, rank=ws.rank, inputs=ws.buffer_ptrs,
+           signals=ws.signal_ptrs, counters=ws.counters.data_ptr(), bias=bias, residual=residual,
+           out_scale=1.0 / world if reduce_op == "avg" else 1.0,
+           bias_scale=float(world) if reduce_op == "sum" else 1.0, error_address=ws.error.device,
+           trap_on_timeout=capturing, blocks=blocks_for(rows, n, dtype, max_blocks))
+    return out
