@@ -46,18 +46,31 @@ A GEMM+RS row may also name the split transport's faster GEMM configuration, ``s
 :func:`split_config` gives the dispatcher the nearest row's (same K and N nearest in log M, else the nearest-flops
 rule above), None (the kernel's default, 0) where no row has one.
 
+Where no table row answers (no table for this device or world size, no rows for the op, no measured shape near),
+:func:`decide` estimates from a roofline (:func:`roofline_ms`): the GEMM at the device's matmul rate, the collective
+at its link bandwidth plus one collective's latency, and the fused op as the longer of the two plus what the last
+chunk's GEMM (AG+GEMM) or the last tile's send (GEMM+RS) cannot hide, a fixed overhead and a GEMM slowdown.  The rates
+(:class:`Rates`) are the device's measured ones once :mod:`fluxinductor.calibration` measured them (at run time, agreed
+by every rank), else nominal ones for the device name (:func:`nominal_rates`).  Such a decision is an *estimate*
+(``Decision.estimated``): the pass rewrites on it, and under ``auto`` dispatch the op's first call of the shape times
+the paths and keeps the faster (:mod:`fluxinductor.calibration`); those measured rows
+(:func:`add_calibrated_row`) then answer like a table's, for the same (K, N) at that M or between two measured Ms.
+
 ``FLUXINDUCTOR_TUNING_DIR`` replaces the packaged table folder (used by the tests, and to try a table
 before committing it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import os
 import re
 import threading
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from fluxinductor import settings, tuning_table
 # The table format (read, written, merged) is tuning_table's; these names stay importable from here.
@@ -89,6 +102,13 @@ ASYNCTP_MIN_SEQUENTIAL_MS = 0.3
 # (benchmarks/probes/collective_latency.py, benchmarks/results/collective_latency/).
 SPLIT_ALL_REDUCE_LATENCY_MS = 0.03
 
+# The roofline's fused op: its GEMM runs this much slower than cuBLAS (the fused kernels measured 1.00-1.13x cuBLAS
+# with communication off, bench_ops on 2xH200) and it pays this fixed cost per peer (flag waits, the barrier, a second
+# launch).  With the nominal H200 rates the roofline then picks fused or sequential as the committed tables' measured
+# choice does on 30 of 30 rows at TP=2 and 36 of 38 at TP=4 (tests/ops/test_calibration.py).
+FUSED_GEMM_SLOWDOWN = 0.05
+FUSED_OVERHEAD_MS_PER_PEER = 0.02
+
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 _OP_ALIASES = {
@@ -104,6 +124,100 @@ _HALF_DTYPES = ("bfloat16", "float16")
 
 _lock = threading.Lock()
 _generation = 0  # clear_cache() calls (table_version)
+_calibration_version = 0  # rows and rates added (the memo key of decide)
+
+
+class Decision(NamedTuple):
+    """:func:`decide`'s answer: the path, why, and whether it is a roofline estimate (no measured row answered)."""
+
+    path: str
+    reason: str
+    estimated: bool
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the roofline (:func:`roofline_ms`) knows of a device and group.
+
+    ``matmul_tflops``: the dense half-precision GEMM rate cuBLAS reaches on large shapes; ``link_gbps``: the bytes a
+    rank receives in an all-gather (or sends in a reduce-scatter) per second, GB/s, on large messages;
+    ``latency_ms``: one collective's fixed cost; ``source``: where the numbers came from."""
+
+    matmul_tflops: float
+    link_gbps: float
+    latency_ms: float
+    source: str
+
+
+# Nominal rates per device-name pattern, first match wins; what the committed H200 tables imply: cuBLAS at
+# 750-790 TFLOP/s on the Llama shapes, NCCL all-gather 218 GB/s received per rank at TP=2 and 300 at TP=4.
+_NOMINAL = (
+    ("h800", Rates(750.0, 100.0, 0.03, "nominal H800")),
+    (r"h20\b", Rates(140.0, 220.0, 0.03, "nominal H20")),
+    ("nvl|pcie", Rates(600.0, 100.0, 0.03, "nominal H100 PCIe/NVL")),
+    ("h100|h200|gh200", Rates(750.0, 220.0, 0.03, "nominal H100/H200 SXM")),
+)
+_UNKNOWN_RATES = Rates(300.0, 50.0, 0.05, "nominal, device not known")
+_measured_rates: Dict[Tuple[str, int], Rates] = {}
+_calibrated: Dict[Tuple[str, int], List[dict]] = {}  # (device_key, world) -> measured rows (with "dtype")
+
+
+def nominal_rates(device_name: str) -> Rates:
+    """The rates assumed for a device before any measurement (by its name: ``"NVIDIA H100 80GB HBM3"`` ...)."""
+    name = device_name.lower()
+    for pattern, rates in _NOMINAL:
+        if re.search(pattern, name):
+            return rates
+    return _UNKNOWN_RATES
+
+
+def rates_for(device_name: str, world: int) -> Rates:
+    """The measured rates for this device and world size if :func:`set_measured_rates` has them, else nominal."""
+    return _measured_rates.get((device_key(device_name), int(world))) or nominal_rates(device_name)
+
+
+def set_measured_rates(device_name: str, world: int, rates: Rates) -> None:
+    """Use ``rates`` (measured and agreed by every rank, :mod:`fluxinductor.calibration`) for this device and world."""
+    global _calibration_version
+    with _lock:
+        _measured_rates[(device_key(device_name), int(world))] = rates
+        _calibration_version += 1
+
+
+def add_calibrated_row(device_name: str, world: int, row: dict) -> None:
+    """A measured row (the table's row format plus ``"dtype"``) for :func:`decide` where no table answers."""
+    global _calibration_version
+    key = (device_key(device_name), int(world))
+    with _lock:
+        rows = [r for r in _calibrated.get(key, [])
+                if (r["op"], r["m"], r["k"], r["n"], r["dtype"]) != (row["op"], row["m"], row["k"], row["n"],
+                                                                      row["dtype"])]
+        _calibrated[key] = rows + [dict(row)]
+        _calibration_version += 1
+
+
+def calibration_digest() -> str:
+    """What :func:`decide` knows beyond the tables (measured rates and rows), as text for the pass manager's uuid."""
+    with _lock:
+        rates = sorted((k, dataclasses.astuple(r)) for k, r in _measured_rates.items())
+        rows = sorted((k, sorted(json.dumps(r, sort_keys=True) for r in v)) for k, v in _calibrated.items())
+    return repr((rates, rows))
+
+
+def roofline_ms(op: str, world: int, m: int, k: int, n: int, dtype, rates: Rates) -> Tuple[float, float]:
+    """(sequential, fused) time in ms of the global GEMM (m, k, n) on ``world`` ranks, by the roofline.
+
+    Each rank does 1/world of the flops.  The collective moves (world-1)/world of the gathered A (M*K, AG+GEMM) or of
+    the partial output (M*N, GEMM+RS) per rank.  Sequential: the two one after the other.  Fused: the longer of the
+    GEMM (slowed by :data:`FUSED_GEMM_SLOWDOWN`) and the collective plus the 1/world of the GEMM that must follow it,
+    plus :data:`FUSED_OVERHEAD_MS_PER_PEER` for each peer."""
+    op = canonical_op(op)
+    size = 4 if dtype_name(dtype) == "float32" else 2
+    gemm = 2.0 * m * k * n / world / (rates.matmul_tflops * 1e12) * 1e3
+    moved = (m * k if op == ALL_GATHER_MATMUL else m * n) * size * (world - 1) / world
+    comm = rates.latency_ms + moved / (rates.link_gbps * 1e9) * 1e3
+    fused = max(gemm * (1.0 + FUSED_GEMM_SLOWDOWN), comm + gemm / world) + FUSED_OVERHEAD_MS_PER_PEER * (world - 1)
+    return gemm + comm, fused
 
 
 def canonical_op(op: str) -> str:
@@ -176,6 +290,17 @@ def clear_cache() -> None:
         _choices.clear()
         _split_configs.clear()
         _savings.clear()
+        _decisions.clear()
+
+
+def forget_calibration() -> None:
+    """Forget the measured rates and rows (tests; :mod:`fluxinductor.calibration` keeps its own memory too)."""
+    global _calibration_version
+    with _lock:
+        _measured_rates.clear()
+        _calibrated.clear()
+        _decisions.clear()
+        _calibration_version += 1
 
 
 def _gain(row: dict, path: str = "fused") -> float:
@@ -226,16 +351,27 @@ def _decide(gains: Dict[str, float], basis: str) -> Tuple[str, str]:
 def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
                       paths: Tuple[str, ...] = PATHS) -> Tuple[str, str]:
     """Apply the lookup rule (module docstring) to one loaded table."""
+    choice, reason, _ = _choose_from_table(table, op, m, k, n, paths)
+    return choice, reason
+
+
+def _choose_from_table(table: dict, op: str, m: int, k: int, n: int, paths: Tuple[str, ...] = PATHS,
+                       kinds: Tuple[str, ...] = ("exact", "between", "above", "similar", "below")
+                       ) -> Tuple[str, str, bool]:
+    """(choice, reason, answered): ``answered`` False where no row of the kinds in ``kinds`` is there to read (no rows
+    for the op, or none near), so that :func:`decide` estimates instead."""
     op = canonical_op(op)
     paths = tuple(p for p in PATHS if p in paths)
     if not paths:
-        return "sequential", "no overlapped path is allowed"
+        return "sequential", "no overlapped path is allowed", True
     rows = [r for r in table["entries"] if canonical_op(r["op"]) == op]
     if not rows:
-        return "sequential", f"no {op} rows in the tuning table"
+        return "sequential", f"no {op} rows in the tuning table", False
     kind, basis, t, reason = _basis(rows, op, m, k, n)
-    if kind in ("below", "none"):
-        return "sequential", reason
+    if kind not in kinds:
+        return "sequential", reason or f"no measured {op} row at M={m} K={k} N={n}", False
+    if kind == "below":
+        return "sequential", reason, True
     if kind == "between":
         lo, hi = basis
         gains = {}
@@ -243,11 +379,12 @@ def choose_from_table(table: dict, op: str, m: int, k: int, n: int,
             g_lo, g_hi = _gain(lo, path), _gain(hi, path)
             # never interpolate towards a shape where the path was not measured to work
             gains[path] = -math.inf if -math.inf in (g_lo, g_hi) else g_lo + t * (g_hi - g_lo)
-        return _decide(gains, f"interpolated in log M between [{_describe(lo, paths)}] and [{_describe(hi, paths)}]")
+        return _decide(gains, f"interpolated in log M between [{_describe(lo, paths)}] and "
+                              f"[{_describe(hi, paths)}]") + (True,)
     (r,) = basis
     prefix = {"exact": "measured", "above": "nearest measured M (above the range)",
               "similar": "nearest measured shape by flops with similar K and N"}[kind]
-    return _decide(_gains(r, paths), f"{prefix} {_describe(r, paths)}")
+    return _decide(_gains(r, paths), f"{prefix} {_describe(r, paths)}") + (True,)
 
 
 def _basis(rows: List[dict], op: str, m: int, k: int, n: int) -> Tuple[str, tuple, float, str]:
@@ -338,16 +475,27 @@ def saving_ms(op: str, device_name: str, world: int, m: int, k: int, n: int, dty
     try:
         mtime = os.stat(table_file).st_mtime
     except OSError:
-        return 0.0
+        mtime = None
 
     def compute() -> float:
-        table = load_table(table_file)
-        want, have = dtype_name(dtype), dtype_name((table or {}).get("dtype", "bfloat16"))
-        if table is None or (want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES)):
+        m_, k_, n_ = int(m), int(k), int(n)
+        table = load_table(table_file) if mtime is not None else None
+        if table is not None:
+            want, have = dtype_name(dtype), dtype_name(table.get("dtype", "bfloat16"))
+            if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
+                return 0.0
+            if _choose_from_table(table, op, m_, k_, n_)[2]:
+                return saving_from_table(table, op, m_, k_, n_, path)
+        rows = _calibrated_rows(device_name, world, op, dtype)
+        if rows and _basis(rows, canonical_op(op), m_, k_, n_)[0] in ("exact", "between"):
+            return saving_from_table({"entries": rows}, op, m_, k_, n_, path)
+        if dtype_name(dtype) not in _HALF_DTYPES:
             return 0.0
-        return saving_from_table(table, op, int(m), int(k), int(n), path)
+        seq, fused = roofline_ms(op, world, m_, k_, n_, dtype, rates_for(device_name, world))
+        return max(0.0, seq - fused)
 
-    return _remembered(_savings, (table_file, mtime, op, int(m), int(k), int(n), str(dtype), path), compute)
+    return _remembered(_savings, (table_file, mtime, _calibration_version, op, int(m), int(k), int(n), str(dtype),
+                                  path), compute)
 
 
 def split_all_reduce_veto(device_name: str, world: int, m: int, k: int, n: int, dtype,
@@ -421,15 +569,79 @@ def split_config(device_name: str, world: int, m: int, k: int, n: int, dtype) ->
 
 def _choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
             path: str) -> Tuple[str, str]:
+    return _choose_answered(op, device_name, world, m, k, n, dtype, paths, path)[:2]
+
+
+def _choose_answered(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
+                     path: str) -> Tuple[str, str, bool]:
     key = device_key(device_name)
     table = load_table(path)
     if table is None:
-        return "sequential", f"no tuning table for {key} tp{int(world)}"
+        return "sequential", f"no tuning table for {key} tp{int(world)}", False
     want = dtype_name(dtype)
     have = dtype_name(table.get("dtype", "bfloat16"))
     if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
-        return "sequential", f"the tuning table for {key} tp{int(world)} was measured in {have}, not {want}"
-    return choose_from_table(table, op, int(m), int(k), int(n), tuple(paths))
+        return "sequential", f"the tuning table for {key} tp{int(world)} was measured in {have}, not {want}", True
+    return _choose_from_table(table, op, int(m), int(k), int(n), tuple(paths))
+
+
+_decisions: Dict[tuple, Decision] = {}
+
+
+def decide(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
+           paths: Tuple[str, ...] = PATHS) -> Decision:
+    """:func:`choose`, then where no table row answers, the calibrated rows (the same (K, N) at this M or between two
+    measured Ms), then the roofline estimate (module docstring).  Remembered like :func:`choose`'s answers, and
+    forgotten whenever a measured row or measured rates are added."""
+    table_file = table_path(device_name, world)
+    try:
+        mtime = os.stat(table_file).st_mtime
+    except OSError:
+        mtime = None
+    memo = (table_file, mtime, _calibration_version, op, int(m), int(k), int(n), str(dtype), tuple(paths))
+    return _remembered(_decisions, memo,
+                       lambda: _decide_all(op, device_name, world, int(m), int(k), int(n), dtype, tuple(paths),
+                                           table_file))
+
+
+def _calibrated_rows(device_name: str, world: int, op: str, dtype) -> List[dict]:
+    want = dtype_name(dtype)
+    family = _HALF_DTYPES if want in _HALF_DTYPES else (want,)
+    op = canonical_op(op)
+    with _lock:
+        rows = list(_calibrated.get((device_key(device_name), int(world)), ()))
+    return [r for r in rows if r["op"] == op and dtype_name(r["dtype"]) in family]
+
+
+def _decide_all(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
+                table_file: str) -> Decision:
+    choice, reason, answered = _choose_answered(op, device_name, world, m, k, n, dtype, paths, table_file)
+    if answered:
+        return Decision(choice, reason, False)
+    rows = _calibrated_rows(device_name, world, op, dtype)
+    if rows:
+        c, r, found = _choose_from_table({"entries": rows}, op, m, k, n, paths, kinds=("exact", "between"))
+        if found:
+            return Decision(c, f"calibrated on this device: {r}", False)
+    return _estimate(op, device_name, world, m, k, n, dtype, paths, reason)
+
+
+def _estimate(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
+              why: str) -> Decision:
+    fused_paths = [p for p in ("fused", "fused_copy", "fused_split") if p in paths]
+    if dtype_name(dtype) not in _HALF_DTYPES:
+        return Decision("sequential", f"{why}; no estimate for {dtype_name(dtype)}", True)
+    if not fused_paths:
+        return Decision("sequential", f"{why}; no fused path can run the call", True)
+    rates = rates_for(device_name, world)
+    seq, fused = roofline_ms(op, world, m, k, n, dtype, rates)
+    gain = (seq - fused) / seq
+    basis = (f"{why}; roofline ({rates.source}: {rates.matmul_tflops:.0f} TFLOP/s, {rates.link_gbps:.0f} GB/s, "
+             f"{rates.latency_ms * 1e3:.0f} us) at M={m} K={k} N={n}: sequential {seq:.3f} ms, fused {fused:.3f} ms, "
+             f"gain {gain * 100:+.1f}%")
+    if _wins(gain):
+        return Decision(fused_paths[0], basis, True)
+    return Decision("sequential", basis, True)
 
 
 def lookup_description() -> str:

@@ -30,7 +30,7 @@ non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -93,15 +93,31 @@ def _local_reason(index: int) -> Optional[str]:
 
 
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
-                     fused_eligible: bool = True, split_eligible: bool = True) -> Tuple[str, str]:
-    """(path, reason): the cost model's choice among the paths that can run here."""
-    try:
-        from fluxinductor import cost_model
-    except ImportError as e:
-        return "sequential", f"no cost model ({e})"
-    choice, reason = cost_model.choose(op, _device_name(device.index), world, m, k, n, dtype,
-                                       overlapped_paths(op, fused_eligible, split_eligible))
-    return choice, f"cost model chose {choice}: {reason}"
+                     fused_eligible: bool = True, split_eligible: bool = True, group_name: Optional[str] = None,
+                     run_path: Optional[Callable[[str], Callable[[], object]]] = None) -> Tuple[str, str]:
+    """(path, reason): the cost model's choice among the paths that can run here.
+
+    Where that choice is only the roofline's estimate (no table row answers) and ``run_path`` can run each path on the
+    call's operands (``run_path(path)`` returns a zero-argument callable), the call is measured instead, once per
+    signature and agreed by every rank (:mod:`fluxinductor.calibration`): first the device's rates, and if the roofline
+    with them still leaves a fused path in the running, every candidate on the call itself."""
+    from fluxinductor import cost_model
+
+    name = _device_name(device.index)
+    paths = overlapped_paths(op, fused_eligible, split_eligible)
+    decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
+    fused_paths = tuple(p for p in paths if p != "asynctp")
+    if (decision.estimated and run_path is not None and fused_paths and settings.tuning.calibrate
+            and not symm.capturing()):
+        from fluxinductor import calibration
+
+        calibration.ensure_rates(device, group_name, world)
+        decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
+        if decision.path != "sequential":
+            candidates = {p: run_path(p) for p in ("sequential",) + paths}
+            path, reason = calibration.choose_measured(op, device, group_name, world, m, k, n, dtype, candidates)
+            return path, f"calibration chose {path}: {reason}"
+    return decision.path, f"cost model chose {decision.path}: {decision.reason}"
 
 
 def split_all_reduce_veto(a: Tensor, weight: Tensor, world: int) -> Optional[str]:
@@ -287,7 +303,7 @@ def all_gather_matmul(
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = _remember(key, _decide_all_gather_matmul(kernels, dispatch_mode, shard, shard2d, weights, biases,
-                                                         group_name, world))
+                                                         group_name, world, gather_dim, return_gathered))
     path, why = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
@@ -304,14 +320,28 @@ def all_gather_matmul(
 
 
 def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2d: Tensor, weights: List[Tensor],
-                              biases: List[Optional[Tensor]], group_name: str, world: int) -> Tuple[str, Optional[str]]:
+                              biases: List[Optional[Tensor]], group_name: str, world: int, gather_dim: int,
+                              return_gathered: bool) -> Tuple[str, Optional[str]]:
     """(path, reason): "fused" (reason None), "asynctp", or "decomposed" with the reason."""
     why = _peers_reason(group_name, shard.device)
     why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
     if dispatch_mode == "auto":
         n_global = world * sum(w.shape[1] for w in weights)
+
+        def run_path(path: str) -> Callable[[], object]:
+            if path == "sequential":
+                from fluxinductor import ops
+
+                return lambda: ops.all_gather_matmul_reference(shard, weights, biases, gather_dim, group_name)
+            if path == "asynctp":
+                return lambda: _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name,
+                                                          return_gathered)
+            return lambda: kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
+                                                     checked=True)
+
         path, reason = _cost_model_says("all_gather_matmul", shard.device, world, world * shard2d.shape[0],
-                                        shard2d.shape[1], n_global, shard.dtype, fused_eligible=why is None)
+                                        shard2d.shape[1], n_global, shard.dtype, fused_eligible=why is None,
+                                        group_name=group_name, run_path=run_path)
         if path == "asynctp":
             return path, reason
         if why is None and path != "fused":
@@ -353,7 +383,7 @@ def matmul_reduce_scatter(
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = _remember(key, _decide_matmul_reduce_scatter(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op,
-                                                            group_name, world, out_dtype))
+                                                            group_name, world, out_dtype, scatter_dim))
     path, why, transport, split_config = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
@@ -369,7 +399,8 @@ def matmul_reduce_scatter(
 
 def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor,
                                   bias: Optional[Tensor], reduce_op: str, group_name: str, world: int,
-                                  out_dtype: Optional[torch.dtype]) -> Tuple[str, Optional[str], str, Optional[int]]:
+                                  out_dtype: Optional[torch.dtype], scatter_dim: int = 0
+                                  ) -> Tuple[str, Optional[str], str, Optional[int]]:
     """(path, reason, transport, split configuration): path "fused" (reason None) with the kernel's transport,
     "asynctp", or "decomposed" with the reason."""
     why = _peers_reason(group_name, a.device)
@@ -381,9 +412,26 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
         # chooses among the others: its measured split time says nothing about them, and the copy transport the
         # kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
         split_eligible = why is None and out_dtype is None and kernels.split_reason(world, weight, bias) is None
-        path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, a2d.shape[0],
-                                        world * a2d.shape[1], weight.shape[1], a.dtype, fused_eligible=why is None,
-                                        split_eligible=split_eligible)
+        m, k, n = a2d.shape[0], world * a2d.shape[1], weight.shape[1]
+        extra_kw = {} if out_dtype is None else {"out_dtype": out_dtype}
+
+        def run_path(path: str) -> Callable[[], object]:
+            if path == "sequential":
+                from fluxinductor import ops
+
+                return lambda: ops.matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name,
+                                                                   out_dtype)
+            if path == "asynctp":
+                return lambda: _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name,
+                                                              world)
+            config = _split_config_choice(a.device, world, m, k, n, a.dtype)
+            return lambda: kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
+                                                         transport=_TRANSPORTS[path], split_config_choice=config,
+                                                         **extra_kw)
+
+        path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, m, k, n, a.dtype,
+                                        fused_eligible=why is None, split_eligible=split_eligible,
+                                        group_name=group_name, run_path=run_path)
         if path == "asynctp":
             return path, reason, transport, None
         if path in _TRANSPORTS:

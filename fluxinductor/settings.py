@@ -229,6 +229,12 @@ class Tuning:
                                           "measured default per segment size.", "int or None")
     asynctp: bool = _knob(False, _parse_bool, "Offer PyTorch's async-TP ops to the `auto` dispatcher (experimental).",
                           "bool")
+    calibrate: bool = _knob(True, _parse_bool, "Under `auto` dispatch, time the fused paths against the sequential one "
+                            "at the first call of a shape no tuning table covers, and keep the faster "
+                            "(fluxinductor/calibration.py); off: the roofline estimate decides alone.", "bool")
+    calibration_dir: Optional[str] = _knob(None, _path, "Folder of the calibration cache (one JSON per device and "
+                                           "world size); None: `$XDG_CACHE_HOME/fluxinductor` or "
+                                           "`~/.cache/fluxinductor`.", "path or None")
     peer_check_timeout_s: float = _knob(600.0, _float(low=1e-3), "Seconds a rank waits for its peers at a group's "
                                         "first fused call (the peers may still be compiling).", "float")
 

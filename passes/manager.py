@@ -68,12 +68,29 @@ class FluxPassManager(CustomGraphPass):
         kernel, or the measured cost model says the fused kernel loses there) is slower than the graph
         inductor already has, whose collective can overlap other work (measured: a Llama-style block ran
         2-7% slower with such rewrites).  So the rewrite is kept only where the cost model picks an
-        overlapped path: the fused kernel, or PyTorch's async-TP op (which the fused op then runs).
+        overlapped path: the fused kernel, or PyTorch's async-TP op (which the fused op then runs).  Where no table
+        row answers, the cost model's roofline estimate decides here, and the op's first call measures the shape
+        (``fluxinductor.calibration``), so a wrong estimate costs one decomposed op, not a slower kernel.
         Elsewhere (CPU, ``fused`` or ``decomposed`` modes) every match is rewritten.
 
         ``replaces_all_reduce``: the GEMM+RS is half of a split all-reduce, so it is weighed against the all-reduce
         it replaces: its saving must outweigh the all-gather the split adds (``cost_model.split_all_reduce_veto``).
+
+        ``op`` "matmul_all_reduce" (an all-reduce the split pass will not split, kept whole as that op): None where
+        the op's one-shot all-reduce kernel could run (a GPU that runs the fused kernels, the kernel built, a dtype,
+        world and N it takes) under the ``auto`` or ``fused`` dispatch; the op then chooses per call between it and
+        the graph's matmul and all-reduce.  Elsewhere (CPU included) the all-reduce stays as it is.
         """
+        if op == "matmul_all_reduce":
+            if device.type != "cuda" or self.dispatch_mode == "decomposed":
+                return f"no one-shot all-reduce on {device.type} under FLUXINDUCTOR_DISPATCH={self.dispatch_mode}"
+            try:
+                from fluxinductor import dispatch
+                from fluxinductor.kernels import one_shot
+
+                return dispatch._local_reason(device.index) or one_shot.static_reason(world, n, dtype)
+            except Exception as e:  # noqa: BLE001 - no answer means no rewrite, never a failed compile
+                return f"one-shot all-reduce unavailable ({type(e).__name__}: {e})"
         if device.type != "cuda" or self.dispatch_mode != "auto":
             return None
         from fluxinductor import cost_model, dispatch
@@ -89,7 +106,7 @@ class FluxPassManager(CustomGraphPass):
         choices = []
         try:
             for rows in probes:
-                choice, reason = cost_model.choose(op, name, world, rows, k, n, dtype, paths)
+                choice, reason, _ = cost_model.decide(op, name, world, rows, k, n, dtype, paths)
                 if choice != "sequential" and replaces_all_reduce:
                     veto = cost_model.split_all_reduce_veto(name, world, rows, k, n, dtype, paths)
                     choice, reason = ("sequential", veto) if veto is not None else (choice, reason)
@@ -154,7 +171,8 @@ class FluxPassManager(CustomGraphPass):
         digest.update(f"tp_groups={groups};fuse_matmul_sums={self.fuse_matmul_sums};dispatch={self.dispatch_mode};"
                       f"device={device};kernels={kernels};asynctp={asynctp};cuda_graphs={self.cuda_graphs};"
                       f"split_all_reduce={self.split_all_reduce};rank={rank};"
-                      f"settings={settings.compute_hash()}".encode())
+                      f"settings={settings.compute_hash()};"
+                      f"calibration={fluxinductor.cost_model.calibration_digest()}".encode())
         return digest.digest()
 
 

@@ -37,7 +37,7 @@ def counted(flux_settings, monkeypatch):
         counts.peers += 1
         return None
 
-    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True):
+    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True, **_):
         counts.cost += 1
         return counts.choice, f"cost model chose {counts.choice}: test"
 

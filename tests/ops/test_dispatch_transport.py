@@ -39,7 +39,7 @@ def fake_kernels(flux_settings, monkeypatch):
 def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice, transport):
     seen = {}
 
-    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True):
+    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True, **_):
         seen["paths"] = dispatch.overlapped_paths(op, fused_eligible, split_eligible)
         return choice, f"cost model chose {choice}: test"
 

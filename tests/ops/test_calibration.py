@@ -1,0 +1,211 @@
+"""The self-calibrating cost model: the roofline estimate where no table answers, measured rows, and the run-time
+measurement that every rank agrees on (fluxinductor/calibration.py), on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from fluxinductor import calibration, cost_model, settings
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+H100 = "NVIDIA H100 80GB HBM3"
+TUNING = os.path.join(os.path.dirname(cost_model.__file__), "tuning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    calibration.forget()
+    cost_model.clear_cache()
+    yield
+    calibration.forget()
+    cost_model.clear_cache()
+
+
+def test_roofline_sequential_at_decode_sizes_fused_at_training_sizes():
+    rates = cost_model.nominal_rates(H100)
+    for op in (AG, RS):
+        for world in (2, 4, 8):
+            seq, fused = cost_model.roofline_ms(op, world, 64, 8192, 8192, torch.bfloat16, rates)
+            assert fused > seq, (op, world)
+            seq, fused = cost_model.roofline_ms(op, world, 8192, 8192, 28672, torch.bfloat16, rates)
+            assert fused < 0.97 * seq, (op, world)
+    # At a fixed (K, N) the gain rises with M while the fixed overhead fades, and stays positive once the GEMM hides
+    # the collective (then the communication's share, less the fused GEMM's slowdown).
+    gains = []
+    for m in (128, 512, 2048, 8192):
+        seq, fused = cost_model.roofline_ms(AG, 2, m, 8192, 28672, torch.bfloat16, rates)
+        gains.append((seq - fused) / seq)
+    assert gains[0] < cost_model.MIN_GAIN < min(gains[1:]), gains
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_roofline_picks_what_the_committed_h200_tables_measured(world):
+    """With nominal rates, the estimate's fused-or-sequential verdict matches the measured choice on >= 90% of rows."""
+    with open(os.path.join(TUNING, f"nvidia_h200_tp{world}.json")) as f:
+        table = json.load(f)
+    rates = cost_model.nominal_rates("NVIDIA H200")
+    agree = 0
+    for r in table["entries"]:
+        seq, fused = cost_model.roofline_ms(r["op"], world, r["m"], r["k"], r["n"], torch.bfloat16, rates)
+        estimated = (seq - fused) / seq > cost_model.MIN_GAIN
+        agree += estimated == (r["choice"] != "sequential")
+    assert agree >= 0.9 * len(table["entries"]), (agree, len(table["entries"]))
+
+
+def test_nominal_rates_by_device_name():
+    assert cost_model.nominal_rates("NVIDIA H200").source == "nominal H100/H200 SXM"
+    assert cost_model.nominal_rates("NVIDIA H20").source == "nominal H20"
+    assert cost_model.nominal_rates("NVIDIA H100 NVL").source == "nominal H100 PCIe/NVL"
+    assert cost_model.nominal_rates("NVIDIA A100-SXM4-80GB").source == "nominal, device not known"
+
+
+def test_decide_estimates_only_where_no_table_answers():
+    on_table = cost_model.decide(AG, "NVIDIA H200", 2, 4096, 8192, 28672, torch.bfloat16)
+    assert not on_table.estimated and on_table.path == "fused"
+    below = cost_model.decide(AG, "NVIDIA H200", 2, 64, 8192, 28672, torch.bfloat16)
+    assert not below.estimated and below.path == "sequential"  # the table's no-extrapolation rule still holds
+    no_table = cost_model.decide(AG, H100, 2, 8192, 8192, 28672, torch.bfloat16)
+    assert no_table.estimated and no_table.path == "fused" and "roofline (nominal" in no_table.reason
+    assert cost_model.decide(AG, H100, 2, 64, 8192, 28672, torch.bfloat16).path == "sequential"
+    assert cost_model.decide(AG, H100, 2, 8192, 8192, 28672, torch.float32).path == "sequential"
+    # choose() keeps answering from the tables alone.
+    assert cost_model.choose(AG, H100, 2, 8192, 8192, 28672, torch.bfloat16)[0] == "sequential"
+
+
+def test_hidden_table_means_estimates(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLUXINDUCTOR_TUNING_DIR", str(tmp_path))
+    settings.reload()
+    try:
+        d = cost_model.decide(RS, "NVIDIA H200", 2, 4096, 28672, 8192, torch.bfloat16)
+        assert d.estimated and d.path == "fused"
+    finally:
+        monkeypatch.delenv("FLUXINDUCTOR_TUNING_DIR")
+        settings.reload()
+
+
+def test_calibrated_rows_answer_at_their_m_and_between_not_elsewhere():
+    row = {"op": RS, "k": 8192, "n": 8192, "dtype": "bfloat16"}
+    cost_model.add_calibrated_row(H100, 2, dict(row, m=2048, sequential_ms=1.0, fused_ms=0.8, fused_copy_ms=0.9))
+    cost_model.add_calibrated_row(H100, 2, dict(row, m=8192, sequential_ms=4.0, fused_ms=4.2, fused_copy_ms=4.1))
+    paths = ("fused", "fused_copy")
+    exact = cost_model.decide(RS, H100, 2, 2048, 8192, 8192, torch.float16, paths)
+    assert (exact.path, exact.estimated) == ("fused", False) and "calibrated" in exact.reason
+    assert cost_model.decide(RS, H100, 2, 8192, 8192, 8192, torch.bfloat16, paths).path == "sequential"
+    between = cost_model.decide(RS, H100, 2, 4096, 8192, 8192, torch.bfloat16, paths)
+    assert not between.estimated and "interpolated" in between.reason
+    # Another (K, N), or M outside the measured range: the roofline again, never a neighbour's row.
+    assert cost_model.decide(RS, H100, 2, 16384, 8192, 8192, torch.bfloat16, paths).estimated
+    assert cost_model.decide(RS, H100, 2, 2048, 8192, 4096, torch.bfloat16, paths).estimated
+    # Rows of another world size or dtype family do not count; measured rates change the estimate's source.
+    assert cost_model.decide(RS, H100, 4, 2048, 8192, 8192, torch.bfloat16, paths).estimated
+    cost_model.set_measured_rates(H100, 2, cost_model.Rates(500.0, 100.0, 0.05, "measured"))
+    assert "roofline (measured" in cost_model.decide(RS, H100, 2, 16384, 8192, 8192, torch.bfloat16, paths).reason
+    assert cost_model.calibration_digest() != "([], [])"
+
+
+def test_split_veto_uses_the_roofline_without_a_table():
+    assert cost_model.split_all_reduce_veto(H100, 2, 64, 8192, 8192, torch.bfloat16) is not None
+    assert cost_model.split_all_reduce_veto(H100, 2, 16384, 28672, 8192, torch.bfloat16) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurement on 2 gloo ranks.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sleeper(seconds: float, calls: list, name: str):
+    def run():
+        calls.append(name)
+        time.sleep(seconds)
+
+    return run
+
+
+def _measure_job(rank, world, cache, fused_s, prewrite_rank):
+    import torch.distributed as dist
+
+    from fluxinductor import calibration, settings
+
+    if prewrite_rank >= 0:  # a cache folder per rank, as on two hosts (or one read before the other wrote)
+        cache = os.path.join(cache, f"rank{rank}")
+    settings.set_tuning(calibration_dir=cache)
+    group_name = dist.group.WORLD.group_name
+    device = torch.device("cpu")
+    if prewrite_rank == rank:  # a cache only this rank has: the ranks must still agree (all measure)
+        os.makedirs(cache, exist_ok=True)
+        with open(calibration.cache_path("cpu", world), "w") as f:
+            json.dump({"format": 1, "entries": [{"op": RS, "m": 64, "k": 32, "n": 16, "dtype": "float32",
+                                                 "sequential_ms": 1.0, "fused_ms": 50.0}]}, f)
+    calls: list = []
+    candidates = {"sequential": _sleeper(0.02, calls, "sequential"), "fused": _sleeper(fused_s, calls, "fused")}
+    first = calibration.choose_measured(RS, device, group_name, world, 64, 32, 16, torch.float32, candidates)
+    measured_calls = len(calls)
+    dist.barrier()
+    calibration.forget()  # a new process: only the disk cache is left
+    again = calibration.choose_measured(RS, device, group_name, world, 64, 32, 16, torch.float32, candidates)
+    return first, again, measured_calls, len(calls) - measured_calls, cost_model.decide(
+        RS, "cpu", world, 64, 32, 16, torch.float32).estimated
+
+
+@pytest.mark.parametrize("fused_s, expected", [(0.005, "fused"), (0.04, "sequential")])
+def test_ranks_measure_once_agree_and_reuse_the_disk_cache(tmp_path, fused_s, expected):
+    results = run_ranks(_measure_job, 2, str(tmp_path), fused_s, -1, timeout=120)
+    for (path, reason), (path2, _), measured, reread, _ in results:
+        assert path == expected and path2 == expected, reason
+        assert measured == 2 * (1 + calibration.ROUNDS)  # one warm-up and ROUNDS timed calls per candidate
+        assert reread == 0  # the cached times, agreed, and nothing run
+    with open(calibration.cache_path("cpu", 2).replace(calibration.cache_dir(), str(tmp_path))) as f:
+        (row,) = json.load(f)["entries"]
+    assert row["choice"] == expected and row["sequential_ms"] > 15
+
+
+def test_a_cache_on_one_rank_only_makes_both_measure(tmp_path):
+    results = run_ranks(_measure_job, 2, str(tmp_path), 0.005, 1, timeout=120)
+    for (path, reason), _, measured, _, _ in results:
+        assert path == "fused", reason  # rank 1's stale "fused 50 ms" was not believed
+        assert measured == 2 * (1 + calibration.ROUNDS)
+
+
+def _dispatch_job(rank, world, cache, fused_s):
+    import torch.distributed as dist
+
+    from fluxinductor import calibration, dispatch, settings
+
+    settings.set_tuning(calibration_dir=cache)
+    dispatch._device_name.cache_clear()
+    dispatch._device_name = lambda index: H100  # the CPU stands in for an H100 with no table
+    calibration._device_name = lambda device: H100
+    # The rate probes run (and are agreed and cached), but report an H100's numbers: gloo on a CPU is no NVLink.
+    calibration._measure_rates = lambda device, group, world, timer: [700.0 + rank, 200.0, 0.04]
+    calls: list = []
+
+    def run_path(path):
+        return _sleeper(0.03 if path == "sequential" else fused_s, calls, path)
+
+    device = torch.device("cpu")
+    group_name = dist.group.WORLD.group_name
+    big = dispatch._cost_model_says(AG, device, world, 16384, 8192, 28672, torch.bfloat16, group_name=group_name,
+                                    run_path=run_path)
+    n_big = len(calls)
+    small = dispatch._cost_model_says(AG, device, world, 64, 8192, 28672, torch.bfloat16, group_name=group_name,
+                                      run_path=run_path)
+    rates = cost_model.rates_for(H100, world)
+    return (big, n_big, small, len(calls) - n_big, (rates.source, rates.matmul_tflops),
+            os.path.exists(calibration.cache_path(H100, world)))
+
+
+@pytest.mark.parametrize("fused_s, expected", [(0.01, "fused"), (0.05, "sequential")])
+def test_dispatcher_measures_where_the_roofline_leaves_a_fused_path(tmp_path, fused_s, expected):
+    results = run_ranks(_dispatch_job, 2, str(tmp_path), fused_s, timeout=180)
+    for (big, why_big), n_big, (small, why_small), n_small, source, cached in results:
+        assert big == expected and why_big.startswith(f"calibration chose {expected}"), why_big
+        assert n_big == 2 * (1 + calibration.ROUNDS)
+        # Decode-sized: the roofline with the measured rates rules the fused path out; nothing is timed.
+        assert small == "sequential" and "roofline (measured" in why_small and n_small == 0, why_small
+        assert source == ("measured", 700.0) and cached  # the slowest rank's rates, on every rank
