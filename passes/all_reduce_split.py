@@ -55,6 +55,12 @@ at run time takes the fused reduce-scatter and an all-gather of its result where
 fuses the call, and the matmul and the all-reduce otherwise (the matmul-reduce-scatter pass's matcher, so sums of
 matmuls, biases and autocast's upcast are taken as there).
 
+An all-reduce of a matmul that is not split for another reason (static rows that do not split over the group, or a
+split the pass manager's cost model vetoes, as at decode sizes, where the added all-gather costs more than the fused
+reduce-scatter saves) becomes that same op where the pass manager says the op's one-shot all-reduce kernel could run
+(``not_worth_fusing("matmul_all_reduce", ...)`` returns None: a GPU with the kernel, a dtype and N it takes); the op
+then chooses per call between the one-shot kernel and the matmul and the all-reduce.  Elsewhere it stays as it is.
+
 The slices bake this process's rank into the graph; under ``replicated`` the pass manager's uuid holds the rank so
 that inductor's FX graph cache, which the ranks of a job may share, never serves one rank's graph to another.
 """
@@ -131,8 +137,10 @@ def _group_rank(group_name: str) -> Tuple[int, int]:
 
 def _match_source(ar: Node, group_allowed: Callable[[str], bool],
                   not_worth_fusing: Optional[Callable[..., Optional[str]]], fuse_sums: bool):
-    """The candidate all-reduce ``ar`` as a :class:`_Source` where its rows are static, else (symbolic rows) the
-    reduce-scatter pass's match for ``matmul_all_reduce``.  Raises :class:`Skip` where it is no candidate."""
+    """The candidate all-reduce ``ar`` as a :class:`_Source` to split where its rows are static, split over the group
+    and the split is not vetoed; else as a :class:`_Whole` for one ``matmul_all_reduce`` where the rows are symbolic,
+    or where the split is out but the op's one-shot kernel could run (:func:`_whole_reason`).  Raises :class:`Skip`
+    where it is no candidate."""
     from fluxinductor.passes.matmul_reduce_scatter import check_worth_fusing, match_all_reduce
 
     match = match_all_reduce(ar, group_allowed, fuse_sums)  # raises Skip where the reduce-scatter won't fuse
@@ -144,14 +152,45 @@ def _match_source(ar: Node, group_allowed: Callable[[str], bool],
     rows, n = m.numel(shape[:-1]), shape[-1]
     if world < 2:
         raise Skip("group of one rank", match.group_name)
+    no_split = None
     if m.known_not_divisible(rows, world):
-        raise Skip("rows do not split over the group", f"{shape}, {world} ranks")
-    if not_worth_fusing is not None:
-        check_worth_fusing(not_worth_fusing, match.terms, world, rows, n, upcast=match.out_dtype is not None,
-                           replaces_all_reduce=True)
+        no_split = Skip("rows do not split over the group", f"{shape}, {world} ranks")
+    elif not_worth_fusing is not None:
+        try:
+            check_worth_fusing(not_worth_fusing, match.terms, world, rows, n, upcast=match.out_dtype is not None,
+                               replaces_all_reduce=True)
+        except Skip as veto:
+            no_split = veto
+    if no_split is not None:
+        why = _whole_reason(not_worth_fusing, match, world, rows, n)
+        if why is not None:
+            raise no_split
+        return _Whole(match, no_split.reason)
     if not all(isinstance(d, int) for d in shape):
-        return match
+        return _Whole(match, "symbolic rows")
     return _Source(match.wait, ar, ar.args[0], shape, rows, match.reduce_op, match.group_name, world, rank)
+
+
+@dataclass
+class _Whole:
+    """An all-reduce the pass keeps whole as one ``fluxinductor.matmul_all_reduce`` (``match``: the reduce-scatter
+    pass's), and why it is not split."""
+
+    match: object
+    why: str
+
+
+def _whole_reason(not_worth_fusing: Optional[Callable[..., Optional[str]]], match, world: int, rows: m.Size,
+                  n: int) -> Optional[str]:
+    """Why an all-reduce the pass will not split should stay as it is rather than become one
+    ``fluxinductor.matmul_all_reduce`` (``not_worth_fusing`` asked about op "matmul_all_reduce": the pass manager's
+    answers None where the op's one-shot kernel could run), or None to rewrite it."""
+    if not_worth_fusing is None:
+        return "no veto function to ask"
+    a = m.val(match.terms[0].a)
+    k = world * sum(m.val(t.a).shape[1] for t in match.terms)
+    return not_worth_fusing("matmul_all_reduce", a.device, world, rows if isinstance(rows, int) else None, k, n,
+                            a.dtype)
 
 
 def _lead_of(shape: Tuple[int, ...], ndim: int) -> Tuple[int, ...]:
@@ -511,7 +550,7 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
         return 0
     fake_mode = m.fake_mode_of(graph)
     sources: Dict[Node, _Source] = {}
-    symbolic = 0
+    whole = 0
     for ar in reduces:
         try:
             if fake_mode is None:
@@ -520,12 +559,12 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
             if isinstance(src, _Source):
                 sources[src.wait] = src
                 continue
-            record_fused(PATTERN, f"{ar.name}: symbolic rows, matmul_all_reduce: {rewrite_matmul_all_reduce(src)}")
-            symbolic += 1
+            record_fused(PATTERN, f"{ar.name}: {src.why}, matmul_all_reduce: {rewrite_matmul_all_reduce(src.match)}")
+            whole += 1
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or ar.name)
     if not sources:
-        return symbolic
+        return whole
     confined, exposed = _choose_plan(graph, sources, fake_mode, assume_replicated, not_worth_fusing)
     planner = _Planner(graph, sources, fake_mode, emit=True, assume_replicated=assume_replicated, confined=confined)
     try:
@@ -543,4 +582,4 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
                               f"{', gathered at once' if src.wait in confined else ''}; graph: "
                               f"{len(planner.sharded)} values sharded, {len(planner.gathered)} gathered "
                               f"({exposed} B exposed), {planner.row_sums} row sums")
-    return len(sources) + symbolic
+    return len(sources) + whole

@@ -282,6 +282,18 @@ def shape_reason(n: int, dtype: torch.dtype, out_dtype: Optional[torch.dtype] = 
     return None
 
 
+def static_reason(world: int, n: int, dtype: torch.dtype) -> Optional[str]:
+    """Why no call of ``world`` ranks producing [*, n] ``dtype`` could run the kernel, or None: what a compile-time
+    check can know (the extension built with the kernel, the world, the dtype and N)."""
+    try:
+        _extension()
+    except RuntimeError as e:
+        return str(e)
+    if world > MAX_WORLD:
+        return f"world size {world} > {MAX_WORLD}"
+    return shape_reason(n, dtype)
+
+
 def unsupported_reason(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
                        out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """None when :func:`matmul_all_reduce` can run this call, else why not (cheap, never collective; the group's

@@ -259,3 +259,106 @@ def test_all_reduce_split_symbolic_rows_not_a_matmul_are_left_alone():
     gm = split_ar(trace_dynamic(fn, (torch.randn(6, 16),), 0))
     assert count(gm, c10d.all_reduce.default) == 1
     assert skipped("all_reduce_split") == {"reduce_scatter input is not a matmul": 1}
+
+
+def _one_shot_veto(one_shot_reason=None):
+    """A GPU-like veto: the split is vetoed (decode sizes: the added all-gather costs more than the fused half saves),
+    and the whole all-reduce as matmul_all_reduce is worth it unless ``one_shot_reason``."""
+    asked = []
+
+    def veto(op, device, world, m, k, n, dtype, weight=None, replaces_all_reduce=False):
+        asked.append((op, world, m, k, n, dtype, replaces_all_reduce))
+        if op == "matmul_all_reduce":
+            return one_shot_reason
+        return "split_all_reduce_veto: the added all-gather costs more" if replaces_all_reduce else None
+
+    return veto, asked
+
+
+def _row_parallel(rows):
+    def fn(a, w, b):
+        return aten.add.Tensor(all_reduce(aten.addmm.default(b, a, aten.permute.default(w, [1, 0])), group()), 1.0)
+
+    return trace(fn, torch.randn(rows, 16), torch.randn(32, 16), torch.randn(32))
+
+
+@pytest.mark.parametrize("rows", [4, 3], ids=["split_vetoed", "rows_do_not_split"])
+def test_all_reduce_split_kept_whole_as_matmul_all_reduce_where_the_one_shot_kernel_could_run(rows):
+    """Where the split is out (vetoed, or the rows do not split over the group) but the one-shot kernel could run, the
+    all-reduce becomes one matmul_all_reduce (which chooses one-shot or sequential per call); asked with the global
+    GEMM shape."""
+    from fluxinductor.passes.all_reduce_split import split_all_reduce
+
+    gm = _row_parallel(rows)
+    veto, asked = _one_shot_veto()
+    assert split_all_reduce(gm.graph, lambda name: True, veto) == 1
+    gm.graph.lint()
+    assert ("matmul_all_reduce", WORLD, rows, WORLD * 16, 32, torch.float32, False) in asked
+    assert fused("all_reduce_split") == 1 and skipped("all_reduce_split") == {}
+    (op,) = nodes(gm, torch.ops.fluxinductor.matmul_all_reduce.default)
+    assert op.args[3:] == ("sum", group()) and op.args[2].op == "placeholder"  # the bias
+    assert op.meta["val"].shape == (rows, 32)
+    assert count(gm, c10d.all_reduce.default) == 0 and count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert count(gm, c10d.all_gather_into_tensor.default) == 0 and count(gm, aten.addmm.default) == 0
+    assert_all_vals(gm)
+
+
+@pytest.mark.parametrize("rows", [4, 3], ids=["split_vetoed", "rows_do_not_split"])
+def test_all_reduce_split_left_alone_where_neither_the_split_nor_the_one_shot_kernel_runs(rows):
+    from fluxinductor.passes.all_reduce_split import split_all_reduce
+
+    gm = _row_parallel(rows)
+    veto, _ = _one_shot_veto("no one-shot all-reduce on cpu")
+    assert split_all_reduce(gm.graph, lambda name: True, veto) == 0
+    assert count(gm, c10d.all_reduce.default) == 1 and count(gm, aten.addmm.default) == 1
+    assert count(gm, torch.ops.fluxinductor.matmul_all_reduce.default) == 0
+    expected = "not worth fusing here" if rows == 4 else "rows do not split over the group"
+    assert skipped("all_reduce_split") == {expected: 1}
+
+
+def test_all_reduce_split_still_splits_where_the_split_pays():
+    """The one-shot question is asked only where the split is out: a split that pays is taken as before."""
+    from fluxinductor.passes.all_reduce_split import split_all_reduce
+
+    gm = _row_parallel(4)
+    asked = []
+
+    def veto(op, *args, **kwargs):
+        asked.append(op)
+        return None
+
+    assert split_all_reduce(gm.graph, lambda name: True, veto) == 1
+    assert "matmul_all_reduce" not in asked
+    assert count(gm, c10d.reduce_scatter_tensor.default) == 1
+    assert count(gm, torch.ops.fluxinductor.matmul_all_reduce.default) == 0
+
+
+def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_run(flux_settings, monkeypatch):
+    """The pass manager's answer for op "matmul_all_reduce": never on CPU or under the decomposed dispatch; on a GPU
+    where the fused kernels run, wherever the one-shot kernel takes the dtype, world and N (a row a multiple of 16
+    bytes)."""
+    from fluxinductor import dispatch
+    from fluxinductor.kernels import one_shot
+    from fluxinductor.passes import FluxPassManager
+
+    cuda = torch.device("cuda", 0)
+    ask = lambda manager, device, n=8192, dtype=torch.bfloat16, world=2: manager.not_worth_fusing(  # noqa: E731
+        "matmul_all_reduce", device, world, 64, 28672, n, dtype)
+    flux_settings(dispatch="auto")
+    assert "cpu" in ask(FluxPassManager(), torch.device("cpu"))
+    monkeypatch.setattr(dispatch, "_local_reason", lambda index: None)
+    monkeypatch.setattr(one_shot, "_extension", lambda: object())
+    manager = FluxPassManager()
+    assert ask(manager, cuda) is None
+    assert ask(manager, cuda, n=8200) is None  # 16400 bytes a row
+    assert "multiple of 16" in ask(manager, cuda, n=4100)
+    assert ask(manager, cuda, n=4100, dtype=torch.float32) is None
+    assert "takes bf16, fp16 or fp32" in ask(manager, cuda, dtype=torch.float64)
+    assert "world size 16" in ask(manager, cuda, world=16)
+    monkeypatch.setattr(dispatch, "_local_reason", lambda index: "built for sm_90a")
+    assert ask(manager, cuda) == "built for sm_90a"
+    flux_settings(dispatch="fused")
+    monkeypatch.setattr(dispatch, "_local_reason", lambda index: None)
+    assert ask(FluxPassManager(), cuda) is None
+    flux_settings(dispatch="decomposed")
+    assert "decomposed" in ask(FluxPassManager(), cuda)
