@@ -351,8 +351,8 @@ def _world(group_name: str):
 
 def matmul_all_reduce(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
-    out_dtype: Optional[torch.dtype] = None, *, residual: Optional[Tensor] = None, checked: bool = False,
-    max_blocks: int = DEFAULT_MAX_BLOCKS,
+    out_dtype: Optional[torch.dtype] = None, *, residual: Optional[Tensor] = None, out: Optional[Tensor] = None,
+    checked: bool = False, max_blocks: int = DEFAULT_MAX_BLOCKS,
 ) -> Tensor:
     """all_reduce(a2d @ weight + bias, reduce_op) over ``group_name`` (+ ``residual``), through the one-shot kernel.
 
@@ -360,6 +360,7 @@ def matmul_all_reduce(
     before the reduction, as the graph did: world times for "sum", once for "avg").  ``out_dtype`` (None: a2d's;
     float32 for bf16/fp16 operands: the partials round to the operands' dtype, the sum is fp32, as autocast's
     ``all_reduce(mm(a, w).float())``).  residual: [rows, N] in the result's dtype, added after the reduction.
+    ``out`` (tests): a contiguous, 16-byte aligned [rows, N] tensor of the result's dtype to write into.
     Returns [rows, N].  Every rank must call with the same shapes (the op checks that first); ``checked``: the caller
     just had :func:`unsupported_reason` return None.  Raises RuntimeError when an earlier call on the group failed.
     """
@@ -378,7 +379,11 @@ def matmul_all_reduce(
         ws.reserve(rows * n * a2d.element_size())
     partial = ws.partial(rows, n, dtype)
     torch.mm(a2d, weight, out=partial)
-    out = torch.empty((rows, n), dtype=out_dtype, device=a2d.device)
+    if out is None:
+        out = torch.empty((rows, n), dtype=out_dtype, device=a2d.device)
+    elif out.shape != (rows, n) or out.dtype != out_dtype or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"out {out.dtype}{list(out.shape)} is not a contiguous, 16-byte aligned "
+                         f"{out_dtype}{[rows, n]}")
     if rows == 0:
         return out
     if bias is not None and (bias.data_ptr() % 16 or not bias.is_contiguous()):
