@@ -10,7 +10,8 @@ and the agreement check has made every rank's signature the same):
    uses them from then on.  If the roofline with these rates still says the fused paths lose, nothing more is timed.
 2. :func:`choose_measured`: each candidate path (the sequential one, and every fused path the call can take) runs on
    the call's own operands: one warm-up call each, then :data:`ROUNDS` rounds that alternate the candidates, each call
-   timed with CUDA events after a small all-reduce has lined the ranks up.  A path's time is its median over the
+   timed with CUDA events after a small all-reduce has lined the ranks up and a GPU sleep has let the host enqueue the
+   whole call (device time, as the tables were measured; in a training or prefill step the host runs ahead).  A path's time is its median over the
    rounds, taken at the slowest rank (an all-reduce of the times with MAX), so every rank reaches the same verdict: the
    cost model's rule (a path must beat sequential by more than ``cost_model.MIN_GAIN``; a near tie keeps the first
    candidate).
@@ -28,7 +29,6 @@ reuses what its eager warm-up measured.  ``settings.tuning.calibrate`` off leave
 from __future__ import annotations
 
 import json
-import logging
 import os
 import statistics
 import tempfile
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from fluxinductor import cost_model, settings
-
-log = logging.getLogger(__name__)
+from fluxinductor.log import logger as log
+from fluxinductor.log import note_once
 
 CACHE_FORMAT = 1
 # Timed rounds per candidate (after one warm-up call each); the median is kept.
@@ -100,7 +100,7 @@ def _read_cache(path: str) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        log.warning("fluxinductor: ignoring the unreadable calibration cache %s (%s)", path, e)
+        log.warning("ignoring the unreadable calibration cache %s (%s)", path, e)
         return {}
     return data if data.get("format") == CACHE_FORMAT else {}
 
@@ -117,7 +117,7 @@ def _write_cache(path: str, device_name: str, world: int, update: Callable[[dict
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError as e:  # a read-only home: the answers still hold for this process
-        log.warning("fluxinductor: could not write the calibration cache %s (%s)", path, e)
+        log.warning("could not write the calibration cache %s (%s)", path, e)
 
 
 def _row_key(row: dict) -> tuple:
@@ -129,13 +129,20 @@ def _row_key(row: dict) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 
 
+# GPU sleep before each timed call (cycles, about 0.5 ms): the host enqueues the whole call meanwhile, so the events
+# time the device's work, as bench_ops.py timed the tables (in a training step the host runs ahead of the GPU).
+_SLEEP_CYCLES = 1_000_000
+
+
 def _timer(device: torch.device, group: dist.ProcessGroup) -> Timer:
-    """Seconds of one call of ``fn``, the ranks lined up first (an all-reduce on a GPU, a barrier elsewhere)."""
+    """Seconds of one call of ``fn``: on a GPU, its device time, the ranks lined up by an all-reduce and the host's
+    enqueue hidden behind a GPU sleep; elsewhere wall time after a barrier."""
     if device.type == "cuda":
         line_up = torch.zeros(1, device=device)
 
         def cuda_time(fn: Callable[[], object]) -> float:
             dist.all_reduce(line_up, group=group)
+            torch.cuda._sleep(_SLEEP_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -199,7 +206,8 @@ def ensure_rates(device: torch.device, group_name: str, world: int, timer: Optio
     cost_model.set_measured_rates(name, world, rates)
     with _lock:
         _rates_done.add(key)
-    log.info("fluxinductor: rates of %s at tp%d: %s", name, world, rates)
+    note_once(f"rates of {name} at tp{world}, {source}: GEMM {rates.matmul_tflops:.0f} TFLOP/s, all-gather "
+              f"{rates.link_gbps:.0f} GB/s, latency {rates.latency_ms * 1e3:.0f} us")
     return rates
 
 
@@ -254,7 +262,9 @@ def choose_measured(op: str, device: torch.device, group_name: str, world: int, 
             _verdicts[key] = known
     path, times = known
     shown = ", ".join(f"{p} {times[p]:.3f} ms" for p in names)
-    return path, f"measured at M={m} K={k} N={n}: {shown}"
+    reason = f"measured at M={m} K={k} N={n}: {shown}"
+    note_once(f"{op}: calibration chose {path}, {reason}")
+    return path, reason
 
 
 def _measure_or_read(op: str, device: torch.device, group_name: str, world: int, m: int, k: int, n: int, dtype: str,

@@ -241,8 +241,12 @@ _MAX_PLANS = 4096
 
 
 def clear_plans() -> None:
-    """Forget the remembered decisions (tests that replace the dispatcher's pieces between calls)."""
+    """Forget the remembered decisions (tests that replace the dispatcher's pieces between calls), the all-reduce
+    op's (``ops.matmul_all_reduce``) included."""
+    from fluxinductor import ops
+
     _plans.clear()
+    ops.clear_plans()
 
 
 def _operand_key(t: Optional[Tensor]) -> Optional[tuple]:

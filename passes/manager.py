@@ -147,6 +147,9 @@ class FluxPassManager(CustomGraphPass):
         import fluxinductor.dispatch
 
         sources += [fluxinductor.cost_model.__file__, fluxinductor.dispatch.__file__]  # + the paths it offers
+        import fluxinductor.kernels.one_shot  # its static_reason: whether an all-reduce is kept whole as an op
+
+        sources.append(fluxinductor.kernels.one_shot.__file__)
         tuning = fluxinductor.cost_model.tuning_dir()
         if os.path.isdir(tuning):
             sources += [os.path.join(tuning, f) for f in sorted(os.listdir(tuning)) if f.endswith(".json")]
@@ -159,6 +162,12 @@ class FluxPassManager(CustomGraphPass):
 
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         kernels = dispatch._kernels("all_gather_matmul")[0] is not None, dispatch._kernels("matmul_reduce_scatter")[0] is not None
+        from fluxinductor.kernels import loader
+
+        try:
+            one_shot = hasattr(loader.extension(), "one_shot_all_reduce")
+        except Exception:  # noqa: BLE001 - no extension: no one-shot kernel
+            one_shot = False
         asynctp = dispatch._asynctp_ops() is not None  # settings.tuning.asynctp: the veto may keep more matches
         # all_reduce_split under "replicated" writes this rank's rows into the graph (its slices): ranks sharing an FX
         # graph cache must not share its entries.
@@ -169,7 +178,7 @@ class FluxPassManager(CustomGraphPass):
         from fluxinductor import settings
 
         digest.update(f"tp_groups={groups};fuse_matmul_sums={self.fuse_matmul_sums};dispatch={self.dispatch_mode};"
-                      f"device={device};kernels={kernels};asynctp={asynctp};cuda_graphs={self.cuda_graphs};"
+                      f"device={device};kernels={kernels};one_shot={one_shot};asynctp={asynctp};cuda_graphs={self.cuda_graphs};"
                       f"split_all_reduce={self.split_all_reduce};rank={rank};"
                       f"settings={settings.compute_hash()};"
                       f"calibration={fluxinductor.cost_model.calibration_digest()}".encode())
