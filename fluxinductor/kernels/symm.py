@@ -16,7 +16,9 @@ may have read either buffer since this rank's previous eager call).
 
 Buffers are allocated on first use and grow (to the next power of two bytes) when a call needs more; a
 growth is a collective step that all ranks take on the same call because they check their shapes agree
-first (see ``fluxinductor.kernels.ag_gemm``).
+first (see ``fluxinductor.kernels.ag_gemm``).  Before any capture a growth drops every reference to the old buffers
+(their handles, views and cached addresses), so their memory goes back to torch's symmetric-memory allocator.
+:func:`workspace_bytes` tells how much the workspaces hold.
 """
 
 from __future__ import annotations
@@ -352,3 +354,17 @@ def workspace(group_name: str, device: torch.device) -> SymmetricWorkspace:
         ws = SymmetricWorkspace(group_name, device)
         _workspaces[key] = ws
     return ws
+
+
+def workspace_bytes() -> int:
+    """Bytes of symmetric memory the workspaces of this process hold now: each workspace's two buffers, the buffers
+    kept for captured graphs (``retired``) and the allocation of its flags and arrival words.  Reads only (no
+    collective, no allocation); 0 before any fused call."""
+    total = 0
+    for ws in _workspaces.values():
+        kept = [b for b in ws.buffers if b is not None]
+        kept += [b for buffers, _ in ws.retired for b in buffers if b is not None]
+        total += sum(b.numel() * b.element_size() for b in kept)
+        if ws.flags is not None:
+            total += (ws.flags.numel() + 2 * ws.world) * ws.flags.element_size()
+    return total
