@@ -95,6 +95,49 @@ def _job(rank: int, world: int) -> Dict[str, object]:
     out["weight_dtype_on_one_rank"]["data_gathers"] = data_gathers["n"] - before
     out["weight_dtype_on_one_rank"]["good_after"] = good_call()
 
+    # 100 calls of one signature per op: one exchange, on the first; each call's own collective every time; a new
+    # shape: one exchange more.
+    hundred = {}
+    all_reduce = dist.all_reduce
+    collectives = {"n": 0}
+
+    def counted_all_reduce(*args, **kwargs):
+        collectives["n"] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
+    reduce_scatter_single = ops_module._reduce_scatter_single
+
+    def counted_reduce_scatter_single(*args, **kwargs):
+        collectives["n"] += 1
+        return reduce_scatter_single(*args, **kwargs)
+
+    ops_module._reduce_scatter_single = counted_reduce_scatter_single
+    calls = {
+        "all_gather_matmul": lambda rows: agm(ones(rows, 8), [ones(8, 6)], [None], 0, name, False),
+        "matmul_reduce_scatter": lambda rows: mrs(ones(2 * rows, 8), ones(8, 6), None, "sum", 0, name),
+        "matmul_all_reduce": lambda rows: mar(ones(rows, 8), ones(8, 6), None, "sum", name),
+    }
+    try:
+        for op, call in calls.items():
+            agreement.forget()
+            before, gathers_before, collectives_before = exchanges["n"], data_gathers["n"], collectives["n"]
+            for _ in range(100):
+                call(9)
+            after_hundred = exchanges["n"] - before
+            data = data_gathers["n"] - gathers_before + collectives["n"] - collectives_before
+            call(11)
+            after_new_shape = exchanges["n"] - before
+            for _ in range(10):
+                call(9)
+                call(11)
+            hundred[op] = {"exchanges": after_hundred, "op_collectives": data, "after_new_shape": after_new_shape,
+                           "after_both_repeated": exchanges["n"] - before}
+    finally:
+        dist.all_reduce = all_reduce
+        ops_module._reduce_scatter_single = reduce_scatter_single
+    out["hundred_calls"] = hundred
+
     # An agreed signature: one exchange on its first call, none after; a new signature exchanges again.
     agreement.forget()
     counts = []
@@ -170,6 +213,14 @@ def test_a_local_error_on_one_rank_raises_on_every_rank_before_the_all_gather():
 def test_an_agreed_signature_costs_no_exchange_after_its_first_call():
     for rank, r in enumerate(_results()):
         assert r["exchanges_per_call"] == [1, 0, 0, 1, 0], f"rank {rank}: {r['exchanges_per_call']}"
+
+
+def test_a_hundred_calls_of_one_signature_exchange_once_and_a_new_shape_once_more():
+    for rank, r in enumerate(_results()):
+        for op, counts in r["hundred_calls"].items():
+            # the op's own collective ran on every call (rows 9 do not split over 2 ranks: the all-reduce runs whole)
+            assert counts == {"exchanges": 1, "op_collectives": 100, "after_new_shape": 2,
+                              "after_both_repeated": 2}, f"rank {rank} {op}: {counts}"
 
 
 def test_no_exchange_under_capture_and_an_unchecked_signature_is_logged_once():
