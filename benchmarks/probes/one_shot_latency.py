@@ -59,7 +59,8 @@ def contenders(rows: int, k: int, n: int, device: torch.device, group_name: str)
 
         def symm_one_shot():
             torch.mm(x, w, out=partial)
-            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name)
+            # the op reduces the flat buffer it is given and returns that shape: [rows * n] -> [rows, n]
+            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name).view(rows, n)
 
         symm_one_shot()
         fns["mm_symm_mem_one_shot"] = symm_one_shot
@@ -85,6 +86,8 @@ def check(rows: int, k: int, n: int, device: torch.device, group_name: str, fns:
     for name in ("mm_symm_mem_one_shot", "fluxinductor_one_shot"):
         if name in fns:
             got = fns[name]()
+            if got.shape != ref.shape:  # a wrong shape would broadcast (M=1) or raise (M>1) below
+                raise RuntimeError(f"{name} returned {list(got.shape)}, not {list(ref.shape)}")
             errors[name] = ((got.float() - ref).norm() / ref.norm()).item()
     return errors
 
