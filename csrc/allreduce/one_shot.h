@@ -56,7 +56,9 @@ struct OneShotArgs {
   void const* residual = nullptr;             // [rows, n] in out's dtype, or null
   void* out = nullptr;                        // [rows, n], contiguous
   float out_scale = 1.f;                      // 1/world for avg
-  float bias_scale = 1.f;                     // world for a bias every rank's partial would have carried
+  float bias_scale = 1.f;                     // this rank's bias only: world * bias equals the sum of the ranks'
+                                              // biases only where every rank holds the same bias (the Python op
+                                              // puts each rank's bias into its partial instead)
   int32_t* error = nullptr;                   // host-mapped error word, or null
   int64_t timeout_ns = 10000000000LL;
   bool trap_on_timeout = false;

@@ -2,8 +2,11 @@
 
 Every rank's matmul writes its partial ``a2d @ weight`` [rows, N] straight into its own symmetric buffer
 (``torch.mm(..., out=)``, no copy), then one kernel per rank reads every rank's partial over NVLink with 16-byte
-loads, sums them in fp32 in rank order (every rank writes the same bits), scales for ``avg``, adds the bias once
-(times world for ``sum``: the graph added it on every rank) and an optional residual, and writes the result.  For
+loads, sums them in fp32 in rank order (every rank writes the same bits), scales for ``avg``, adds an optional
+residual, and writes the result.  A bias goes into each rank's partial (``torch.addmm(bias, ..., out=)``), as the
+graph added it on every rank: the result is the exact ``all_reduce(a2d @ weight + bias)`` whatever bias each rank
+holds (adding one rank's own bias ``world`` times instead would give the ranks different results, and wrong ones,
+wherever their biases differ).  For
 the small outputs of decode this costs one kernel and two NVLink round trips, where NCCL's all-reduce is latency
 bound (csrc/allreduce/one_shot.h has the protocol).
 
@@ -82,12 +85,13 @@ class ErrorWord:
 
     def __init__(self) -> None:
         self.host, self.device = _extension().ag_alloc_host_mapped_word()
+        self._word = ctypes.c_int32.from_address(self.host)  # one ctypes view, read on every call
 
     def read(self) -> int:
-        return ctypes.c_int32.from_address(self.host).value
+        return self._word.value
 
     def clear(self) -> None:
-        ctypes.c_int32.from_address(self.host).value = 0
+        self._word.value = 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,7 +122,9 @@ class OneShotWorkspace:
         self._signal_handle = None
         self.signal_ptrs: List[int] = []
         self.counters: Optional[Tensor] = None
-        self._views: Dict[tuple, Tensor] = {}
+        # Per call signature (rows, n, dtype, out_dtype, reduce_op, max_blocks): the partial's view of the buffer and
+        # the kernel's arguments that do not change between calls (:func:`matmul_all_reduce`); emptied on growth.
+        self.calls: Dict[tuple, tuple] = {}
         with torch.cuda.device(device):
             self.error = ErrorWord()
 
@@ -163,17 +169,30 @@ class OneShotWorkspace:
         capacity = max(_MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
         buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buffer, self.group_name)
-        self._views.clear()
+        self.calls.clear()
         self.buffer, self.handle, self.capacity = buffer, handle, capacity
         self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
 
     def partial(self, rows: int, n: int, dtype: torch.dtype) -> Tensor:
         """This rank's [rows, n] ``dtype`` partial: a view of the start of its data buffer."""
-        key = (rows, n, dtype, self.buffer.data_ptr())
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = self.buffer[:rows * n * dtype.itemsize].view(dtype).view(rows, n)
-        return view
+        return self.buffer[:rows * n * dtype.itemsize].view(dtype).view(rows, n)
+
+    def call(self, rows: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype, reduce_op: str,
+             max_blocks: int) -> tuple:
+        """(partial, the kernel's leading arguments up to ``counters``, out_scale, error address, grid) of a call
+        signature, built once (the buffer must hold it: :meth:`reserve` first)."""
+        key = (rows, n, dtype, out_dtype, reduce_op, max_blocks)
+        found = self.calls.get(key)
+        if found is None:
+            if not self.ready_for(rows * n * dtype.itemsize):
+                raise RuntimeError(f"one-shot all-reduce: the group's buffer ({self.capacity} bytes) does not hold a "
+                                   f"[{rows}, {n}] {dtype} partial (an eager call of this size first)")
+            head = (DTYPES[dtype], out_dtype != dtype, rows, n, self.world, self.rank, list(self.buffer_ptrs),
+                    list(self.signal_ptrs), self.counters.data_ptr(), 0)  # 0: the bias is in the partials
+            found = self.calls[key] = (self.partial(rows, n, dtype), head,
+                                       1.0 / self.world if reduce_op == "avg" else 1.0, self.error.device,
+                                       blocks_for(rows, n, dtype, max_blocks))
+        return found
 
 
 _workspaces: Dict[Tuple[str, int], OneShotWorkspace] = {}
@@ -356,8 +375,8 @@ def matmul_all_reduce(
 ) -> Tensor:
     """all_reduce(a2d @ weight + bias, reduce_op) over ``group_name`` (+ ``residual``), through the one-shot kernel.
 
-    a2d: [rows, K/world] (this rank's partial operand), weight: [K/world, N], bias: [N] or None (added on every rank
-    before the reduction, as the graph did: world times for "sum", once for "avg").  ``out_dtype`` (None: a2d's;
+    a2d: [rows, K/world] (this rank's partial operand), weight: [K/world, N], bias: [N] or None (this rank's, added
+    to its partial before the reduction, as the graph did; the ranks' biases may differ).  ``out_dtype`` (None: a2d's;
     float32 for bf16/fp16 operands: the partials round to the operands' dtype, the sum is fp32, as autocast's
     ``all_reduce(mm(a, w).float())``).  residual: [rows, N] in the result's dtype, added after the reduction.
     ``out`` (tests): a contiguous, 16-byte aligned [rows, N] tensor of the result's dtype to write into.
@@ -367,36 +386,58 @@ def matmul_all_reduce(
     reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
     if reason is not None:
         raise ValueError(f"one-shot matmul_all_reduce cannot run: {reason}")
-    ws = workspace(group_name, a2d.device)
+    # The per-call path: what does not change between calls of a signature comes from ws.call (built once); left per
+    # call are the error word's check, the capture state, the matmul, the output and the launch.
+    device = a2d.device
+    ws = _workspaces.get((group_name, device.index))
+    if ws is None:
+        ws = workspace(group_name, device)
     ws.raise_if_error()
     rows, n = a2d.shape[0], weight.shape[1]
     dtype = a2d.dtype
     out_dtype = out_dtype or dtype
-    capturing = _symm.capturing()
+    capturing = torch.cuda.is_current_stream_capturing()
     if capturing:
         ws.captured = True  # the buffer's address is now in a graph: a growth keeps it
-    else:
-        ws.reserve(rows * n * a2d.element_size())
-    partial = ws.partial(rows, n, dtype)
-    torch.mm(a2d, weight, out=partial)
+    elif not ws.ready_for(rows * n * dtype.itemsize):
+        ws.reserve(rows * n * dtype.itemsize)
+    partial, head, out_scale, error_address, blocks = ws.call(rows, n, dtype, out_dtype, reduce_op, max_blocks)
+    if bias is None:
+        torch.mm(a2d, weight, out=partial)
+    else:  # every rank's own bias in its partial: the sum is the graph's all_reduce(a2d @ weight + bias)
+        torch.addmm(bias, a2d, weight, out=partial)
     if out is None:
-        out = torch.empty((rows, n), dtype=out_dtype, device=a2d.device)
+        out = torch.empty((rows, n), dtype=out_dtype, device=device)
     elif out.shape != (rows, n) or out.dtype != out_dtype or not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError(f"out {out.dtype}{list(out.shape)} is not a contiguous, 16-byte aligned "
                          f"{out_dtype}{[rows, n]}")
     if rows == 0:
         return out
-    if bias is not None and (bias.data_ptr() % 16 or not bias.is_contiguous()):
-        bias = bias.clone()
+    residual_ptr = 0
     if residual is not None:
         if residual.shape != out.shape or residual.dtype != out_dtype:
             raise ValueError(f"residual {residual.dtype}{list(residual.shape)} is not {out_dtype}{list(out.shape)}")
         if residual.data_ptr() % 16 or not residual.is_contiguous():
             residual = residual.contiguous().clone()
-    world = ws.world
-    launch(dtype=dtype, out=out, rows=rows, n=n, world=world, rank=ws.rank, inputs=ws.buffer_ptrs,
-           signals=ws.signal_ptrs, counters=ws.counters.data_ptr(), bias=bias, residual=residual,
-           out_scale=1.0 / world if reduce_op == "avg" else 1.0,
-           bias_scale=float(world) if reduce_op == "sum" else 1.0, error_address=ws.error.device,
-           trap_on_timeout=capturing, blocks=blocks_for(rows, n, dtype, max_blocks))
+        residual_ptr = residual.data_ptr()
+    _extension().one_shot_all_reduce(  # positional: pybind11's keyword parsing costs microseconds
+        *head, residual_ptr, out.data_ptr(), out_scale, 1.0, error_address, _timeout_ns(), capturing, blocks,
+        _raw_stream(device.index))
     return out
+
+
+_timeout_cache: list = [None, 0]
+
+
+def _timeout_ns() -> int:
+    """:func:`timeout_ns`, recomputed only when ``settings.current`` changed (``settings.override`` replaces it)."""
+    current = settings.current
+    if _timeout_cache[0] is not current:
+        _timeout_cache[1] = int(current.timeout_s * 1e9)
+        _timeout_cache[0] = current
+    return _timeout_cache[1]
+
+
+def _raw_stream(index: int) -> int:
+    """The current stream's cudaStream_t on device ``index`` as an int, without building a torch.cuda.Stream."""
+    return torch._C._cuda_getCurrentRawStream(index)

@@ -51,12 +51,11 @@ def operands(rows, k, n, dtype, device, seed, bias):
 
 
 def reference(a, w, b, reduce_op, world):
-    """fp32: each rank's partial (a @ w rounded to the operands' dtype, as the matmul into the buffer rounds it),
-    summed over ranks, then the bias every rank added (world times for sum, once for avg)."""
-    partial = (a @ w).float()
+    """fp32: all_reduce(a @ w + b): each rank's partial with its own bias (rounded to the operands' dtype, as the
+    matmul into the buffer rounds it), summed over ranks (divided by world for avg).  The operands, bias included,
+    differ per rank (seeded by rank): a kernel that added one rank's bias world times would fail here."""
+    partial = (a @ w if b is None else torch.addmm(b, a, w)).float()
     dist.all_reduce(partial)
-    if b is not None:
-        partial = partial + b.float() * world
     return partial / world if reduce_op == "avg" else partial
 
 
@@ -65,6 +64,7 @@ def rel(out, ref):
 
 
 def same_on_every_rank(out):
+    """Whether every rank's ``out`` (the same shape and dtype on every rank) holds the same bytes (NaNs included)."""
     gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, out.contiguous())
     return all(torch.equal(g.view(torch.uint8), gathered[0].view(torch.uint8)) for g in gathered)
@@ -76,6 +76,7 @@ def check_correctness(group_name, device, rank, world):
     k = 256
     worst = {}
     equal = True
+    unequal = []
     cases = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows in (1, 7, 64, 129, 256):
@@ -88,11 +89,14 @@ def check_correctness(group_name, device, rank, world):
                     ref = reference(a, w, b, reduce_op, world)
                     err = rel(out, ref) if not out.isnan().any() else float("inf")
                     worst[dtype] = max(worst.get(dtype, 0.0), err)
-                    equal = equal and same_on_every_rank(out)
+                    if not same_on_every_rank(out):
+                        equal = False
+                        unequal.append(f"{str(dtype)[6:]} {rows}x{n} {reduce_op}{' bias' if bias else ''}")
                     cases += 1
     for dtype, err in worst.items():
         verdict(f"correctness {dtype} ({cases // 3} shapes)", err <= tolerance(dtype), f"worst rel err {err:.3g}")
-    verdict("every rank wrote the same bits", equal)
+    verdict("every rank wrote the same bits", equal, f"{len(unequal)} cases differ: {', '.join(unequal[:6])}"
+            if unequal else "")
 
     # An fp32 result of bf16 partials, and the residual add.
     a, w, b = operands(64, k, 8192, torch.bfloat16, device, 77 + rank, True)
