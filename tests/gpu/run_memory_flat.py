@@ -5,17 +5,19 @@
 Calls ``torch.ops.fluxinductor.all_gather_matmul``, ``matmul_reduce_scatter`` and ``matmul_all_reduce`` with shapes
 drawn (seeded, the same on every rank) from a set: rows per rank from :data:`ROWS` (1 to 8192, odd ones and tile edges
 included, and a few seeded draws), (K, N) from :data:`DIMS`, a bias or none; no two consecutive calls have the same
-shape.  Two passes: ``--calls`` calls under ``dispatch="fused"``, then ``--auto-calls`` under ``dispatch="auto"``.
-Each pass starts with its first pass over the shape set (every signature once, the largest shapes first), then draws
-at random.  Before the passes, a growth check calls ``all_gather_matmul`` with rows that double each time and holds
+shape.  Two passes: ``--calls`` calls under ``dispatch="fused"``, then ``--auto-calls`` under ``dispatch="auto"`` over
+``--auto-rows`` of the row values (the largest among them: ``auto`` measures the paths of each new shape once,
+:mod:`fluxinductor.calibration`, into a cache folder of its own under ``--out``).  Each pass starts with its first pass
+over its shape set (every signature once, the largest shapes first), then draws at random.  Before the passes, a growth check calls ``all_gather_matmul`` with rows that double each time and holds
 weak references to the symmetric buffers of each growth: an uncaptured growth must free the old ones.
 
 Every ``--every`` (500) calls, on each rank: ``torch.cuda.memory_allocated`` / ``memory_reserved``, the device memory
 in use outside the caching allocator (``mem_get_info``), the fused kernels' workspaces (AG+GEMM symmetric buffers:
 ``fluxinductor.kernels.symm.workspace_bytes()``; GEMM+RS symmetric buffer, its retired ones and the copy transport's
-outbox), the process RSS, and the host caches: the dispatcher's plans (``dispatch._plans``), the agreed signatures
+outbox; the one-shot all-reduce's buffers), the process RSS, and the host caches: the dispatcher's plans
+(``dispatch._plans``), ``matmul_all_reduce``'s plans (``ops._all_reduce_plans``), the agreed signatures
 (``agreement._agreed``), the AG+GEMM workspace's views, addresses and checked layouts, the GEMM+RS agreed signatures,
-the fallback counters.
+the calibration's verdicts, the fallback counters.
 
 Results: every call of each pass's first pass and every ``--check-every``-th call after it is compared with an fp32
 reference built from every rank's operands (each rank builds them all from the seed, so the reference needs no
@@ -45,6 +47,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -149,6 +152,18 @@ def _rss() -> int:
         return 0
 
 
+def _one_shot_workspaces() -> list:
+    try:
+        from fluxinductor.kernels import one_shot
+    except Exception:  # noqa: BLE001 - no one-shot kernel module: no workspace
+        return []
+    return list(getattr(one_shot, "_workspaces", {}).values())
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _gemm_rs_states() -> list:
     try:
         from fluxinductor.kernels import gemm_rs_group
@@ -159,7 +174,7 @@ def _gemm_rs_states() -> list:
 
 def sample(device: torch.device) -> Dict[str, int]:
     """This rank's memory counters and host cache sizes now (after draining the device)."""
-    from fluxinductor import agreement, dispatch, log
+    from fluxinductor import agreement, calibration, dispatch, log, ops
     from fluxinductor.kernels import symm
 
     out: Dict[str, int] = {}
@@ -176,10 +191,14 @@ def sample(device: torch.device) -> Dict[str, int]:
     out["rs_symmetric_bytes"] = sum(s.capacity for s in states)
     out["rs_retired_bytes"] = sum(buf.numel() for s in states for buf, _ in s.retired)
     out["rs_outbox_bytes"] = sum(s.copy.outbox.numel() for s in states if s.copy is not None and s.copy.outbox is not None)
+    one_shot = _one_shot_workspaces()
+    out["one_shot_bytes"] = sum(_nbytes(getattr(ws, "buffer", None)) + _nbytes(getattr(ws, "signals", None))
+                                + sum(_nbytes(buf) for buf, _ in getattr(ws, "retired", [])) for ws in one_shot)
     out["workspace"] = sum(out[k] for k in ("ag_symmetric_bytes", "rs_symmetric_bytes", "rs_retired_bytes",
-                                            "rs_outbox_bytes"))
+                                            "rs_outbox_bytes", "one_shot_bytes"))
     out["rss"] = _rss()
     out["plans"] = len(dispatch._plans)
+    out["all_reduce_plans"] = len(getattr(ops, "_all_reduce_plans", ()))
     out["agreed"] = len(agreement._agreed)
     workspaces = list(symm._workspaces.values())
     out["ag_views"] = sum(len(ws._views) for ws in workspaces)
@@ -189,6 +208,7 @@ def sample(device: torch.device) -> Dict[str, int]:
     out["rs_agreed"] = sum(len(s.agreed) for s in states)
     out["rs_retired_buffers"] = sum(len(s.retired) for s in states)
     out["fallback_keys"] = len(log._fallbacks)
+    out["calibration_verdicts"] = len(getattr(calibration, "_verdicts", ()))
     return out
 
 
@@ -223,6 +243,8 @@ class Run:
         rows = {r for r in ROWS if r <= args.max_rows} | {args.max_rows}
         rows |= {rng.randint(1, args.max_rows) for _ in range(EXTRA_ROWS)}
         self.rows = sorted(rows, reverse=True)
+        step = max(1, len(self.rows) // max(1, args.auto_rows))
+        self.auto_rows = self.rows[::step][:args.auto_rows]  # the largest first
         self.ops = Operands(world, device, self.dtype, args.max_rows, self.dims, args.seed)
         # the largest output in fp32: the poison covers the blocks any output or reference may be handed next
         self.poison_bytes = world * args.max_rows * max(max(k, n) for k, n in self.dims) * 4
@@ -233,10 +255,9 @@ class Run:
         self.signatures: set = set()
         self.first_pass_end: Dict[str, int] = {}
 
-    def shapes(self) -> List[tuple]:
-        """Every signature, the largest rows first, consecutive ones never equal."""
-        return [(op, rows, dims, bias) for rows in self.rows for dims in self.dims for op in OPS
-                for bias in (False, True)]
+    def shapes(self, rows: List[int]) -> List[tuple]:
+        """Every signature of these rows, the largest rows first, consecutive ones never equal."""
+        return [(op, r, dims, bias) for r in rows for dims in self.dims for op in OPS for bias in (False, True)]
 
     def one(self, sig: tuple, mode: str, checked: bool) -> None:
         if checked:
@@ -289,7 +310,8 @@ class Run:
         from fluxinductor import settings
 
         rng = random.Random(f"{self.args.seed}/{mode}")
-        shapes = self.shapes()
+        rows = self.auto_rows if mode == "auto" else self.rows
+        shapes = self.shapes(rows)
         first = min(calls, len(shapes))
         previous = None
         start_call = self.calls
@@ -302,7 +324,7 @@ class Run:
             for i in range(calls - first):
                 sig = previous
                 while sig == previous:
-                    sig = (rng.choice(OPS), rng.choice(self.rows), rng.choice(self.dims), rng.random() < 0.5)
+                    sig = (rng.choice(OPS), rng.choice(rows), rng.choice(self.dims), rng.random() < 0.5)
                 self.one(sig, mode, checked=i % self.args.check_every == 0)
                 previous = sig
             end = self.record(mode, "end of the pass")
@@ -310,7 +332,7 @@ class Run:
 
     def verdict(self, passes: Dict[str, Dict[str, object]], growth: Dict[str, object]) -> List[str]:
         """This rank's reasons to fail (empty: passed)."""
-        from fluxinductor import agreement, dispatch
+        from fluxinductor import agreement, dispatch, ops
 
         reasons = list(self.failures[:50])
         if len(self.failures) > 50:
@@ -329,18 +351,20 @@ class Run:
             p["rss_growth"] = grew
             if grew > RSS_BOUND:
                 reasons.append(f"{mode}: RSS grew {grew / MIB:.1f} MiB after the first pass (bound {RSS_BOUND / MIB:.0f})")
-            for key in ("plans", "agreed"):
+            for key in ("plans", "all_reduce_plans", "agreed"):
                 grown = [s for s in after if s[key] != base[key]]
                 if grown:
                     reasons.append(f"{mode}: {key} cache grew after the first pass over every shape: {base[key]} -> "
                                    f"{grown[-1][key]} at call {grown[-1]['call']}")
+        caps = {"plans": dispatch._MAX_PLANS, "all_reduce_plans": getattr(ops, "_MAX_PLANS", dispatch._MAX_PLANS),
+                "agreed": agreement._MAX_AGREED}
         for s in self.samples:
-            if s["plans"] > dispatch._MAX_PLANS or s["agreed"] > agreement._MAX_AGREED:
-                reasons.append(f"call {s['call']}: caches over their caps: plans {s['plans']} (cap "
-                               f"{dispatch._MAX_PLANS}), agreed {s['agreed']} (cap {agreement._MAX_AGREED})")
-            if s["agreed"] > s["signatures"] or s["plans"] > s["signatures"]:
-                reasons.append(f"call {s['call']}: caches hold more entries than the {s['signatures']} signatures "
-                               f"called: plans {s['plans']}, agreed {s['agreed']}")
+            for key, cap in caps.items():
+                if s[key] > cap:
+                    reasons.append(f"call {s['call']}: {key} cache over its cap: {s[key]} > {cap}")
+                if s[key] > s["signatures"]:
+                    reasons.append(f"call {s['call']}: {key} cache holds more entries ({s[key]}) than the "
+                                   f"{s['signatures']} signatures called")
         if growth["old_buffers_alive"] and not growth["captured"]:
             reasons.append(f"{growth['old_buffers_alive']} old symmetric buffers alive after "
                            f"{growth['growths']} uncaptured growths")
@@ -362,6 +386,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=10000, help="calls under dispatch=fused")
     parser.add_argument("--auto-calls", type=int, default=2000, help="calls under dispatch=auto (0: none)")
+    parser.add_argument("--auto-rows", type=int, default=12, help="row values the auto pass draws from")
     parser.add_argument("--every", type=int, default=500, help="record memory every this many calls")
     parser.add_argument("--check-every", type=int, default=10,
                         help="after a pass's first pass, compare every this many-th result with the reference")
@@ -395,7 +420,13 @@ def main() -> int:
     if not args.no_fill_empty and device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
-    settings.set_tuning(peer_check_timeout_s=args.pg_timeout)
+    # auto's calibration measures each new shape once and caches it on disk: a folder of this run's own, so the run
+    # neither reads nor adds to the user's cache
+    calibration_dir = os.path.abspath(os.path.join(args.out, "calibration"))
+    if rank == 0:
+        shutil.rmtree(calibration_dir, ignore_errors=True)
+    dist.barrier()
+    settings.set_tuning(peer_check_timeout_s=args.pg_timeout, calibration_dir=calibration_dir)
     from fluxinductor.kernels import extension_available
 
     unavailable = extension_available() if device.type == "cuda" else "CPU tensors"
@@ -462,7 +493,8 @@ def _print_summary(summary: Dict[str, object], path: str) -> None:
                   f"{_mib(e['allocated'])}, reserved {_mib(b['reserved'])} -> {_mib(e['reserved'])}, workspace "
                   f"{_mib(b['workspace'])} -> {_mib(e['workspace'])}, outside allocator "
                   f"{_mib(b['outside_allocator'])} -> {_mib(e['outside_allocator'])}, rss {_mib(b['rss'])} -> "
-                  f"{_mib(e['rss'])}; plans {b['plans']} -> {e['plans']}, agreed {b['agreed']} -> {e['agreed']}, "
+                  f"{_mib(e['rss'])}; plans {b['plans']} -> {e['plans']}, all-reduce plans "
+                  f"{b['all_reduce_plans']} -> {e['all_reduce_plans']}, agreed {b['agreed']} -> {e['agreed']}, "
                   f"ag views {b['ag_views']} -> {e['ag_views']}, fallback keys {b['fallback_keys']} -> "
                   f"{e['fallback_keys']}")
         for why in r["reasons"][:20]:

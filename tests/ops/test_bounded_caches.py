@@ -7,11 +7,11 @@ each call then runs the decomposition.  Shapes come (seeded, the same on every r
 ones and tile edges, a few (K, N), a bias or none, each of the three ops; no two consecutive calls have the same shape.
 
 * The first pass calls every signature once; after it, ``CALLS`` random calls: the agreement exchange ran once per
-  signature and never after the first pass, ``agreement._agreed`` and ``dispatch._plans`` hold one entry per signature
-  and do not grow, and the Python heap (``tracemalloc``, from a point after the first pass) grows by at most
+  signature and never after the first pass, ``agreement._agreed``, ``dispatch._plans`` and ``matmul_all_reduce``'s
+  ``ops._all_reduce_plans`` hold one entry per signature and do not grow, and the Python heap (``tracemalloc``, from a point after the first pass) grows by at most
   ``HEAP_BOUND`` bytes; every ``CHECK_EVERY``-th result matches an fp32 reference.
-* With the caps lowered to ``SMALL_CAP``, calls with a new signature each: neither cache ever holds more than the cap,
-  both were cleared on reaching it, and every call exchanged once.
+* With the caps lowered to ``SMALL_CAP``, calls with a new signature each: no cache ever holds more than the cap, each
+  was cleared on reaching it, and every call exchanged once.
 
 On GPUs the same holds with device memory and the symmetric workspaces: tests/gpu/run_memory_flat.py.
 """
@@ -41,7 +41,7 @@ HEAP_FROM = 1000
 HEAP_EVERY = 250
 HEAP_BOUND = 32 << 10  # bytes over the last 1500 calls: a leak of 22 bytes or more per call exceeds it
 SMALL_CAP = 32
-NEW_SIGNATURES = 200
+NEW_SIGNATURES = 300
 
 
 def _operands(world: int) -> Dict[str, object]:
@@ -85,8 +85,8 @@ def _job(rank: int, world: int) -> Dict[str, object]:
 
     import torch.distributed as dist
 
-    import fluxinductor.ops  # noqa: F401 - registers torch.ops.fluxinductor
     from fluxinductor import agreement, dispatch, settings
+    from fluxinductor import ops as ops_module  # registers torch.ops.fluxinductor
 
     name = dist.group.WORLD.group_name
     declined = types.SimpleNamespace(unsupported_reason=lambda *args: "a stand-in kernel module declines every call",
@@ -123,7 +123,7 @@ def _job(rank: int, world: int) -> Dict[str, object]:
             one(sig, check=True)
         out["signatures"] = len(shapes)
         out["first_pass"] = {"exchanges": exchanges["n"], "agreed": len(agreement._agreed),
-                             "plans": len(dispatch._plans)}
+                             "plans": len(dispatch._plans), "all_reduce_plans": len(ops_module._all_reduce_plans)}
         before = exchanges["n"]
         series = []
         previous = shapes[-1]
@@ -137,22 +137,26 @@ def _job(rank: int, world: int) -> Dict[str, object]:
                 tracemalloc.start()
             if i + 1 >= HEAP_FROM and (i + 1 - HEAP_FROM) % HEAP_EVERY == 0:
                 series.append({"call": i + 1, "heap": tracemalloc.get_traced_memory()[0],
-                               "agreed": len(agreement._agreed), "plans": len(dispatch._plans)})
+                               "agreed": len(agreement._agreed), "plans": len(dispatch._plans),
+                               "all_reduce_plans": len(ops_module._all_reduce_plans)})
         tracemalloc.stop()
         out["random"] = {"exchanges": exchanges["n"] - before, "series": series}
 
         # Caps lowered: a new signature on every call.
-        saved = agreement._MAX_AGREED, dispatch._MAX_PLANS
-        agreement._MAX_AGREED = dispatch._MAX_PLANS = SMALL_CAP
+        saved = agreement._MAX_AGREED, dispatch._MAX_PLANS, ops_module._MAX_PLANS
+        agreement._MAX_AGREED = dispatch._MAX_PLANS = ops_module._MAX_PLANS = SMALL_CAP
+        agreement.forget()
+        dispatch.clear_plans()
+        ops_module._all_reduce_plans.clear()
         try:
             before = exchanges["n"]
             sizes = []
             for i in range(NEW_SIGNATURES):
                 one((OPS[i % 3], max(ROWS) + 1 + i, DIMS[0], False), check=i % CHECK_EVERY == 0)
-                sizes.append((len(agreement._agreed), len(dispatch._plans)))
+                sizes.append((len(agreement._agreed), len(dispatch._plans), len(ops_module._all_reduce_plans)))
             out["capped"] = {"exchanges": exchanges["n"] - before, "sizes": sizes}
         finally:
-            agreement._MAX_AGREED, dispatch._MAX_PLANS = saved
+            agreement._MAX_AGREED, dispatch._MAX_PLANS, ops_module._MAX_PLANS = saved
     out["wrong"] = wrong
     out["checked"] = checked["n"]
     return out
@@ -177,9 +181,11 @@ def test_the_caches_hold_one_entry_per_signature_and_stop_growing():
         # a plan per all-gather and reduce-scatter signature, and one for each all-reduce whose rows split (its
         # reduce-scatter half), shared with the reduce-scatter signature of the same operand where there is one
         assert n // 3 * 2 <= first["plans"] <= n, f"rank {rank}: {first}"
+        assert first["all_reduce_plans"] == n // 3, f"rank {rank}: {first}"  # one per matmul_all_reduce signature
         assert r["random"]["exchanges"] == 0, f"rank {rank}: {r['random']['exchanges']} exchanges after the first pass"
         for s in r["random"]["series"]:
-            assert (s["agreed"], s["plans"]) == (first["agreed"], first["plans"]), f"rank {rank}: {s}"
+            assert {k: s[k] for k in ("agreed", "plans", "all_reduce_plans")} == \
+                {k: first[k] for k in ("agreed", "plans", "all_reduce_plans")}, f"rank {rank}: {s}"
 
 
 def test_the_python_heap_does_not_grow():
@@ -193,11 +199,9 @@ def test_the_caches_stay_within_their_caps():
     for rank, r in enumerate(_results()):
         capped = r["capped"]
         assert capped["exchanges"] == NEW_SIGNATURES, f"rank {rank}: {capped['exchanges']}"
-        agreed = [a for a, _ in capped["sizes"]]
-        plans = [p for _, p in capped["sizes"]]
-        assert max(agreed) <= SMALL_CAP and max(plans) <= SMALL_CAP, f"rank {rank}: {capped['sizes']}"
-        # each reached the cap and was cleared (a drop from the cap to one entry), more than once
-        for sizes in (agreed, plans):
+        for sizes in zip(*capped["sizes"]):  # agreed, plans, all-reduce plans after each call
+            assert max(sizes) <= SMALL_CAP, f"rank {rank}: {sizes}"
+            # reached the cap and was cleared (a drop from the cap to one entry), more than once
             drops = [i for i in range(1, len(sizes)) if sizes[i] < sizes[i - 1]]
             assert len(drops) >= 2 and all(sizes[i - 1] == SMALL_CAP and sizes[i] == 1 for i in drops), sizes
 
