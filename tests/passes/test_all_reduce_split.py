@@ -334,9 +334,9 @@ def test_all_reduce_split_still_splits_where_the_split_pays():
 
 
 def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_run(flux_settings, monkeypatch):
-    """The pass manager's answer for op "matmul_all_reduce": never on CPU or under the decomposed dispatch; on a GPU
-    where the fused kernels run, wherever the one-shot kernel takes the dtype, world and N (a row a multiple of 16
-    bytes)."""
+    """The pass manager's answer for op "matmul_all_reduce": never on CPU or under the auto or decomposed dispatch;
+    under the fused dispatch on a GPU where the fused kernels run, wherever the one-shot kernel takes the dtype, world
+    and N (a row a multiple of 16 bytes)."""
     from fluxinductor import dispatch
     from fluxinductor.kernels import one_shot
     from fluxinductor.passes import FluxPassManager
@@ -348,6 +348,8 @@ def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_r
     assert "cpu" in ask(FluxPassManager(), torch.device("cpu"))
     monkeypatch.setattr(dispatch, "_local_reason", lambda index: None)
     monkeypatch.setattr(one_shot, "_extension", lambda: object())
+    assert "stays whole under FLUXINDUCTOR_DISPATCH=auto" in ask(FluxPassManager(), cuda)
+    flux_settings(dispatch="fused")
     manager = FluxPassManager()
     assert ask(manager, cuda) is None
     assert ask(manager, cuda, n=8200) is None  # 16400 bytes a row
@@ -357,8 +359,5 @@ def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_r
     assert "world size 16" in ask(manager, cuda, world=16)
     monkeypatch.setattr(dispatch, "_local_reason", lambda index: "built for sm_90a")
     assert ask(manager, cuda) == "built for sm_90a"
-    flux_settings(dispatch="fused")
-    monkeypatch.setattr(dispatch, "_local_reason", lambda index: None)
-    assert ask(FluxPassManager(), cuda) is None
     flux_settings(dispatch="decomposed")
     assert "decomposed" in ask(FluxPassManager(), cuda)
