@@ -78,6 +78,32 @@ def graph_us(graph, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def time_contenders(fns: dict, timer, rounds: int, calls: int, rank: int, label: str) -> dict:
+    """Each contender's ``exposed_us`` (``timer`` around one eager call) and ``graph_us`` (:func:`graph_us` of its
+    captured graph; absent where it cannot be captured), median and [min, max] over ``rounds`` alternated rounds."""
+    graphs = {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = graphed(fn)
+        except Exception as e:  # noqa: BLE001 - a contender that cannot be captured is timed eagerly only
+            if rank == 0:
+                print(f"{name} at {label} not captured: {type(e).__name__}: {e}", flush=True)
+    times = {name: {"exposed_us": [], "graph_us": []} for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name]["exposed_us"].append(timer(fn) * 1e3)
+            if name in graphs:
+                times[name]["graph_us"].append(graph_us(graphs[name], calls))
+    summary = {}
+    for name, t in times.items():
+        summary[name] = {}
+        for what, values in t.items():
+            if values:
+                summary[name][what] = statistics.median(values)
+                summary[name][what + "_range"] = [min(values), max(values)]
+    return summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -93,25 +119,8 @@ def main() -> None:
     results = []
     for size in SIZES:
         ops = collectives(size // 2, world, device, group_name)
-        graphs = {}
-        for name, fn in ops.items():
-            try:
-                graphs[name] = graphed(fn)
-            except Exception as e:  # noqa: BLE001 - a collective that cannot be captured is timed eagerly only
-                if rank == 0:
-                    print(f"{name} at {size} B not captured: {type(e).__name__}: {e}", flush=True)
-        times = {name: {"exposed_us": [], "graph_us": []} for name in ops}
-        for _ in range(args.rounds):
-            for name, fn in ops.items():
-                times[name]["exposed_us"].append(timer(fn) * 1e3)
-                if name in graphs:
-                    times[name]["graph_us"].append(graph_us(graphs[name], args.calls))
-        for name, t in times.items():
-            row = {"bytes": size, "collective": name}
-            for what, values in t.items():
-                if values:
-                    row[what] = statistics.median(values)
-                    row[what + "_range"] = [min(values), max(values)]
+        for name, timed in time_contenders(ops, timer, args.rounds, args.calls, rank, f"{size} B").items():
+            row = {"bytes": size, "collective": name, **timed}
             results.append(row)
             if rank == 0:
                 print(f"{size:>10} B {name:<30} exposed {row['exposed_us']:8.1f} us   graph "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -31,8 +30,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from collective_latency import graph_us, graphed  # noqa: E402
-from harness import Timer, git_sha, write_json  # noqa: E402
+from collective_latency import time_contenders  # noqa: E402
+from harness import Timer, git_sha, init_gpu_ranks, write_json  # noqa: E402
 
 ROWS = (1, 8, 32, 64, 128, 256)
 
@@ -100,43 +99,21 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    group_name = dist.group.WORLD.group_name
+    rank, world, device, group_name = init_gpu_ranks()
     from fluxinductor import settings
-    from fluxinductor.kernels.symm import _enable_group
 
-    _enable_group(group_name)
     settings.configure(cuda_graphs=True)  # the one-shot kernel runs under torch.cuda.graph capture too
     timer = Timer(device)
     results = []
     for rows in ROWS:
         fns = contenders(rows, args.k_local, args.n, device, group_name)
         errors = check(rows, args.k_local, args.n, device, group_name, fns)
-        graphs = {}
-        for name, fn in fns.items():
-            try:
-                graphs[name] = graphed(fn)
-            except Exception as e:  # noqa: BLE001 - a contender that cannot be captured is timed eagerly only
-                if rank == 0:
-                    print(f"{name} at M={rows} not captured: {type(e).__name__}: {e}", flush=True)
-        times = {name: {"exposed_us": [], "graph_us": []} for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                times[name]["exposed_us"].append(timer(fn) * 1e3)
-                if name in graphs:
-                    times[name]["graph_us"].append(graph_us(graphs[name], args.calls))
-        for name, t in times.items():
+        timed = time_contenders(fns, timer, args.rounds, args.calls, rank, f"M={rows}")
+        for name, t in timed.items():
             row = {"m": rows, "k_local": args.k_local, "n": args.n, "contender": name,
-                   "output_bytes": rows * args.n * 2}
+                   "output_bytes": rows * args.n * 2, **t}
             if name in errors:
                 row["rel_err"] = errors[name]
-            for what, values in t.items():
-                if values:
-                    row[what] = statistics.median(values)
-                    row[what + "_range"] = [min(values), max(values)]
             results.append(row)
             if rank == 0:
                 print(f"M={rows:>4} {name:<24} exposed {row['exposed_us']:8.1f} us   graph "
