@@ -300,12 +300,10 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
 
 
 def _verdict(times: Dict[str, float]) -> str:
-    """The cost model's rule on measured times: the first path within MIN_GAIN of the best gain over sequential,
-    if that gain is above MIN_GAIN; else sequential."""
+    """The cost model's rule (``cost_model.pick``, ``cost_model.wins``) on measured times, candidates in their order."""
     seq = times["sequential"]
     gains = {p: (seq - t) / seq for p, t in times.items() if p != "sequential"}
     if not gains or seq <= 0:
         return "sequential"
-    top = max(gains.values())
-    best = next(p for p, g in gains.items() if g >= top - cost_model.MIN_GAIN)
-    return best if gains[best] > cost_model.MIN_GAIN + 1e-9 else "sequential"
+    best, gain = cost_model.pick(gains, list(gains))
+    return best if cost_model.wins(gain) else "sequential"

@@ -316,7 +316,7 @@ def _gains(row: dict, paths: Tuple[str, ...]) -> Dict[str, float]:
     return {p: _gain(row, p) for p in paths}
 
 
-def _wins(gain: float) -> bool:
+def wins(gain: float) -> bool:
     # The epsilon keeps a gain of exactly MIN_GAIN (up to float rounding) on the "sequential" side.
     return gain > MIN_GAIN + 1e-9
 
@@ -336,14 +336,19 @@ def _describe(row: dict, paths: Tuple[str, ...] = ("fused",)) -> str:
     return f"M={row['m']} K={row['k']} N={row['n']}: {', '.join(parts)} vs sequential {seq_s}"
 
 
-def _decide(gains: Dict[str, float], basis: str) -> Tuple[str, str]:
-    # The first path in PATHS order within MIN_GAIN of the best: a near tie keeps fluxinductor's own kernel
-    # (measured at TP=4: async-TP picked on a 0.6% op-level lead ran the SP MLP 15% slower than the kernel).
+def pick(gains: Dict[str, float], order) -> Tuple[str, float]:
+    """(path, gain): the first path in ``order`` whose gain over sequential is within :data:`MIN_GAIN` of the best (a
+    near tie keeps the earlier path; measured at TP=4: async-TP picked on a 0.6% op-level lead ran the SP MLP 15%
+    slower than the kernel).  The caller decides whether that gain wins (:func:`wins`)."""
     top = max(gains.values())
-    best = next(p for p in PATHS if p in gains and (gains[p] == top or gains[p] >= top - MIN_GAIN))
-    gain = gains[best]
+    best = next(p for p in order if p in gains and (gains[p] == top or gains[p] >= top - MIN_GAIN))
+    return best, gains[best]
+
+
+def _decide(gains: Dict[str, float], basis: str) -> Tuple[str, str]:
+    best, gain = pick(gains, PATHS)
     gain_s = "-inf" if gain == -math.inf else f"{gain * 100:+.1f}%"
-    if _wins(gain):
+    if wins(gain):
         return best, f"{basis}; {best} gain {gain_s} > {MIN_GAIN * 100:.0f}%"
     return "sequential", f"{basis}; best gain {gain_s} ({best}) <= {MIN_GAIN * 100:.0f}%"
 
@@ -639,7 +644,7 @@ def _estimate(op: str, device_name: str, world: int, m: int, k: int, n: int, dty
     basis = (f"{why}; roofline ({rates.source}: {rates.matmul_tflops:.0f} TFLOP/s, {rates.link_gbps:.0f} GB/s, "
              f"{rates.latency_ms * 1e3:.0f} us) at M={m} K={k} N={n}: sequential {seq:.3f} ms, fused {fused:.3f} ms, "
              f"gain {gain * 100:+.1f}%")
-    if _wins(gain):
+    if wins(gain):
         return Decision(fused_paths[0], basis, True)
     return Decision("sequential", basis, True)
 

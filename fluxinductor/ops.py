@@ -423,10 +423,6 @@ def clear_plans() -> None:
     _all_reduce_plans.clear()
 
 
-def _operand_key(t: Optional[Tensor]) -> Optional[tuple]:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-
-
 def _all_reduce_plan(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                      group_name: str, out_dtype: Optional[torch.dtype], world: int,
                      rows: int) -> Tuple[str, Optional[str]]:
@@ -446,8 +442,8 @@ def _all_reduce_plan(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tens
     """
     dispatch_mode = dispatch.mode()
     capturing = symm.capturing()
-    key = (dispatch_mode, group_name, world, reduce_op, out_dtype, _operand_key(a), _operand_key(weight),
-           _operand_key(bias),
+    key = (dispatch_mode, group_name, world, reduce_op, out_dtype, dispatch._operand_key(a),
+           dispatch._operand_key(weight), dispatch._operand_key(bias),
            dispatch._auto_key(a.device, world) if dispatch_mode == "auto" and a.is_cuda else None)
     plan = _all_reduce_plans.get(key)
     if plan is not None:

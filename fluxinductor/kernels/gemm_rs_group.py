@@ -81,15 +81,10 @@ class _GroupState:
             _symm.outside_graph_pools(lambda: self._grow(nbytes), self.device)
 
     def _grow(self, nbytes: int) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
         if self.handle is not None:
-            torch.cuda.synchronize(self.device)
-            self.handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)
+            _symm.drain(self.handle, self.device)
             self.retired.append((self.buffer, self.handle))
-        capacity = max(_MIN_BUFFER_BYTES, 1 << (int(nbytes) - 1).bit_length())
-        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, self.group_name)
+        buffer, handle, capacity = _symm.new_symmetric_bytes(nbytes, _MIN_BUFFER_BYTES, self.group_name, self.device)
         buffer.zero_()  # hello words, status and flags start below every epoch
         handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)  # peers zeroed before anyone writes
         self.buffer, self.handle, self.capacity = buffer, handle, capacity

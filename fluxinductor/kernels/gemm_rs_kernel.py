@@ -6,7 +6,6 @@ nothing beyond these; the copy and split transports add :mod:`.gemm_rs_copy` and
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import struct
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from fluxinductor import settings
 from fluxinductor.kernels import loader
+from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - the GEMM+RS modules take them from here
 
 REDUCE_OPS = ("sum", "avg")
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -42,11 +42,6 @@ def _extension():
     if not hasattr(ext, "gemm_rs_run"):
         raise RuntimeError("fluxinductor._C was built without the GEMM+RS kernel")
     return ext
-
-
-def timeout_ns() -> int:
-    """How long a wait may take before the call is aborted (FLUXINDUCTOR_TIMEOUT_S, default 10 s)."""
-    return int(settings.current.timeout_s * 1e9)
 
 
 _tile_shapes: Dict[int, Tuple[int, int, int]] = {}
@@ -92,19 +87,6 @@ def _weight_layout(weight: Tensor) -> Optional[Tuple[bool, int]]:
     if weight.stride(1) == 1 and (k == 1 or weight.stride(0) >= n):
         return False, max(weight.stride(0), n)
     return None
-
-
-class ErrorWord:
-    """A host-mapped int32 the kernels write error codes into; read without synchronizing."""
-
-    def __init__(self) -> None:
-        self.host, self.device = _extension().gemm_rs_alloc_host_word()
-
-    def read(self) -> int:
-        return ctypes.c_int32.from_address(self.host).value
-
-    def clear(self) -> None:
-        ctypes.c_int32.from_address(self.host).value = 0
 
 
 def error_message(code: int) -> str:

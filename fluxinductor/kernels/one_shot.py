@@ -29,7 +29,6 @@ pools only then).
 
 from __future__ import annotations
 
-import ctypes
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,6 +37,7 @@ from torch import Tensor
 from fluxinductor import settings
 from fluxinductor.kernels import symm as _symm
 from fluxinductor.kernels.loader import extension
+from fluxinductor.kernels.symm import ErrorWord, timeout_ns
 
 # The element types the kernel takes (its dtype codes), and the partials' dtype -> what the output may be.
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -74,24 +74,6 @@ def _extension():
     if not hasattr(ext, "one_shot_all_reduce"):
         raise RuntimeError("fluxinductor._C was built without the one-shot all-reduce")
     return ext
-
-
-def timeout_ns() -> int:
-    return int(settings.current.timeout_s * 1e9)
-
-
-class ErrorWord:
-    """A host-mapped int32 the kernel writes its error code into; read without synchronizing."""
-
-    def __init__(self) -> None:
-        self.host, self.device = _extension().ag_alloc_host_mapped_word()
-        self._word = ctypes.c_int32.from_address(self.host)  # one ctypes view, read on every call
-
-    def read(self) -> int:
-        return self._word.value
-
-    def clear(self) -> None:
-        self._word.value = 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,13 +144,10 @@ class OneShotWorkspace:
             return
         if self.handle is not None:
             # Every peer finished reading the old buffer once this device drained (the kernels' end barrier).
-            torch.cuda.synchronize(self.device)
-            self.handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)
+            _symm.drain(self.handle, self.device)
             if self.captured:
                 self.retired.append((self.buffer, self.handle))
-        capacity = max(_MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
-        buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, self.group_name)
+        buffer, handle, capacity = _symm.new_symmetric_bytes(nbytes, _MIN_BYTES, self.group_name, self.device)
         self.calls.clear()
         self.buffer, self.handle, self.capacity = buffer, handle, capacity
         self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]

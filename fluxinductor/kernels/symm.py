@@ -83,9 +83,46 @@ def timeout_seconds() -> float:
     return settings.current.timeout_s
 
 
+def timeout_ns() -> int:
+    """:func:`timeout_seconds` in nanoseconds, as the kernels take it."""
+    return int(settings.current.timeout_s * 1e9)
+
+
+def new_symmetric_bytes(nbytes: int, min_bytes: int, group_name: str, device: torch.device) -> tuple:
+    """(buffer, handle, capacity): a symmetric uint8 buffer of the next power of two bytes that holds ``nbytes`` (at
+    least ``min_bytes``), rendezvoused on the group: a collective step every rank takes on the same call."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    capacity = max(min_bytes, 1 << (int(nbytes) - 1).bit_length())
+    buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=device)
+    return buffer, symm_mem.rendezvous(buffer, group_name), capacity
+
+
+def drain(handle, device: torch.device) -> None:
+    """Wait until this device and then every peer of ``handle``'s group have finished their work (so no peer still
+    reads a buffer about to be replaced); the barrier fails after :func:`timeout_seconds`."""
+    torch.cuda.synchronize(device)
+    handle.barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
+
+
 # ---------------------------------------------------------------------------------------------------
-# The host-mapped error word (one per device).
+# Host-mapped error words: one per workspace (ErrorWord), or one per device (error_word).
 # ---------------------------------------------------------------------------------------------------
+
+
+class ErrorWord:
+    """A host-mapped int32 a kernel writes its error code into (zeroed); read without synchronizing."""
+
+    def __init__(self) -> None:
+        self.host, self.device = extension().ag_alloc_host_mapped_word()
+        self._word = ctypes.c_int32.from_address(self.host)  # one ctypes view, read on every call
+
+    def read(self) -> int:
+        return self._word.value
+
+    def clear(self) -> None:
+        self._word.value = 0
+
 
 _error_words: Dict[int, Tuple[int, int]] = {}
 
@@ -191,17 +228,13 @@ class SymmetricWorkspace:
             outside_graph_pools(lambda: self._grow(nbytes), self.device)
 
     def _grow(self, nbytes: int) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
         if self._flag_handle is None:
             self._allocate_flags()
 
-        capacity = max(_MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
         if self.handles[0] is not None:
             # Peers may still read the old buffers: drain this device, then wait for every rank to do so.
-            torch.cuda.synchronize(self.device)
             for handle in self.handles:
-                handle.barrier(channel=0, timeout_ms=int(timeout_seconds() * 1000))
+                drain(handle, self.device)
             torch.cuda.synchronize(self.device)
         self._views.clear()
         self._addresses.clear()
@@ -211,9 +244,8 @@ class SymmetricWorkspace:
         self.buffers = [None, None]
         self.handles = [None, None]
         for parity in range(2):
-            buffer = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
-            self.handles[parity] = symm_mem.rendezvous(buffer, self.group_name)
-            self.buffers[parity] = buffer
+            self.buffers[parity], self.handles[parity], capacity = new_symmetric_bytes(nbytes, _MIN_BYTES,
+                                                                                       self.group_name, self.device)
         self.capacity_bytes = capacity
 
     def _allocate_flags(self) -> None:
