@@ -34,6 +34,39 @@ class RankError(RuntimeError):
     """A rank raised, died or timed out; the message holds each failed rank's traceback."""
 
 
+def count_calls(owner: Any, name: str, counter: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+    """Replace ``owner.<name>`` for the rest of this process by a wrapper that adds one to ``counter["n"]`` on each
+    call (a new counter unless one is given, so that several functions can share one); returns the counter."""
+    counter = {"n": 0} if counter is None else counter
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counter["n"] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    return counter
+
+
+def join_torchrun_group(device_kind: str, pg_timeout_s: float) -> tuple:
+    """(device, rank, world, group name) of a script under torchrun: NCCL on this rank's GPU (``device_kind``
+    "cuda"), else gloo on the CPU, with collectives bounded by ``pg_timeout_s``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=pg_timeout_s)
+    if device_kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return device, dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -52,7 +52,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from typing import Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
@@ -61,6 +60,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared fuzz
 
 import _fuzz  # noqa: E402
+from _dist import join_torchrun_group  # noqa: E402
 
 # Rows per rank: around the kernels' tiles (64, 128, 256 rows), primes, up to 4097.
 SIZES = (1, 7, 8, 64, 127, 128, 129, 255, 256, 257, 383, 509, 1021, 1023, 1024, 1025, 2039, 2047, 4093, 4095, 4096,
@@ -361,16 +361,7 @@ def main() -> int:
         if m not in MODES:
             parser.error(f"--modes: {m!r} is not one of {MODES}")
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=args.pg_timeout))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group_name = dist.group.WORLD.group_name
+    device, rank, world, group_name = join_torchrun_group(args.device, args.pg_timeout)
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, f"fuzz_gpu_rank{rank}.log"), "w")
 

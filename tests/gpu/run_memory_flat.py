@@ -53,7 +53,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 import weakref  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from typing import Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
@@ -61,6 +60,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared tolerances
 
+from _dist import join_torchrun_group  # noqa: E402
 from _fuzz import TOLERANCE  # noqa: E402
 
 ROWS = (1, 2, 3, 7, 8, 63, 64, 65, 127, 128, 129, 255, 256, 257, 509, 511, 512, 513, 1021, 1023, 1024, 1025, 2047,
@@ -400,16 +400,7 @@ def main() -> int:
     if args.max_rows is None:
         args.max_rows = 8192 if args.device == "cuda" else 64
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=args.pg_timeout))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group_name = dist.group.WORLD.group_name
+    device, rank, world, group_name = join_torchrun_group(args.device, args.pg_timeout)
 
     import fluxinductor.ops  # noqa: F401 - registers torch.ops.fluxinductor
     from fluxinductor import log, settings

@@ -15,7 +15,7 @@ from typing import Callable, Dict
 import pytest
 import torch
 
-from _dist import run_ranks
+from _dist import count_calls, run_ranks
 
 
 def _outcome(fn: Callable[[], object]) -> Dict[str, str]:
@@ -37,22 +37,8 @@ def _job(rank: int, world: int) -> Dict[str, object]:
     mrs = torch.ops.fluxinductor.matmul_reduce_scatter
     mar = torch.ops.fluxinductor.matmul_all_reduce
 
-    exchanges = {"n": 0}
-    all_gather_object = dist.all_gather_object
-
-    def counted_all_gather_object(*args, **kwargs):
-        exchanges["n"] += 1
-        return all_gather_object(*args, **kwargs)
-
-    dist.all_gather_object = counted_all_gather_object
-    data_gathers = {"n": 0}
-    all_gather_single = ops_module._all_gather_single
-
-    def counted_all_gather_single(*args, **kwargs):
-        data_gathers["n"] += 1
-        return all_gather_single(*args, **kwargs)
-
-    ops_module._all_gather_single = counted_all_gather_single
+    exchanges = count_calls(dist, "all_gather_object")
+    data_gathers = count_calls(ops_module, "_all_gather_single")
 
     def ones(*shape, dtype=torch.float32):
         return torch.ones(*shape, dtype=dtype)
@@ -98,21 +84,9 @@ def _job(rank: int, world: int) -> Dict[str, object]:
     # 100 calls of one signature per op: one exchange, on the first; each call's own collective every time; a new
     # shape: one exchange more.
     hundred = {}
-    all_reduce = dist.all_reduce
-    collectives = {"n": 0}
-
-    def counted_all_reduce(*args, **kwargs):
-        collectives["n"] += 1
-        return all_reduce(*args, **kwargs)
-
-    dist.all_reduce = counted_all_reduce
-    reduce_scatter_single = ops_module._reduce_scatter_single
-
-    def counted_reduce_scatter_single(*args, **kwargs):
-        collectives["n"] += 1
-        return reduce_scatter_single(*args, **kwargs)
-
-    ops_module._reduce_scatter_single = counted_reduce_scatter_single
+    all_reduce, reduce_scatter_single = dist.all_reduce, ops_module._reduce_scatter_single
+    collectives = count_calls(dist, "all_reduce")
+    count_calls(ops_module, "_reduce_scatter_single", collectives)
     calls = {
         "all_gather_matmul": lambda rows: agm(ones(rows, 8), [ones(8, 6)], [None], 0, name, False),
         "matmul_reduce_scatter": lambda rows: mrs(ones(2 * rows, 8), ones(8, 6), None, "sum", 0, name),

@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import torch
 
-from _dist import run_ranks
+from _dist import count_calls, run_ranks
 
 WORLD = 2
 SEED = 34
@@ -93,14 +93,7 @@ def _job(rank: int, world: int) -> Dict[str, object]:
                                      split_reason=lambda *args: None)
     dispatch._kernels_for = lambda op, operand: declined
     dispatch._peers_reason = lambda group_name, device: None
-    exchanges = {"n": 0}
-    all_gather_object = dist.all_gather_object
-
-    def counted_all_gather_object(*args, **kwargs):
-        exchanges["n"] += 1
-        return all_gather_object(*args, **kwargs)
-
-    dist.all_gather_object = counted_all_gather_object
+    exchanges = count_calls(dist, "all_gather_object")
     ops = _operands(world)
     wrong: List[str] = []
     checked = {"n": 0}
