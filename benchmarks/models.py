@@ -20,6 +20,12 @@ CONFIGS = {
         "llama2": {"layers": 2, "batch": 1, "seq": 4096, "hidden": 8192, "ffn": 28672, "heads": 64,
                    "kv_heads": 8},
     },
+    # Llama-3-8B-shaped layers, a long sequence: the smaller model of the model-level issue's table.
+    "h4096": {
+        "mlp": {"tokens": 16384, "hidden": 4096, "ffn": 14336},
+        "llama2": {"layers": 2, "batch": 1, "seq": 16384, "hidden": 4096, "ffn": 14336, "heads": 32,
+                   "kv_heads": 8},
+    },
     # CPU smoke: divisible by 2, 4 and 8 ranks.
     "small": {
         "mlp": {"tokens": 64, "hidden": 64, "ffn": 128},

@@ -202,7 +202,7 @@ def ensure_rates(device: torch.device, group_name: str, world: int, timer: Optio
     agreed = as_costs(agreed)
     if source == "measured" and group.rank() == 0:
         _write_cache(path, name, world, lambda data: data.__setitem__("rates", dict(zip(fields, agreed))))
-    rates = cost_model.Rates(*agreed, source=source)
+    rates = cost_model.Rates(*agreed, source=source, memory_gbps=cost_model.nominal_rates(name).memory_gbps)
     cost_model.set_measured_rates(name, world, rates)
     with _lock:
         _rates_done.add(key)

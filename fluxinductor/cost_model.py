@@ -141,21 +141,25 @@ class Rates:
 
     ``matmul_tflops``: the dense half-precision GEMM rate cuBLAS reaches on large shapes; ``link_gbps``: the bytes a
     rank receives in an all-gather (or sends in a reduce-scatter) per second, GB/s, on large messages;
-    ``latency_ms``: one collective's fixed cost; ``source``: where the numbers came from."""
+    ``latency_ms``: one collective's fixed cost; ``source``: where the numbers came from; ``memory_gbps``: the bytes
+    a device-to-device copy reads plus writes per second, GB/s (nominal: not measured by the calibration)."""
 
     matmul_tflops: float
     link_gbps: float
     latency_ms: float
     source: str
+    memory_gbps: float = 1500.0
 
 
 # Nominal rates per device-name pattern, first match wins; what the committed H200 tables imply: cuBLAS at
-# 750-790 TFLOP/s on the Llama shapes, NCCL all-gather 218 GB/s received per rank at TP=2 and 300 at TP=4.
+# 750-790 TFLOP/s on the Llama shapes, NCCL all-gather 218 GB/s received per rank at TP=2 and 300 at TP=4.  Copy
+# bandwidth: 85% of the HBM's (an H200 copy of two 235 MB weights ran in 223 us in a training step's profile).
 _NOMINAL = (
-    ("h800", Rates(750.0, 100.0, 0.03, "nominal H800")),
-    (r"h20\b", Rates(140.0, 220.0, 0.03, "nominal H20")),
-    ("nvl|pcie", Rates(600.0, 100.0, 0.03, "nominal H100 PCIe/NVL")),
-    ("h100|h200|gh200", Rates(750.0, 220.0, 0.03, "nominal H100/H200 SXM")),
+    ("h800", Rates(750.0, 100.0, 0.03, "nominal H800", 2850.0)),
+    (r"h20\b", Rates(140.0, 220.0, 0.03, "nominal H20", 3400.0)),
+    ("nvl|pcie", Rates(600.0, 100.0, 0.03, "nominal H100 PCIe/NVL", 1700.0)),
+    ("h200|gh200", Rates(750.0, 220.0, 0.03, "nominal H200 SXM", 4100.0)),
+    ("h100", Rates(750.0, 220.0, 0.03, "nominal H100 SXM", 2850.0)),
 )
 _UNKNOWN_RATES = Rates(300.0, 50.0, 0.05, "nominal, device not known")
 _measured_rates: Dict[Tuple[str, int], Rates] = {}
@@ -218,6 +222,23 @@ def roofline_ms(op: str, world: int, m: int, k: int, n: int, dtype, rates: Rates
     comm = rates.latency_ms + moved / (rates.link_gbps * 1e9) * 1e3
     fused = max(gemm * (1.0 + FUSED_GEMM_SLOWDOWN), comm + gemm / world) + FUSED_OVERHEAD_MS_PER_PEER * (world - 1)
     return gemm + comm, fused
+
+
+def sum_per_term(world: int, m: int, ks: List[int], n: int, dtype, copied_bytes: int, rates: Rates) -> bool:
+    """Whether a reduce-scatter of a sum of matmuls ``sum_i a_i @ w_i`` (global M, each term's global K in ``ks``,
+    N) is better fused as one op per term, results added (each term pays its own collective, which its own GEMM must
+    hide), than as one op over the concatenated K, which pays for copying ``copied_bytes`` into the concatenations
+    (operands no fusion writes there directly: weights, as a rule).  By the roofline (:func:`roofline_ms`): on 2xH200
+    the gate/up input gradient of a Llama layer (hidden 8192, FFN 28672, 4096 tokens) is cheaper per term, its
+    weights' copy (470 MB) costing more than a second reduce-scatter hidden under a 1.2 ms GEMM; Q/K/V's is
+    cheaper concatenated, its K/V GEMMs too short to hide a reduce-scatter each."""
+    size = 4 if dtype_name(dtype) == "float32" else 2
+    per_ms = lambda nbytes: nbytes / (rates.memory_gbps * 1e9) * 1e3  # noqa: E731 - read plus write, ms
+    concatenated = roofline_ms(MATMUL_REDUCE_SCATTER, world, m, sum(ks), n, dtype, rates)[1] + per_ms(2 * copied_bytes)
+    # Each added term reads two [M/world, N] results and writes one.
+    per_term = (sum(roofline_ms(MATMUL_REDUCE_SCATTER, world, m, k, n, dtype, rates)[1] for k in ks)
+                + per_ms(3 * (len(ks) - 1) * m // world * n * size))
+    return per_term < concatenated
 
 
 def canonical_op(op: str) -> str:

@@ -27,6 +27,7 @@ WAIT = c10d.wait_tensor.default
 # Reshapes keep the row-major order of the elements, whatever the strides of their input.  A chain of
 # them ending in [M, K] is therefore the same tensor as ``x.reshape(M, K)``.
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 SLICE = aten.slice.Tensor
 CAT = aten.cat.default

@@ -60,7 +60,7 @@ from fluxinductor.passes._match import Skip
 
 PATTERN = "all_gather_matmul"
 
-_TRANSPOSES = (m.aten.permute.default, m.aten.t.default, m.aten.transpose.int)
+_TRANSPOSES = m.TRANSPOSES
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -124,6 +124,19 @@ class FluxPassManager(CustomGraphPass):
                     f"(symbolic M); at M={SYMBOLIC_M_PROBES[-1]}: {choices[-1][1]}")
         return f"cost model chose sequential: {choices[0][1]}"
 
+    @staticmethod
+    def sum_per_term(device: torch.device, world: int, m: int, ks: List[int], n: int, dtype,
+                     copied_bytes: int) -> bool:
+        """Whether a GEMM+RS of a sum of matmuls on ``device`` (global M, each term's K, N) runs one fused op per
+        term rather than one over the concatenated K, which copies ``copied_bytes`` each call
+        (:func:`fluxinductor.cost_model.sum_per_term`).  Elsewhere than on a GPU: concatenated."""
+        if device.type != "cuda":
+            return False
+        from fluxinductor import cost_model
+
+        name = torch.cuda.get_device_name(device)
+        return cost_model.sum_per_term(world, m, ks, n, dtype, copied_bytes, cost_model.rates_for(name, world))
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul
         from fluxinductor.passes.all_reduce_split import split_all_reduce
@@ -135,7 +148,8 @@ class FluxPassManager(CustomGraphPass):
             split_all_reduce(graph, self.group_allowed, self.not_worth_fusing,
                              assume_replicated=self.split_all_reduce == "replicated", fuse_sums=self.fuse_matmul_sums)
         fuse_all_gather_matmul(graph, self.group_allowed, self.not_worth_fusing)
-        fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums)
+        fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums,
+                                   sum_per_term=self.sum_per_term)
         keep_output_layouts(graph, promised)
         graph.lint()
 

@@ -288,27 +288,49 @@ def _n_d(graph: Graph, fake_mode, node: Node, shape: tuple, arg: Optional[list])
     return reshaped
 
 
-def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
+@dataclass
+class _Group:
+    """One fused op of a rewrite: the terms it sums (over their concatenated K), its bias, and what its fake
+    evaluation found."""
+
+    terms: List[_Term]
+    bias: Optional[Node]
+    a_source: Node  # the operand node (or, for several terms, the first term's) the op reads
+    a_nd_shape: tuple
+    a_nd_arg: Optional[list]
+    needs_reshape: bool
+    plan: Optional[tuple]
+    result_2d: torch.Tensor
+    result: torch.Tensor  # fake, as the graph reads it
+
+
+def _collective_args(match: _ReduceScatterMatch, plan: Optional[tuple]) -> tuple:
+    """(reduce_op, scatter_dim, group_name) of matmul_reduce_scatter; (reduce_op, group_name) of matmul_all_reduce."""
+    if match.scatter_dim is None:
+        return match.reduce_op, match.group_name
+    return match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name
+
+
+def _op(match: _ReduceScatterMatch):
     from fluxinductor import ops  # noqa: F401  (registers torch.ops.fluxinductor)
 
-    all_reduce = match.scatter_dim is None
     registered = torch.ops.fluxinductor
-    op = (registered.matmul_all_reduce if all_reduce else registered.matmul_reduce_scatter).default
-    lead = tuple(match.partial_shape[:-1])
-    ks = [m.val(t.a).shape[1] for t in match.terms]
-    a_nd_shape = lead + (sum(ks),)
-    rs = match.between[0]
-    # The op reads a, weight and bias at the reduce_scatter instead of at the matmul(s).
-    mutator = m.mutation_between(match.first, rs)
-    if mutator is not None:
-        raise Skip("possible mutation between the matmul and the reduce_scatter", mutator.name)
+    return (registered.matmul_all_reduce if match.scatter_dim is None else registered.matmul_reduce_scatter).default
 
-    a_source = match.terms[0].a
-    if len(match.terms) == 1 and m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
+
+def _plan(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], fake_mode) -> _Group:
+    """Evaluate the fused op of ``terms`` on fakes (nothing in the graph changes); raises :class:`Skip` where the op
+    refuses the shapes."""
+    op = _op(match)
+    lead = tuple(match.partial_shape[:-1])
+    ks = [m.val(t.a).shape[1] for t in terms]
+    a_nd_shape = lead + (sum(ks),)
+    a_source = terms[0].a
+    if len(terms) == 1 and m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
             and m.same_shape(m.val(a_source.args[0]).shape, a_nd_shape):
         # a is usually reshape(x, [M, K]) of an N-D x of the shape needed: use x itself.
         a_source = a_source.args[0]
-    a_shape = m.val(a_source).shape if len(match.terms) == 1 else (m.val(a_source).shape[0], sum(ks))
+    a_shape = m.val(a_source).shape if len(terms) == 1 else (m.val(a_source).shape[0], sum(ks))
     needs_reshape = not m.same_shape(a_shape, a_nd_shape)
     a_nd_arg = m.reshape_arg(a_nd_shape)
     if a_nd_arg is None and match.lead_args is not None:
@@ -318,64 +340,93 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode) -> None:
     # scatter_dim > 0 with a leading dim > 1 ([B, S, N] scattered on S with B > 1): the op reduce-scatters the
     # rows-first operand on dim 0 and the permutes around it are left to inductor (see m.rows_first).
     out_shape = m.val(match.wait).shape
-    n = match.partial_shape[-1]
-    plan = None if all_reduce else m.rows_first(out_shape, match.scatter_dim)
-    # (reduce_op, scatter_dim, group_name) of matmul_reduce_scatter; (reduce_op, group_name) of matmul_all_reduce
-    collective_args = ((match.reduce_op, match.group_name) if all_reduce else
-                       (match.reduce_op, 0 if plan is not None else match.scatter_dim, match.group_name))
+    plan = None if match.scatter_dim is None else m.rows_first(out_shape, match.scatter_dim)
     out_dtype_arg = () if match.out_dtype is None else (match.out_dtype,)  # the schema's default otherwise
     try:
         with fake_mode:
-            if len(match.terms) == 1:
-                a_val, w_val = m.val(a_source), m.val(match.terms[0].weight)
+            if len(terms) == 1:
+                a_val, w_val = m.val(a_source), m.val(terms[0].weight)
             else:
                 # sum_i a_i @ w_i == cat(a_i, dim 1) @ cat(w_i, dim 0)
-                a_val = torch.cat([m.val(t.a) for t in match.terms], 1)
-                w_val = torch.cat([m.val(t.weight) for t in match.terms], 0)
+                a_val = torch.cat([m.val(t.a) for t in terms], 1)
+                w_val = torch.cat([m.val(t.weight) for t in terms], 0)
             if needs_reshape:
                 a_val = a_val.reshape(a_nd_shape)
             if plan is not None:
                 lead = [-1] + [a_val.shape[d] for d in plan[2]]  # [S / world, rest...] of the result
                 a_val = a_val.permute(plan[0]).reshape(-1, sum(ks))
-            result_2d = op(a_val, w_val, None if match.bias is None else m.val(match.bias), *collective_args,
+            result_2d = op(a_val, w_val, None if bias is None else m.val(bias), *_collective_args(match, plan),
                            *out_dtype_arg)
             # The result as the graph reads it (a view of the rows-first result).
-            result = result_2d if plan is None else result_2d.reshape(lead + [n]).permute(plan[1])
+            result = result_2d if plan is None else result_2d.reshape(lead + [match.partial_shape[-1]]).permute(plan[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     if not m.same_shape(result.shape, out_shape):
         raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(out_shape)}")
+    return _Group(terms, bias, a_source, a_nd_shape, a_nd_arg, needs_reshape, plan, result_2d, result)
 
+
+def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> Node:
+    """Insert ``g``'s fused op (and the reshapes around it) before the collective; returns the node of its result
+    in the shape the graph reads."""
+    n = match.partial_shape[-1]
+    ks = [m.val(t.a).shape[1] for t in g.terms]
+    if len(g.terms) == 1:
+        a_arg, w_arg = _n_d(graph, fake_mode, g.a_source, g.a_nd_shape, g.a_nd_arg), g.terms[0].weight
+    else:
+        a_cat = graph.call_function(m.aten.cat.default, ([t.a for t in g.terms], 1))
+        m.set_val(a_cat, fake_mode, lambda: torch.cat([m.val(t.a) for t in g.terms], 1))
+        a_arg = _n_d(graph, fake_mode, a_cat, g.a_nd_shape, g.a_nd_arg)
+        w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in g.terms], 0))
+        m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in g.terms], 0))
+    if g.plan is not None:
+        lead = [-1] + [m.size_arg(graph, a_arg, d) for d in g.plan[2]]
+        a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, g.plan[0])
+        a_arg = m.call_contiguous(graph, fake_mode, a_arg)
+        a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
+    out_dtype_arg = () if match.out_dtype is None else (match.out_dtype,)
+    fused = graph.call_function(_op(match), (a_arg, w_arg, g.bias) + _collective_args(match, g.plan) + out_dtype_arg)
+    fused.meta["val"] = g.result_2d
+    m.copy_debug_meta(fused, match.first)
+    out = fused
+    if g.plan is not None:
+        out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, lead + [n])
+        out = m.call_view(graph, fake_mode, m.aten.permute.default, out, g.plan[1])
+        out = m.call_contiguous(graph, fake_mode, out)
+    return out
+
+
+def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool = False) -> None:
+    """Replace ``match`` with one fused op over the concatenated K of its terms, or (``per_term``, a reduce-scatter of
+    a sum) one fused op per term whose results are added: ``rs(a1 @ w1 + a2 @ w2) == rs(a1 @ w1) + rs(a2 @ w2)``."""
+    all_reduce = match.scatter_dim is None
+    rs = match.between[0]
+    # The op reads a, weight and bias at the reduce_scatter instead of at the matmul(s).
+    mutator = m.mutation_between(match.first, rs)
+    if mutator is not None:
+        raise Skip("possible mutation between the matmul and the reduce_scatter", mutator.name)
+    split = per_term and not all_reduce and len(match.terms) > 1
+    groups = [[t] for t in match.terms] if split else [match.terms]
+    # Every op is evaluated on fakes before the graph changes; the bias goes to the first op only.
+    planned = [_plan(match, terms, match.bias if i == 0 else None, fake_mode) for i, terms in enumerate(groups)]
     with graph.inserting_before(rs):
-        if len(match.terms) == 1:
-            a_arg, w_arg = _n_d(graph, fake_mode, a_source, a_nd_shape, a_nd_arg), match.terms[0].weight
-        else:
-            a_cat = graph.call_function(m.aten.cat.default, ([t.a for t in match.terms], 1))
-            m.set_val(a_cat, fake_mode, lambda: torch.cat([m.val(t.a) for t in match.terms], 1))
-            a_arg = _n_d(graph, fake_mode, a_cat, a_nd_shape, a_nd_arg)
-            w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in match.terms], 0))
-            m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in match.terms], 0))
-        if plan is not None:
-            lead = [-1] + [m.size_arg(graph, a_arg, d) for d in plan[2]]
-            a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, plan[0])
-            a_arg = m.call_contiguous(graph, fake_mode, a_arg)
-            a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
-        fused = graph.call_function(op, (a_arg, w_arg, match.bias) + collective_args + out_dtype_arg)
-        fused.meta["val"] = result_2d
-        m.copy_debug_meta(fused, match.first)
-        out = fused
-        if plan is not None:
-            out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, lead + [n])
-            out = m.call_view(graph, fake_mode, m.aten.permute.default, out, plan[1])
-            out = m.call_contiguous(graph, fake_mode, out)
+        out = _insert(graph, match, planned[0], fake_mode)
+        total = planned[0].result
+        for g in planned[1:]:
+            term = _insert(graph, match, g, fake_mode)
+            with fake_mode:
+                total = total + g.result
+            out = graph.call_function(m.aten.add.Tensor, (out, term))
+            m.set_val(out, fake_mode, lambda: total)
     match.wait.replace_all_uses_with(out)
     # The matmuls' [M, K] operand views go too when the op reads their N-D source instead: a dead view would
     # count as a second reader and make inductor store the producer's result where it could be fused.
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
     if all_reduce:
         return  # rewrite_matmul_all_reduce's caller records it
-    record_fused(PATTERN, f"{len(match.terms)} matmul(s), scatter_dim={match.scatter_dim}"
-                          f"{', rows-first' if plan else ''}, "
+    record_fused(PATTERN, f"{len(match.terms)} matmul(s){' as one op each' if split else ''}, "
+                          f"scatter_dim={match.scatter_dim}"
+                          f"{', rows-first' if planned[0].plan else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"
                           f"{f', reduced in {match.out_dtype}' if match.out_dtype is not None else ''}")
 
@@ -399,14 +450,57 @@ def check_worth_fusing(not_worth_fusing: Callable[..., Optional[str]], terms: Li
         raise Skip("not worth fusing here", why)
 
 
+def copied_bytes(terms: List[_Term]) -> Optional[int]:
+    """Bytes the concatenations of a sum's operands copy: the operands that reach the matmuls (through reshapes and
+    transposes) from the graph's inputs (weights, saved activations), which no kernel of the graph can write into a
+    concatenation.  None where a size is symbolic."""
+    total = 0
+    for t in terms:
+        for node in (t.a, t.weight):
+            source = node
+            while m.is_call(source, m.VIEW_OPS + m.TRANSPOSES):
+                source = source.args[0]
+            if source.op == "placeholder":
+                val = m.val(node)
+                if not isinstance(val.numel(), int):
+                    return None
+                total += val.numel() * val.element_size()
+    return total
+
+
+def _per_term(match: _ReduceScatterMatch, world: int, rows: m.Size,
+              not_worth_fusing: Optional[Callable[..., Optional[str]]],
+              sum_per_term: Optional[Callable[..., bool]]) -> bool:
+    """Whether a sum of matmuls is fused one op per term: ``sum_per_term`` says it is cheaper than the concatenation
+    and each term alone is worth fusing."""
+    if len(match.terms) < 2 or sum_per_term is None or not isinstance(rows, int):
+        return False
+    copied = copied_bytes(match.terms)
+    a = m.val(match.terms[0].a)
+    ks = [world * m.val(t.a).shape[1] for t in match.terms]
+    if copied is None or not sum_per_term(a.device, world, rows, ks, match.partial_shape[-1], a.dtype, copied):
+        return False
+    if not_worth_fusing is not None:
+        try:
+            for term in match.terms:
+                check_worth_fusing(not_worth_fusing, [term], world, rows, match.partial_shape[-1],
+                                   upcast=match.out_dtype is not None)
+        except Skip:
+            return False
+    return True
+
+
 def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool],
                                not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
-                               fuse_sums: bool = True) -> None:
+                               fuse_sums: bool = True,
+                               sum_per_term: Optional[Callable[..., bool]] = None) -> None:
     """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
     ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone.
     ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies).
     ``not_worth_fusing(op, device, world, m, k, n, dtype, weight=...)`` (global GEMM shape, m None where it is
-    symbolic; a fake of the weight the fused op gets) may veto a match."""
+    symbolic; a fake of the weight the fused op gets) may veto a match.  ``sum_per_term(device, world, m, ks, n,
+    dtype, copied_bytes)`` (global shapes, each term's K in ``ks``; :func:`copied_bytes`): True to fuse a sum one op
+    per term instead of over the concatenated K; None: always concatenated."""
     scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
     if not scatters:
         return
@@ -417,9 +511,11 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
                 raise Skip("no fake mode in graph metadata", rs.name)
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
-            if not_worth_fusing is not None:
-                check_worth_fusing(not_worth_fusing, match.terms, rs.args[2], rows, match.partial_shape[-1],
+            world = rs.args[2]
+            per_term = _per_term(match, world, rows, not_worth_fusing, sum_per_term)
+            if not_worth_fusing is not None and not per_term:
+                check_worth_fusing(not_worth_fusing, match.terms, world, rows, match.partial_shape[-1],
                                    upcast=match.out_dtype is not None)
-            _rewrite(graph, match, fake_mode)
+            _rewrite(graph, match, fake_mode, per_term)
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or rs.name)

@@ -11,11 +11,14 @@ a multiple of the kernel's tile M (the push, the default):
 2. side stream (copy engine, no SMs), once the arrival has passed: for q = r-1, r-2, ... (mod W, the order in which
    the peers' tile walks reach rank r's rows), push the shard straight from the caller's tensor into rows [r*S, (r+1)*S) of peer q's
    buffer, chunk by chunk; after each chunk, copy the call's epoch into that chunk's flag on peer q.
-3. main stream: the fused GEMM (csrc/ag_gemm/ag_gemm.cu) for each weight, the first launched as a programmatic dependent of
-   the arrival so that it starts at once (it reads nothing the arrival writes), reading this rank's rows from the shard
-   itself (a second TMA descriptor, so the shard is never copied into the buffer) and the peers' rows from
-   ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the
-   chunk flags its rows need.  Then, if asked, the gathered A is assembled from the buffer and the shard.
+3. main stream: the fused GEMM (csrc/ag_gemm/ag_gemm.cu) of the widest weight, launched as a programmatic dependent
+   of the arrival so that it starts at once (it reads nothing the arrival writes), reading this rank's rows from the
+   shard itself (a second TMA descriptor, so the shard is never copied into the buffer first) and the peers' rows from
+   ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the chunk
+   flags its rows need.  Meanwhile the side stream, its pushes done, copies the shard into the gathered A (if asked;
+   else into ``buffer``'s own rows where other weights need them).  Then the peers' rows of the gathered A are copied
+   out of ``buffer``, and every other weight's GEMM runs on cuBLAS over the complete A (it could only start once
+   every row had arrived anyway).
 4. main stream waits for the side stream.
 
 Otherwise (the pull): main copies the shard into ``buffer[r*S:(r+1)*S]`` before the arrival, which then waits for
@@ -335,6 +338,12 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     shard_rows, k = shard2d.shape
     m = world * shard_rows
     dtype = shard2d.dtype
+    # Only the widest GEMM overlaps the transfer: any other GEMM on the stream starts after it, when every row has
+    # arrived, so it runs on cuBLAS (which tiles a narrow N, the K/V projections', across more SMs: 46 against 84 us
+    # for 4096x8192x512 on an H200) and reads the complete gathered A.
+    widest = max(range(len(weights)), key=lambda i: weights[i].shape[1])
+    rest = [i for i in range(len(weights)) if i != widest]
+    fused_weight, fused_bias = weights[widest], biases[widest]
     ws.reserve(m * k * shard2d.element_size())
     epoch = ws.next_epoch()
     parity = epoch & 1
@@ -347,54 +356,59 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
-    k_chunks = use_k_chunks(m, weights[0].shape[1], loader.extension().ag_device_sm_count(),
+    k_chunks = use_k_chunks(m, fused_weight.shape[1], loader.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
     # The barrier: every peer done with the buffer this call writes into (pushing: the peer reached the previous call;
     # pulling: this call, so every slot is written).  Once calls were captured, a peer's replay may have read either
     # buffer since the previous eager call: every peer must reach this one.
     need = ws.previous_epoch() if push and not ws.captured else epoch
-    pdl = False
-    if push and len(weights) <= MAX_ONE_CALL_GEMMS:
-        outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
-        gemms = [gemm_args(buffer, w, b, out, stream=main, flags=flags, epoch=epoch, rank=rank, world=world,
-                           shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, a_local=shard2d,
-                           capturing=False) for w, b, out in zip(weights, biases, outputs)]
+    out = shard2d.new_empty((m, fused_weight.shape[1]))
+    if push:
+        gemm = gemm_args(buffer, fused_weight, fused_bias, out, stream=main, flags=flags, epoch=epoch, rank=rank,
+                         world=world, shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks,
+                         a_local=shard2d, capturing=False)
         peer_buffers, peer_flags = ws.peer_addresses(parity, m, k, dtype)
         push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
-                  rank, ws.epoch_word, gemms, ws.push_events(), main, side, chunks, k_chunks)
+                  rank, ws.epoch_word, [gemm], ws.push_events(), main, side, chunks, k_chunks)
+        # The buffer never holds this rank's rows (no peer writes there): the side stream copies them, after the
+        # push, into the gathered A (or, for the other GEMMs, into the buffer) while the GEMM runs; the peers' rows
+        # are copied out once the GEMM has waited for them.
+        a_full = gathered if gathered.numel() else buffer if rest else None
+        lo, hi = rank * shard_rows, (rank + 1) * shard_rows
+        if a_full is not None:
+            with torch.cuda.stream(side):
+                a_full[lo:hi].copy_(shard2d)
         if gathered.numel():
-            assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMMs waited for every peer's chunk
-        return outputs, gathered
-    if k_chunks > 1:
-        # One wave: the peers' tiles wait for the first column block from the start, so the push's start is the
-        # critical path, and the side stream follows the arrival through an event (a stream wait on the passed word
-        # started the push later: docs/design_ag_gemm.md).
-        ws.arrive(epoch, need, main)
-        side.wait_stream(main)
+            if lo:
+                gathered[:lo].copy_(buffer[:lo])
+            if hi < m:
+                gathered[hi:].copy_(buffer[hi:])
+        main.wait_stream(side)
     else:
-        # Off the GEMM's path: the side stream waits for the arrival, the GEMM is its programmatic dependent.
-        side.wait_stream(main)
-        ws.arrive(epoch, need, main)
-        ws.wait_passed(epoch, side)
-        pdl = True
-    peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
-    if push:
-        push_shards(shard2d, peers, [ws.peer_flags(parity, q) for q in range(world)], rank, epoch, ws.epoch_word,
-                    side, chunks, k_chunks)
-    else:
+        if k_chunks > 1:
+            # One wave: the peers' tiles wait for the first column block from the start, so the pull's start is the
+            # critical path, and the side stream follows the arrival through an event (a stream wait on the passed
+            # word started the pull later: docs/design_ag_gemm.md).
+            ws.arrive(epoch, need, main)
+            side.wait_stream(main)
+        else:
+            # Off the GEMM's path: the side stream waits for the arrival, the GEMM is its programmatic dependent.
+            side.wait_stream(main)
+            ws.arrive(epoch, need, main)
+            ws.wait_passed(epoch, side)
+        peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
         pull_shards(buffer, peers, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
-
-    outputs = []
-    for weight, bias in zip(weights, biases):
-        out = shard2d.new_empty((m, weight.shape[1]))
-        launch_gemm(buffer, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
+        launch_gemm(buffer, fused_weight, fused_bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
-                    a_local=shard2d if push else None, pdl=pdl and not outputs, capturing=False)
-        outputs.append(out)
-    if push and gathered.numel():
-        assemble_gathered(gathered, buffer, shard2d, rank)  # the GEMM waited for every peer's chunk
+                    pdl=k_chunks == 1, capturing=False)
+        a_full = buffer  # complete once the GEMM has waited for every chunk
+    outputs: List[Optional[Tensor]] = [None] * len(weights)
+    outputs[widest] = out
+    for i in rest:
+        outputs[i] = (torch.mm(a_full, weights[i]) if biases[i] is None else
+                      torch.addmm(biases[i], a_full, weights[i]))
     main.wait_stream(side)
-    return outputs, gathered
+    return outputs, gathered if return_gathered else shard2d.new_empty(0)
 
 
 def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],

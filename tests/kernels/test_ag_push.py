@@ -5,6 +5,8 @@ arrival, or torch's barrier)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -159,20 +161,17 @@ class _Workspace:
         return 11, 12
 
 
-@pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("barrier", ["arrival", "arrival, one wave"])
-@pytest.mark.parametrize("push", [True, False])
-def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, captured):
-    """What all_gather_matmul enqueues, in order.  On the arrival (multi-wave): the side stream joins main (the shard
-    is ready), main runs the call's arrival (needing the peers at the previous call when pushing, at this call when
-    pulling, after this rank's rows went into its buffer), the side stream waits for the arrival's word before it moves
-    any bytes, and only the first GEMM is launched as the arrival's programmatic dependent.  One wave (column blocks):
-    the side stream follows the arrival through an event, and no GEMM is a dependent.  Once a call of the workspace was captured in a CUDA graph, a push needs the
-    peers at this call too (their replays may have read either buffer since this rank's previous eager call)."""
+def test_pull_call_order(monkeypatch, barrier):
+    """What a pulling all_gather_matmul enqueues, in order.  On the arrival (multi-wave): the side stream joins main
+    (the shard is ready), main copies this rank's rows into its buffer and runs the call's arrival (needing the peers
+    at this call), the side stream waits for the arrival's word before it moves any bytes, and the fused GEMM is
+    launched as the arrival's programmatic dependent.  One wave (column blocks): the side stream follows the arrival
+    through an event, and the GEMM is no dependent.  Only the widest weight's GEMM is fused; the others run after it
+    on the complete buffer."""
     log = []
     world, rank, rows, k = 2, 1, 4, 64
     ws = _Workspace(log, rank, world, rows, k)
-    ws.captured = captured
     main = _OrderedStream("main", log)
 
     class _Ext:
@@ -184,28 +183,26 @@ def test_call_order_arrival_side_stream_and_gemms(monkeypatch, push, barrier, ca
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
-    monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: push)
-    # The step-by-step enqueue: a push of more weights than one host call takes (test_one_call_arguments: the other).
-    monkeypatch.setattr(ag_gemm, "MAX_ONE_CALL_GEMMS", 1)
+    monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: False)
     if barrier == "arrival, one wave":
         monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4)
-    monkeypatch.setattr(ag_gemm, "push_shards", lambda *a, **kw: log.append(("push", a[-3].name)))
     monkeypatch.setattr(ag_gemm, "pull_shards", lambda *a, **kw: log.append(("pull", a[6].name)))
     monkeypatch.setattr(ag_gemm, "launch_gemm",
-                        lambda *a, **kw: log.append(("gemm", kw["stream"].name, kw["pdl"], kw["a_local"] is not None)))
+                        lambda *a, **kw: log.append(("gemm", a[1].shape[1], kw["stream"].name, kw["pdl"])))
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
-    outputs, _ = ag_gemm.all_gather_matmul(shard, [_weight(k, 16), _weight(k, 24)], [None, None], "g", False,
-                                           checked=True)
+    weights = [_weight(k, 16), _weight(k, 24)]
+    outputs, _ = ag_gemm.all_gather_matmul(shard, weights, [None, None], "g", False, checked=True)
 
-    moved = ("push", "side") if push else ("pull", "side")
-    arrival = ("arrive", 5, 4 if push and not captured else 5, "main", "" if push else "own rows in buffer")
-    gemms = [("gemm", "main", barrier == "arrival", push), ("gemm", "main", False, push)]
+    arrival = ("arrive", 5, 5, "main", "own rows in buffer")
+    gemm = ("gemm", 24, "main", barrier == "arrival")
     if barrier == "arrival":
-        expected = [("wait_stream", "side", "main"), arrival, ("wait_passed", 5, "side"), moved] + gemms
+        expected = [("wait_stream", "side", "main"), arrival, ("wait_passed", 5, "side"), ("pull", "side"), gemm]
     else:
-        expected = [arrival, ("wait_stream", "side", "main"), moved] + gemms
+        expected = [arrival, ("wait_stream", "side", "main"), ("pull", "side"), gemm]
     assert log == expected + [("wait_stream", "main", "side")]
     assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]
+    own = slice(rank * rows, (rank + 1) * rows)
+    torch.testing.assert_close(outputs[0][own], shard @ weights[0])  # the narrow GEMM reads the buffer
 
 
 def test_epochs_wrap_past_zero_and_remember_the_previous_call():
@@ -219,23 +216,33 @@ def test_epochs_wrap_past_zero_and_remember_the_previous_call():
     assert seen == [(0xFFFFFFFF, 0xFFFFFFFE), (1, 0xFFFFFFFF), (2, 1)]
 
 
+@pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("one_wave", [False, True])
 @pytest.mark.parametrize("return_gathered", [False, True])
-def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
-    """The default eager push on the arrival is enqueued by one host call (ag_gemm.push_call, csrc/ag_gemm/ag_gemm.h): it gets
+def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
+    """The eager push on the arrival is enqueued by one host call (ag_gemm.push_call, csrc/ag_gemm/ag_gemm.h): it gets
     the shard, every rank's buffer and flag addresses of this call's parity, this rank's arrival words, the epoch and
-    the previous call's (what a push needs), the chunking (row chunks, or column blocks on one-wave problems) and
-    one GEMM per weight reading this rank's rows from the shard, none launched as a dependent by its arguments
-    (push_call decides that); nothing else is enqueued but the gathered A, assembled after it."""
+    the previous call's (what a push needs; this call's once a call of the workspace was captured, as a peer's replay
+    may have read either buffer since), the chunking (row chunks, or column blocks on one-wave problems) and the
+    widest weight's GEMM, reading this rank's rows from the shard, not launched as a dependent by its arguments
+    (push_call decides that).  After it, the side stream copies this rank's rows into the gathered A (or, for the
+    other weights' GEMMs, into the buffer) and main copies the peers' rows out of the buffer."""
     log = []
     world, rank, rows, k = 2, 1, 4, 64
     ws = _Workspace(log, rank, world, rows, k)
+    ws.captured = captured
     main = _OrderedStream("main", log)
 
     class _Ext:
         def ag_device_sm_count(self):
             return 132
 
+    @contextlib.contextmanager
+    def on_stream(stream):
+        log.append(("on", stream.name))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
     calls = []
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
     monkeypatch.setattr(loader, "extension", lambda: _Ext())
@@ -248,21 +255,21 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
     monkeypatch.setattr(ag_gemm, "tail_split_args", lambda *a: (0, 0, 0, 1, 1))
     monkeypatch.setattr(ag_gemm, "_choose_launch", lambda a, w, shard_rows, sm, variant, group: (True, k, 0, 8))
     monkeypatch.setattr(ag_gemm, "push_call", lambda *a, **kw: calls.append(a))
-    monkeypatch.setattr(ag_gemm, "assemble_gathered", lambda g, buffer, shard, r: log.append(("assemble", r)))
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
     weights = [_weight(k, 16), _weight(k, 24)]
     outputs, gathered = ag_gemm.all_gather_matmul(shard, weights, [None, None], "g", return_gathered, checked=True)
 
-    assert len(calls) == 1 and log == ([("assemble", rank)] if return_gathered else [])
+    assert len(calls) == 1
+    assert log == [("on", "side"), ("wait_stream", "main", "side"), ("wait_stream", "main", "side")]
     (c_shard, buffers, flags, arrival_words, arrivals, passed, epoch, need, c_rank, epoch_word, gemms, events, c_main,
      c_side, chunks, k_chunks) = calls[0]
-    assert c_shard is shard and c_rank == rank and (epoch, need) == (5, 4)
+    assert c_shard is shard and c_rank == rank and (epoch, need) == (5, 5 if captured else 4)
     assert (buffers, flags) == ws.peer_addresses(1, world * rows, k, shard.dtype)  # epoch 5: parity 1
     assert arrival_words == ws.peer_arrival_words() and arrivals is ws.arrivals and passed is ws.passed
     assert epoch_word is ws.epoch_word and events == (11, 12) and (c_main, c_side) == (main, ws.side_stream)
     assert (chunks, k_chunks) == (min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK), 4 if one_wave else 1)
-    assert len(gemms) == 2
-    for gemm, weight, out in zip(gemms, weights, outputs):
+    assert len(gemms) == 1
+    for gemm, weight, out in zip(gemms, weights[1:], outputs[1:]):
         assert len(gemm) == 33  # ag_gemm_run's arguments before the stream
         assert gemm[1] == ws.buffers[rank].data_ptr() and gemm[5] == weight.data_ptr() and gemm[10] == out.data_ptr()
         assert gemm[12] == ws.flags[1].data_ptr() and gemm[13:17] == (5, rank, world, rows)
@@ -270,6 +277,12 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered):
         assert gemm[29:] == (shard.data_ptr(), k, False, False)  # own rows from the shard; no PDL, no trap
     assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]
     assert tuple(gathered.shape) == ((world * rows, k) if return_gathered else (0,))
+    own = slice(rank * rows, (rank + 1) * rows)
+    torch.testing.assert_close(outputs[0][own], shard @ weights[0])  # the narrow GEMM reads this rank's rows
+    if return_gathered:
+        expected = ws.buffers[rank].clone()
+        expected[own] = shard
+        assert torch.equal(gathered.isnan(), expected.isnan()) and torch.equal(gathered[own], shard)
 
 
 def _push_call_args(world=2, **changes):

@@ -59,10 +59,27 @@ def test_roofline_picks_what_the_committed_h200_tables_measured(world):
 
 
 def test_nominal_rates_by_device_name():
-    assert cost_model.nominal_rates("NVIDIA H200").source == "nominal H100/H200 SXM"
+    assert cost_model.nominal_rates("NVIDIA H200").source == "nominal H200 SXM"
+    assert cost_model.nominal_rates("NVIDIA H100 80GB HBM3").source == "nominal H100 SXM"
     assert cost_model.nominal_rates("NVIDIA H20").source == "nominal H20"
     assert cost_model.nominal_rates("NVIDIA H100 NVL").source == "nominal H100 PCIe/NVL"
     assert cost_model.nominal_rates("NVIDIA A100-SXM4-80GB").source == "nominal, device not known"
+
+
+def test_sum_per_term_by_the_roofline():
+    """A reduce-scatter of a sum of matmuls: one op per term where the concatenation's copy costs more than a second
+    collective hidden under each term's GEMM (the gate/up input gradient of a Llama layer, hidden 8192, FFN 28672,
+    4096 tokens), concatenated where the terms' GEMMs are too short to hide a collective each (Q/K/V's)."""
+    rates = cost_model.nominal_rates("NVIDIA H200")
+    bf16 = torch.bfloat16
+    for world in (2, 4):
+        gate_up = [28672, 28672]
+        weights = sum(k // world for k in gate_up) * 8192 * 2
+        assert cost_model.sum_per_term(world, 4096, gate_up, 8192, bf16, weights, rates)
+        assert not cost_model.sum_per_term(world, 4096, gate_up, 8192, bf16, 0, rates)  # nothing to copy
+        qkv = [8192, 1024, 1024]
+        weights = sum(k // world for k in qkv) * 8192 * 2
+        assert not cost_model.sum_per_term(world, 4096, qkv, 8192, bf16, weights, rates)
 
 
 def test_decide_estimates_only_where_no_table_answers():

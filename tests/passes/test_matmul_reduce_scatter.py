@@ -187,6 +187,53 @@ def test_veto_sees_the_concatenated_weight_of_a_sum():
     assert fused("matmul_reduce_scatter") == 1
 
 
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_reduce_scatter_of_sum_fused_per_term(scatter_dim):
+    """Where ``sum_per_term`` says so, a sum becomes one op per term and the adds of their results (no cat), since
+    rs(a1 @ w1 + a2 @ w2) == rs(a1 @ w1) + rs(a2 @ w2); the question carries the global shapes and the bytes the
+    concatenation would copy (here every operand is a graph input)."""
+    gm = trace(sum_of_matmuls(WORLD, group(), scatter_dim), *sum_of_matmuls_args())
+    asked = []
+
+    def per_term(device, world, m, ks, n, dtype, copied):
+        asked.append((device.type, world, m, ks, n, dtype, copied))
+        return True
+
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, sum_per_term=per_term)
+    # a: 2 x [16, 8] + [16, 4], w: 2 x [8, 16] + [4, 16], fp32
+    assert asked == [("cpu", WORLD, 16, [WORLD * 8, WORLD * 8, WORLD * 4], 16, torch.float32, 4 * (320 + 320))]
+    assert fused("matmul_reduce_scatter") == 1
+    ops = nodes(gm, MM_RS)
+    assert len(ops) == 3 and count(gm, aten.cat.default) == 0
+    assert [tuple(op.args[1].meta["val"].shape) for op in ops] == [(8, 16), (8, 16), (4, 16)]
+    assert count(gm, aten.add.Tensor) == 2 and count(gm, c10d.reduce_scatter_tensor.default) == 0
+    assert count(gm, aten.mm.default) == 0 and count(gm, aten.addmm.default) == 0
+    assert_all_vals(gm)
+
+
+def test_sum_stays_concatenated_where_a_term_alone_is_vetoed():
+    gm = trace(sum_of_matmuls(WORLD, group(), 0), *sum_of_matmuls_args())
+
+    def veto(op, device, world, m, k, n, dtype, weight=None):
+        return "too small alone" if k < WORLD * 20 else None
+
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, veto, sum_per_term=lambda *args: True)
+    (node,) = nodes(gm, MM_RS)
+    assert node.args[1].target == aten.cat.default
+
+
+@pytest.mark.parametrize("scatter_dim", [0, 1])
+def test_numerics_sum_fused_per_term_world1(scatter_dim):
+    torch.manual_seed(5)
+    fn, args = sum_of_matmuls(1, WORLD1_GROUP, scatter_dim), sum_of_matmuls_args()
+    rewritten = trace(fn, *args)
+    fuse_matmul_reduce_scatter(rewritten.graph, lambda name: True, sum_per_term=lambda *a: True)
+    rewritten.recompile()
+    assert count(rewritten, MM_RS) == 3
+    expected, got = trace(fn, *args)(*args), rewritten(*args)
+    assert expected.shape == got.shape and ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+
 def test_reduce_scatter_of_matmul_plus_other_skipped():
     """mm + something that is not a matmul (a residual): not fused."""
 
