@@ -207,8 +207,17 @@ def _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, grou
     return out
 
 
+def _leading_ones(shape, dim: int) -> bool:
+    """Whether every dim of ``shape`` before ``dim`` has size 1 (batch 1 of a sequence-parallel [B, S, H]): moving
+    ``dim`` to the front then changes no element's position."""
+    return all(shape[d] == 1 for d in range(dim))
+
+
 def _rows_first(t: Tensor, dim: int) -> Tensor:
-    """``t`` with ``dim`` moved to the front and flattened to 2-D: [t.size(dim) * rest, t.size(-1)]."""
+    """``t`` with ``dim`` moved to the front and flattened to 2-D: [t.size(dim) * rest, t.size(-1)], contiguous."""
+    if _leading_ones(t.shape, dim):  # the move is a no-op: skip its views (host time on every call)
+        flat = t.reshape(-1, t.shape[-1])
+        return flat if flat.is_contiguous() else flat.contiguous()
     return t.movedim(dim, 0).contiguous().reshape(-1, t.shape[-1])
 
 
@@ -218,6 +227,8 @@ def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tenso
     [B, S, H]) the moved view is already in row-major order, but its size-1 dims keep strides no contiguous tensor has
     ([1, S, H] as (H, H, 1)); those reach the caller (inductor reuses the op's buffer for the pointwise op after it),
     and dynamo's guards compare every stride: the next compiled block saw a new input layout and recompiled dynamic."""
+    if _leading_ones(rest, dim) and out2d.is_contiguous():
+        return out2d.view(rest[:dim] + (lead,) + rest[dim:] + (out2d.shape[-1],))
     out = out2d.view((lead,) + rest + (out2d.shape[-1],)).movedim(0, dim)
     if out.is_contiguous() and out2d.is_contiguous():
         return out2d.view(out.shape)

@@ -374,15 +374,18 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         # push, into the gathered A (or, for the other GEMMs, into the buffer) while the GEMM runs; the peers' rows
         # are copied out once the GEMM has waited for them.
         a_full = gathered if gathered.numel() else buffer if rest else None
-        lo, hi = rank * shard_rows, (rank + 1) * shard_rows
+        # Raw copy-engine copies (no stream switch, no slicing: host time on every call).  Rows are contiguous.
+        ext = loader.extension()
+        row_bytes = k * shard2d.element_size()
+        lo, hi = rank * shard_rows * row_bytes, (rank + 1) * shard_rows * row_bytes
         if a_full is not None:
-            with torch.cuda.stream(side):
-                a_full[lo:hi].copy_(shard2d)
+            ext.ag_memcpy_async(a_full.data_ptr() + lo, shard2d.data_ptr(), hi - lo, side.cuda_stream)
         if gathered.numel():
             if lo:
-                gathered[:lo].copy_(buffer[:lo])
-            if hi < m:
-                gathered[hi:].copy_(buffer[hi:])
+                ext.ag_memcpy_async(gathered.data_ptr(), buffer.data_ptr(), lo, main.cuda_stream)
+            if hi < m * row_bytes:
+                ext.ag_memcpy_async(gathered.data_ptr() + hi, buffer.data_ptr() + hi, m * row_bytes - hi,
+                                    main.cuda_stream)
         main.wait_stream(side)
     else:
         if k_chunks > 1:

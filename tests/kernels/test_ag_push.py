@@ -5,7 +5,7 @@ arrival, or torch's barrier)."""
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 
 import pytest
 import torch
@@ -233,16 +233,17 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
     ws.captured = captured
     main = _OrderedStream("main", log)
 
+    ws.side_stream.cuda_stream = 1
+    streams = {0: "main", 1: "side"}
+
     class _Ext:
         def ag_device_sm_count(self):
             return 132
 
-    @contextlib.contextmanager
-    def on_stream(stream):
-        log.append(("on", stream.name))
-        yield
+        def ag_memcpy_async(self, dst, src, nbytes, stream):  # CPU tensors stand in for device memory
+            log.append(("copy", streams[stream], nbytes))
+            ctypes.memmove(dst, src, nbytes)
 
-    monkeypatch.setattr(torch.cuda, "stream", on_stream)
     calls = []
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
     monkeypatch.setattr(loader, "extension", lambda: _Ext())
@@ -260,7 +261,9 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
     outputs, gathered = ag_gemm.all_gather_matmul(shard, weights, [None, None], "g", return_gathered, checked=True)
 
     assert len(calls) == 1
-    assert log == [("on", "side"), ("wait_stream", "main", "side"), ("wait_stream", "main", "side")]
+    shard_bytes = rows * k * 2
+    peers = [("copy", "main", shard_bytes)] if return_gathered else []  # rank 1 of 2: the peer's rows come first
+    assert log == [("copy", "side", shard_bytes)] + peers + [("wait_stream", "main", "side")] * 2
     (c_shard, buffers, flags, arrival_words, arrivals, passed, epoch, need, c_rank, epoch_word, gemms, events, c_main,
      c_side, chunks, k_chunks) = calls[0]
     assert c_shard is shard and c_rank == rank and (epoch, need) == (5, 5 if captured else 4)
