@@ -56,10 +56,6 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ERROR_SPLIT_TIMEOUT = 3  # ag_gemm_scheduler.cuh kErrorSplitTimeout
 _ERROR_ARRIVAL_TIMEOUT = 4  # ag_gemm.h kErrorArrivalTimeout
 
-# An eager push call is enqueued by one host call (csrc/ag_gemm/ag_gemm.h push_call: the fork, the arrival, the push, the
-# GEMMs, the join); calls with more weights than this take the same steps from Python.
-MAX_ONE_CALL_GEMMS = 8  # ag_gemm.h kMaxPushGemms
-
 
 class AllGatherGemmError(RuntimeError):
     """A fused all-gather + GEMM failed on the device (a peer never delivered its shard in time)."""
