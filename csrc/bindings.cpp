@@ -101,8 +101,6 @@ void export_gemm_rs(py::module_& m) {
   m.def("gemm_rs_tuning_build", &fluxinductor::gemm_rs_tuning_build,
         "whether this is a tuning build (-DFLUXINDUCTOR_KERNEL_TUNING=ON): the kernels' tuning variants (csrc/tuning/, "
         "gemm_rs_run's tuning_config) and the probe_stock_gemm_* functions are there");
-  m.def("gemm_rs_alloc_host_word", &api::gemm_rs_alloc_host_word,
-        "(host address, device address) of a new zeroed host-mapped int32 error word");
 }
 
 void export_one_shot(py::module_& m) {

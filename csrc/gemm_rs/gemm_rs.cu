@@ -659,23 +659,6 @@ bool gemm_rs_tuning_build() {
 }
 const char* gemm_rs_last_error() { return g_last_error.c_str(); }
 
-int gemm_rs_alloc_host_word(int64_t* host_address, int64_t* device_address) {
-  void* host = nullptr;
-  cudaError_t status = cudaHostAlloc(&host, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable);
-  if (status != cudaSuccess) {
-    return fail(std::string("cudaHostAlloc failed: ") + cudaGetErrorString(status));
-  }
-  *static_cast<int32_t volatile*>(host) = 0;
-  void* device = nullptr;
-  status = cudaHostGetDevicePointer(&device, host, 0);
-  if (status != cudaSuccess) {
-    return fail(std::string("cudaHostGetDevicePointer failed: ") + cudaGetErrorString(status));
-  }
-  *host_address = reinterpret_cast<int64_t>(host);
-  *device_address = reinterpret_cast<int64_t>(device);
-  return 0;
-}
-
 int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (args.world < 1 || args.world > kGemmRsMaxWorld || args.rank < 0 || args.rank >= args.world) {

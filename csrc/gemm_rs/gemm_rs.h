@@ -105,8 +105,4 @@ bool gemm_rs_tuning_build();
 int gemm_rs_run(const GemmRsArgs& args, void* stream);
 const char* gemm_rs_last_error();
 
-// A zeroed int32 in host-mapped pinned memory: kernels write errors there, the host reads them without a sync.
-// Returns 0 and both addresses, or -1 (message in gemm_rs_last_error()).  Lives as long as the process.
-int gemm_rs_alloc_host_word(int64_t* host_address, int64_t* device_address);
-
 }  // namespace fluxinductor

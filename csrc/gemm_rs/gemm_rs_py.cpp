@@ -65,12 +65,4 @@ std::tuple<int, int, int> gemm_rs_tile_shape(int tuning_config) {
   return {fluxinductor::gemm_rs_tile_m(tuning_config), fluxinductor::gemm_rs_tile_n(tuning_config), fluxinductor::gemm_rs_warps_per_tile()};
 }
 
-std::tuple<int64_t, int64_t> gemm_rs_alloc_host_word() {
-  int64_t host = 0, device = 0;
-  if (fluxinductor::gemm_rs_alloc_host_word(&host, &device) != 0) {
-    throw std::runtime_error(fluxinductor::gemm_rs_last_error());
-  }
-  return {host, device};
-}
-
 }  // namespace fluxinductor::python

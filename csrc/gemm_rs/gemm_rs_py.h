@@ -23,7 +23,4 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
 // flag layout.
 std::tuple<int, int, int> gemm_rs_tile_shape(int tuning_config);
 
-// (host address, device address) of a new zeroed host-mapped int32 error word.
-std::tuple<int64_t, int64_t> gemm_rs_alloc_host_word();
-
 }  // namespace fluxinductor::python
