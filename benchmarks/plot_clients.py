@@ -36,8 +36,9 @@ def scenarios(path: str, data: dict):
             yield (f"transformers Llama {label}\n{device} ({name})", {k: v[what] for k, v in c.items() if what in v})
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(doc: str):
+    """(arguments, pyplot) of a plotting CLI that reads result JSONs and writes one PNG (also plot_model.py's)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("json", nargs="+")
     p.add_argument("--out", required=True, help="PNG path")
     args = p.parse_args()
@@ -46,6 +47,11 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return args, plt
+
+
+def main() -> None:
+    args, plt = cli(__doc__)
     panels = [s for path in args.json for s in scenarios(path, json.load(open(path))) if s[1]]
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
@@ -62,11 +68,16 @@ def main() -> None:
                     color="white")
         ax.set_title(title, fontsize=8)
         ax.set_ylabel("ms (median, min-max)")
-    for ax in list(axes.flat)[len(panels):]:
+    finish(fig, axes, len(panels), args.out)
+
+
+def finish(fig, axes, used: int, out: str) -> None:
+    """Blank the grid's unused panels, save the figure to ``out`` and say so (also plot_model.py's)."""
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} ({len(panels)} panels)")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out} ({used} panels)")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ with the host-hidden device time beside it, and flux's G.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 from typing import Iterator, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_clients import cli, finish  # noqa: E402
 
 COLORS = {"inductor": "#1f77b4", "asynctp": "#ff7f0e", "flux": "#2ca02c", "nocomm": "#999999"}
 
@@ -33,15 +36,7 @@ def panels(path: str, data: dict) -> Iterator[Tuple[str, List[dict]]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", nargs="+")
-    p.add_argument("--out", required=True, help="PNG path")
-    args = p.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    args, plt = cli(__doc__)
     found = [panel for path in args.json for panel in panels(path, json.load(open(path)))]
     if not found:
         raise SystemExit("no bench_model results in " + ", ".join(args.json))
@@ -71,11 +66,7 @@ def main() -> None:
         ax.set_ylabel("ms per step")
         ax.set_title(title, fontsize=8)
         ax.legend(fontsize=6, loc="lower right")
-    for ax in list(axes.flat)[len(found):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} ({len(found)} panels)")
+    finish(fig, axes, len(found), args.out)
 
 
 if __name__ == "__main__":
