@@ -124,13 +124,13 @@ class FluxPassManager(CustomGraphPass):
                     f"(symbolic M); at M={SYMBOLIC_M_PROBES[-1]}: {choices[-1][1]}")
         return f"cost model chose sequential: {choices[0][1]}"
 
-    @staticmethod
-    def sum_per_term(device: torch.device, world: int, m: int, ks: List[int], n: int, dtype,
+    def sum_per_term(self, device: torch.device, world: int, m: int, ks: List[int], n: int, dtype,
                      copied_bytes: int) -> bool:
         """Whether a GEMM+RS of a sum of matmuls on ``device`` (global M, each term's K, N) runs one fused op per
         term rather than one over the concatenated K, which copies ``copied_bytes`` each call
-        (:func:`fluxinductor.cost_model.sum_per_term`).  Elsewhere than on a GPU: concatenated."""
-        if device.type != "cuda":
+        (:func:`fluxinductor.cost_model.sum_per_term`).  Elsewhere than on a GPU, and under the ``decomposed``
+        dispatch (where each op would run its own unhidden reduce-scatter): concatenated."""
+        if device.type != "cuda" or self.dispatch_mode == "decomposed":
             return False
         from fluxinductor import cost_model
 

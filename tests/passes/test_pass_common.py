@@ -331,6 +331,23 @@ def test_manager_veto_offers_split_only_for_weights_it_takes(flux_settings, tmp_
         cost_model.clear_cache()
 
 
+def test_manager_fuses_a_sum_per_term_only_on_gpus_where_the_roofline_says(flux_settings, monkeypatch):
+    """The gate/up input gradient of a Llama layer (hidden 8192, FFN 28672, 4096 tokens, TP=2): one op per term on an
+    H200 where its weights would be copied into the concatenation; concatenated with nothing to copy, on CPU, and
+    under the decomposed dispatch (each term's reduce-scatter would run unhidden)."""
+    from fluxinductor.passes import FluxPassManager
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda, ks, weights = torch.device("cuda", 0), [28672, 28672], 2 * 14336 * 8192 * 2
+    flux_settings(dispatch="auto")
+    manager = FluxPassManager()
+    assert manager.sum_per_term(cuda, 2, 4096, ks, 8192, torch.bfloat16, weights)
+    assert not manager.sum_per_term(cuda, 2, 4096, ks, 8192, torch.bfloat16, 0)
+    assert not manager.sum_per_term(torch.device("cpu"), 2, 4096, ks, 8192, torch.bfloat16, weights)
+    flux_settings(dispatch="decomposed")
+    assert not FluxPassManager().sum_per_term(cuda, 2, 4096, ks, 8192, torch.bfloat16, weights)
+
+
 def test_manager_keys_the_async_tp_setting(flux_settings, monkeypatch):
     """``settings.tuning.asynctp`` lets the GPU veto keep matches the cost model sends to async-TP: a cached graph
     compiled without it must not be reused with it."""
