@@ -60,8 +60,6 @@ from fluxinductor.passes._match import Skip
 
 PATTERN = "all_gather_matmul"
 
-_TRANSPOSES = m.TRANSPOSES
-
 
 @dataclass
 class _AllGatherMatch:
@@ -184,7 +182,7 @@ def _consumers(match: _AllGatherMatch, closure: List[Node]) -> List[_Matmul]:
             operands = m.matmul_operands(u)
             if operands is None:
                 # mm(permute(gathered), grad): the weight gradient, gathered rows on the contraction dim.
-                if m.is_call(u, _TRANSPOSES):
+                if m.is_call(u, m.TRANSPOSES):
                     for mm in u.users:
                         ops = m.matmul_operands(mm)
                         if ops is not None and ops[0] is u:

@@ -49,8 +49,9 @@ from fluxinductor.kernels import symm as _symm
 from fluxinductor.kernels.gemm_rs_copy import CopyEngineWorkspace, bands  # noqa: F401
 from fluxinductor.kernels.gemm_rs_group import _GroupState, _generations, _state, _states, check_error, reset  # noqa: F401
 from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
-    _DTYPES, _ELEMENT_SIZES, _ERRORS, _MIN_BUFFER_BYTES, CAPTURE_EPOCH, HEADER_BYTES, MAX_WORLD, REDUCE_OPS, ErrorWord,
-    _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature, timeout_ns)
+    _DTYPES, _ELEMENT_SIZES, _ERRORS, _MIN_BUFFER_BYTES, CAPTURE_EPOCH, HEADER_BYTES, MAX_WORLD, REDUCE_OPS,
+    _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature)
+from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - gemm_rs.ErrorWord for the GPU tests
 from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
     _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, split_reason, tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off

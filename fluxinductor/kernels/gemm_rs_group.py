@@ -11,7 +11,8 @@ from torch import Tensor
 
 from fluxinductor.kernels import symm as _symm
 from fluxinductor.kernels.gemm_rs_copy import CopyEngineWorkspace
-from fluxinductor.kernels.gemm_rs_kernel import _MIN_BUFFER_BYTES, CAPTURE_EPOCH, ErrorWord, error_message, timeout_ns
+from fluxinductor.kernels.gemm_rs_kernel import _MIN_BUFFER_BYTES, CAPTURE_EPOCH, error_message
+from fluxinductor.kernels.symm import ErrorWord, timeout_ns
 
 
 class _GroupState:

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from fluxinductor import settings
 from fluxinductor.kernels import loader
-from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - the GEMM+RS modules take them from here
 
 REDUCE_OPS = ("sum", "avg")
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
