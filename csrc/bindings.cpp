@@ -10,6 +10,8 @@
 #include "allreduce/one_shot_py.h"
 #include "gemm_rs/gemm_rs.h"
 #include "gemm_rs/gemm_rs_py.h"
+#include "internode/reduce_arrivals.h"
+#include "internode/reduce_arrivals_py.h"
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
 #include "tuning/probe_stock_gemm_py.h"
 #endif
@@ -119,6 +121,16 @@ void export_one_shot(py::module_& m) {
   m.attr("ONE_SHOT_SIGNAL_WORDS") = fluxinductor::allreduce::kOneShotSignalWords;
 }
 
+void export_internode(py::module_& m) {
+  m.def("reduce_arrivals", &api::reduce_arrivals,
+        "The inter-node GEMM+RS's reduction on `stream` (csrc/internode/reduce_arrivals.h): once every sender's flag "
+        "reached epoch, out = scale * sum of the slots in rank order",
+        py::arg("dtype"), py::arg("rows"), py::arg("n"), py::arg("world"), py::arg("rank"), py::arg("slots"),
+        py::arg("slot_stride"), py::arg("flags"), py::arg("epoch"), py::arg("out"), py::arg("scale"),
+        py::arg("error"), py::arg("timeout_ns"), py::arg("stream"));
+  m.attr("REDUCE_ARRIVALS_TIMEOUT") = int(fluxinductor::internode::kReduceArrivalsTimeout);
+}
+
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
 // Measurement only (csrc/tuning/probe_stock_gemm.h): stock CUTLASS GEMMs on the AG+GEMM kernel's tiles.
 void export_probes(py::module_& m) {
@@ -135,10 +147,11 @@ void export_probes(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a) and the one-shot all-reduce";
+  m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a) the one-shot all-reduce and the inter-node reduction";
   export_ag_gemm(m);
   export_gemm_rs(m);
   export_one_shot(m);
+  export_internode(m);
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
   export_probes(m);
 #endif

@@ -92,6 +92,22 @@ def _local_reason(index: int) -> Optional[str]:
     return why
 
 
+def _internode_plan(device: torch.device, group_name: str, why_not: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
+    """For a group whose ranks span nodes (every GPU a node under ``settings.tuning.emulate_nodes``): ("internode",
+    None) where the inter-node path takes the call, ("decomposed", why) where it cannot (``why_not``: the call's own
+    objection, its operands or the kernel's); None for a group on one node.  Asked after :func:`_peers_reason`, which
+    found the nodes."""
+    from fluxinductor.kernels import peers
+
+    nodes = peers.nodes(group_name, device)
+    if nodes is None or len(set(nodes)) < 2:
+        return None
+    from fluxinductor.kernels import internode
+
+    why = _local_reason(device.index) or internode.backend_reason(device) or why_not
+    return ("internode", None) if why is None else ("decomposed", f"inter-node path: {why}")
+
+
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
                      fused_eligible: bool = True, split_eligible: bool = True, group_name: Optional[str] = None,
                      run_path: Optional[Callable[[str], Callable[[], object]]] = None) -> Tuple[str, str]:
@@ -323,11 +339,17 @@ def all_gather_matmul(
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
         return _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
-    if path != "fused":
+    if path == "internode":
+        from fluxinductor.kernels import internode, peers
+
+        outputs2d, gathered2d = internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
+                                                            peers.nodes(group_name, shard.device))
+    elif path != "fused":
         record_fallback(op, why)
         return None
-    outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
-                                                      checked=True)
+    else:
+        outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
+                                                          checked=True)
     lead = world * shard.shape[gather_dim]
     outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
     gathered = _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
@@ -339,6 +361,12 @@ def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2
                               return_gathered: bool) -> Tuple[str, Optional[str]]:
     """(path, reason): "fused" (reason None), "asynctp", or "decomposed" with the reason."""
     why = _peers_reason(group_name, shard.device)
+    from fluxinductor.kernels import internode
+
+    inter = _internode_plan(shard.device, group_name, internode.operand_reason(shard2d, weights, biases)
+                            or kernels.unsupported_reason(shard2d, weights, biases, group_name))
+    if inter is not None:
+        return inter
     why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
     if dispatch_mode == "auto":
         n_global = world * sum(w.shape[1] for w in weights)
@@ -403,6 +431,12 @@ def matmul_reduce_scatter(
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
         return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
+    if path == "internode":
+        from fluxinductor.kernels import internode, peers
+
+        out2d = internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, peers.nodes(group_name,
+                                                                                                       a.device))
+        return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
     if path != "fused":
         record_fallback(op, why)
         return None
@@ -419,6 +453,13 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
     """(path, reason, transport, split configuration): path "fused" (reason None) with the kernel's transport,
     "asynctp", or "decomposed" with the reason."""
     why = _peers_reason(group_name, a.device)
+    from fluxinductor.kernels import internode
+
+    inter = _internode_plan(a.device, group_name, internode.operand_reason(a2d, [weight], [bias]) or (
+        f"an {out_dtype} output" if out_dtype is not None else None) or (
+        f"reduce op {reduce_op!r}" if reduce_op not in ("sum", "avg") else None))
+    if inter is not None:
+        return (*inter, "store", None)
     extra = () if out_dtype is None else (out_dtype,)
     why = kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name, *extra) or why
     transport = "store"

@@ -31,7 +31,7 @@ import datetime
 import json
 import socket
 import threading
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -189,6 +189,7 @@ def _exchange(store, key: str, value, rank: int, world: int, group_name: str):
 _verdicts: Dict[Tuple[str, int], Tuple[object, Optional[str]]] = {}
 # checks made per group name in this process: part of the store keys, so a re-created group is checked afresh
 _rounds: Dict[str, int] = {}
+_hosts: Dict[Tuple[str, int], List[Optional[str]]] = {}  # the host of each rank, per (group, device)
 
 
 def remembered_group_reason(group_name: str, device: torch.device) -> Tuple[bool, Optional[str]]:
@@ -203,6 +204,28 @@ def remembered_group_reason(group_name: str, device: torch.device) -> Tuple[bool
     if group.size() == 1:
         return True, None
     return False, None
+
+
+def nodes(group_name: str, device: torch.device) -> Optional[List[int]]:
+    """The node of each rank of the group (ranks of one host share a number, in order of first appearance), as the
+    peer check saw them; every rank its own node under ``settings.tuning.emulate_nodes``; None before the group's
+    first :func:`group_reason` (or where a rank could not identify itself, or the group is unknown).  Never
+    collective."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(group_name)
+    except Exception:  # noqa: BLE001 - an unknown group has no nodes to report
+        return None
+    if settings.tuning.emulate_nodes:
+        return list(range(group.size()))
+    if group.size() == 1:
+        return [0]
+    hosts = _hosts.get((group_name, -1 if device.index is None else device.index))
+    if hosts is None or any(h is None for h in hosts):
+        return None
+    numbers: Dict[str, int] = {}
+    return [numbers.setdefault(h, len(numbers)) for h in hosts]
 
 
 def group_reason(group_name: str, device: torch.device, *,
@@ -241,6 +264,7 @@ def group_reason(group_name: str, device: torch.device, *,
             mine = failure or local_reason or judge(identities, nvlink)
         except Exception as e:  # noqa: BLE001
             mine = f"the peer check failed ({type(e).__name__}: {e})"
+        _hosts[key] = [None if i is None else i.host for i in identities]
         verdicts = _exchange(store, f"{prefix}/verdict", mine, rank, world, group_name)
         objections = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if not objections:

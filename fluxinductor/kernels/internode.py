@@ -1,0 +1,352 @@
+"""AG+GEMM and GEMM+RS for a group whose ranks span nodes: NVSHMEM puts on a communication stream, the GEMM waiting
+on per-rank flags as on one node.
+
+The transport is NVSHMEM through PyTorch's symmetric memory (its NVSHMEM backend bootstraps NVSHMEM over the default
+process group's c10d store: no MPI, no launcher of its own) and NVSHMEM's stream-ordered host API, called through
+ctypes on the library PyTorch loaded: ``nvshmemx_putmem_on_stream`` and ``nvshmemx_quiet_on_stream``.  NVSHMEM picks
+the wire per peer: NVLink (peer-to-peer) inside a node, its remote transport (InfiniBand: IBRC or IBGDA; UCX;
+libfabric) between nodes.  A rank's data put is followed by a quiet, then by a 4-byte put of the call's epoch into the
+receiver's flag for this rank: the flag lands after the data on every transport, with no atomic (NVSHMEM's UCX
+transport refuses atomics without GDRCopy).
+
+One workspace per (group, device): one symmetric allocation holding the flags (two parities of ``world`` int32), the
+epoch word the flag puts read, and two parities of data (``world`` receive slots, then ``world`` send slots).  Call e
+uses parity e % 2.  A rank starts call e's puts only after its stream finished call e - 1, which waited for every
+peer's call e - 1 flag, which each peer put only after its own stream finished call e - 2: so no put of call e lands
+in a slot a peer may still read (that peer's call e - 2 used the same parity).
+
+* AG+GEMM: this rank's shard is copied into its receive slot and put into the same slot of every peer (peers of its
+  node first, then the others nearest-first); the fused AG+GEMM kernel reads the receive slots as the gathered A,
+  each tile waiting for the flag of the rank its rows come from (its own rows need none).  The other weights of a
+  multi-weight call run on cuBLAS once the kernel saw every flag.
+* GEMM+RS: the partial of each peer's rows is computed (cuBLAS, bias added on every rank) into a send slot, peers of
+  other nodes first, and put into that peer's receive slot for this rank while the next partial is computed; this
+  rank's own partial goes straight into its own receive slot; a reduction kernel (csrc/internode/reduce_arrivals.h)
+  waits for every sender's flag with a timeout and sums the slots in rank order.
+
+A wait past ``FLUXINDUCTOR_TIMEOUT_S`` writes an error word and gives up; the next call raises (or
+:func:`check_errors`).  NVSHMEM puts address a peer's memory by the local address of the same symmetric object, so
+every rank must allocate the workspace in the same order: its base address is checked to agree across the group.
+A process has one symmetric-memory backend: the inter-node path sets NVSHMEM's at its first call and refuses to run
+(the call decomposes) where another backend was already in use.  Calls under CUDA graph capture decompose.
+
+The topology (which ranks share a node) comes from the peer check (:mod:`fluxinductor.kernels.peers`), or, under
+``settings.tuning.emulate_nodes``, every GPU is a node of its own, which runs this path on one host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fluxinductor.kernels import loader, symm
+from fluxinductor.kernels.symm import ErrorWord
+
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
+_ALIGN = 256
+_FLAG_BYTES = 4096  # flags: 2 parities x world int32 (world <= 512), then the epoch word
+
+
+class InternodeError(RuntimeError):
+    """An inter-node call failed on the device (a peer's data never arrived within the timeout)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# NVSHMEM's host API, from the library PyTorch loaded.
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Nvshmem:
+    def __init__(self, lib: ctypes.CDLL):
+        self.put = lib.nvshmemx_putmem_on_stream
+        self.put.restype = None
+        self.put.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self.quiet = lib.nvshmemx_quiet_on_stream
+        self.quiet.restype = None
+        self.quiet.argtypes = [ctypes.c_void_p]
+        self.my_pe = lib.nvshmem_my_pe
+        self.my_pe.restype = ctypes.c_int
+        self.my_pe.argtypes = []
+
+
+_nvshmem: Optional[_Nvshmem] = None
+
+
+def _load_nvshmem() -> _Nvshmem:
+    """The host API of the NVSHMEM library PyTorch initialized (call after the first NVSHMEM allocation)."""
+    global _nvshmem
+    if _nvshmem is None:
+        name = "libnvshmem_host.so.3"
+        try:
+            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 0))
+        except OSError:
+            import nvidia  # the nvidia-nvshmem-cu* wheel PyTorch depends on
+
+            found = [f for p in nvidia.__path__ for f in glob.glob(os.path.join(p, "nvshmem", "lib", name))]
+            if not found:
+                raise RuntimeError(f"{name} is neither loaded nor in the nvidia-nvshmem wheel") from None
+            lib = ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+        _nvshmem = _Nvshmem(lib)
+    return _nvshmem
+
+
+def backend_reason(device: torch.device) -> Optional[str]:
+    """Why this process cannot run the inter-node path on ``device`` (no NVSHMEM in this PyTorch, or symmetric memory
+    allocated on another backend already), or None, after making NVSHMEM's the backend of this process's symmetric
+    memory.  Never collective."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not symm_mem.is_nvshmem_available():
+        return "this PyTorch build has no NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available())"
+    if symm_mem.get_backend(device) != "NVSHMEM":
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except Exception as e:  # noqa: BLE001 - refused once a buffer exists: the path is not for this process
+            return (f"this process's symmetric memory is on the {symm_mem.get_backend(device)} backend already "
+                    f"(the inter-node path needs NVSHMEM's: {type(e).__name__}: {e})")
+    return None
+
+
+def operand_reason(a2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) -> Optional[str]:
+    """Why the inter-node path cannot take these operands, or None (the AG+GEMM kernel's own checks come on top)."""
+    if a2d.dtype not in _DTYPE_CODES:
+        return f"{a2d.dtype} (the inter-node path takes bf16 and fp16)"
+    for t in (*weights, *(b for b in biases if b is not None)):
+        if t.dtype != a2d.dtype or t.device != a2d.device:
+            return "operands of different dtypes or devices"
+    if symm.capturing():
+        return "CUDA graph capture (the inter-node path runs eagerly)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The workspace.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _round_up(x: int, to: int = _ALIGN) -> int:
+    return (x + to - 1) // to * to
+
+
+class Workspace:
+    """One (group, device)'s symmetric allocation, streams, epoch and error word (module docstring)."""
+
+    def __init__(self, group_name: str, device: torch.device, nodes: Sequence[int]):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        self.group_name, self.device = group_name, device
+        self.group = _resolve_process_group(group_name)
+        self.rank, self.world = self.group.rank(), self.group.size()
+        if self.world > _FLAG_BYTES // 8 - 4:
+            raise ValueError(f"inter-node path: a group of {self.world} ranks (at most {_FLAG_BYTES // 8 - 4})")
+        self.pes = [dist.get_global_rank(self.group, q) for q in range(self.world)]
+        self.order = send_order(self.rank, nodes, remote_first=False)  # AG+GEMM: the peers this rank sends to
+        self.remote_first = send_order(self.rank, nodes, remote_first=True)  # GEMM+RS
+        self.comm = torch.cuda.Stream(device)
+        self.error = ErrorWord()
+        self.epoch = 0
+        self.buffer: Optional[Tensor] = None
+        self.capacity = 0  # bytes of one parity's data
+
+    def reserve(self, data_bytes: int) -> None:
+        """Grow (a collective step every rank takes on the same call) until one parity holds ``data_bytes``."""
+        if data_bytes <= self.capacity:
+            return
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        capacity = max(1 << 20, 1 << (int(data_bytes) - 1).bit_length())
+        if self.buffer is not None:
+            torch.cuda.synchronize(self.device)  # this rank's streams are done with the old allocation
+        self.buffer = None
+        why = backend_reason(self.device)
+        if why is not None:
+            raise RuntimeError(f"inter-node path: {why}")
+        try:
+            buffer = symm_mem.empty(_FLAG_BYTES + 2 * capacity, dtype=torch.uint8, device=self.device)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"inter-node path: NVSHMEM could not allocate {_FLAG_BYTES + 2 * capacity} bytes of symmetric memory "
+                f"({e}); the heap's size is NVSHMEM_SYMMETRIC_SIZE (default 1 GiB)") from e
+        buffer[:_FLAG_BYTES].zero_()
+        torch.cuda.synchronize(self.device)
+        symm_mem.rendezvous(buffer, self.group_name)  # collective: every rank's flags are zero past this
+        bases = [None] * self.world
+        dist.all_gather_object(bases, buffer.data_ptr(), group=self.group)
+        if len(set(bases)) != 1:
+            raise RuntimeError(f"inter-node path: the ranks' symmetric buffers sit at different addresses ({bases}); "
+                               "NVSHMEM puts need every rank to allocate in the same order")
+        nvshmem = _load_nvshmem()
+        if nvshmem.my_pe() != self.pes[self.rank]:
+            raise RuntimeError(f"inter-node path: NVSHMEM PE {nvshmem.my_pe()} is not this rank's global rank "
+                               f"{self.pes[self.rank]}")
+        self.buffer, self.capacity = buffer, capacity
+        self.base = buffer.data_ptr()
+
+    def next_epoch(self) -> int:
+        self.epoch = (self.epoch + 1) & 0x7FFFFFFF or 1
+        return self.epoch
+
+    def flags(self, parity: int) -> Tensor:
+        return self.buffer[parity * 4 * self.world:(parity + 1) * 4 * self.world].view(torch.int32)
+
+    def flag_address(self, parity: int, q: int) -> int:
+        return self.base + 4 * (parity * self.world + q)
+
+    @property
+    def epoch_word_address(self) -> int:
+        return self.base + _FLAG_BYTES - 16
+
+    def slot_address(self, parity: int, kind: int, q: int, slot_bytes: int) -> int:
+        """Address of slot q of ``kind`` (0 receive, 1 send) of ``parity``."""
+        return self.base + _FLAG_BYTES + parity * self.capacity + (kind * self.world + q) * slot_bytes
+
+    def slots(self, parity: int, kind: int, slot_bytes: int, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+        """The ``world`` slots of ``kind`` as one [world * rows, cols] tensor (each slot ``slot_bytes`` apart)."""
+        start = _FLAG_BYTES + parity * self.capacity + kind * self.world * slot_bytes
+        raw = self.buffer[start:start + self.world * slot_bytes].view(dtype).view(self.world, -1)
+        return raw[:, :rows * cols].view(self.world, rows, cols)
+
+    def raise_if_error(self) -> None:
+        code = self.error.read()
+        if code:
+            self.error.clear()
+            raise InternodeError(
+                f"inter-node call on group {self.group_name}: a peer's data did not arrive within "
+                f"{symm.timeout_seconds()} s (error code {code}); the call's outputs were wrong")
+
+    def send(self, parity: int, q: int, dst: int, src: int, nbytes: int) -> None:
+        """On the communication stream: put ``nbytes`` from ``src`` to peer q at ``dst`` (local symmetric address),
+        quiet, then put this call's epoch into q's flag for this rank."""
+        nvshmem, stream = _load_nvshmem(), self.comm.cuda_stream
+        nvshmem.put(dst, src, nbytes, self.pes[q], stream)
+        nvshmem.quiet(stream)
+        nvshmem.put(self.flag_address(parity, self.rank), self.epoch_word_address, 4, self.pes[q], stream)
+
+
+_workspaces: Dict[Tuple[str, int], Workspace] = {}
+_lock = threading.Lock()
+
+
+def send_order(rank: int, nodes: Sequence[int], remote_first: bool) -> List[int]:
+    """The peers of ``rank`` (``nodes[q]``: the node of rank q), nearest-first around the ring within each class:
+    ranks of this rank's node before the others (``remote_first``: after)."""
+    world = len(nodes)
+    ring = [(rank + i) % world for i in range(1, world)]
+    local = [q for q in ring if nodes[q] == nodes[rank]]
+    remote = [q for q in ring if nodes[q] != nodes[rank]]
+    return remote + local if remote_first else local + remote
+
+
+def workspace(group_name: str, device: torch.device, nodes: Sequence[int]) -> Workspace:
+    key = (group_name, device.index)
+    ws = _workspaces.get(key)
+    if ws is None:
+        with _lock:
+            ws = _workspaces.get(key)
+            if ws is None:
+                ws = _workspaces[key] = Workspace(group_name, device, nodes)
+    return ws
+
+
+def check_errors(device: Optional[torch.device] = None, synchronize: bool = False) -> None:
+    """Raise :class:`InternodeError` if an inter-node call on ``device`` reported a timed-out wait (tests)."""
+    from fluxinductor.kernels import ag_gemm
+
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    if synchronize:
+        torch.cuda.synchronize(index)
+    for (_, dev), ws in list(_workspaces.items()):
+        if dev == index:
+            ws.raise_if_error()
+    ag_gemm.check_errors(torch.device("cuda", index))
+
+
+def _start(ws: Workspace, data_bytes: int) -> Tuple[int, int, torch.cuda.Stream]:
+    """The call's (epoch, parity, stream), after the checks and the growth; the communication stream has written the
+    epoch word and waits for the caller's stream."""
+    from fluxinductor.kernels import ag_gemm
+
+    ws.raise_if_error()
+    ag_gemm.check_errors(ws.device)
+    ws.reserve(data_bytes)
+    stream = torch.cuda.current_stream(ws.device)
+    stream.wait_stream(ws.comm)  # the previous call's puts read slots this call may overwrite
+    epoch = ws.next_epoch()
+    loader.extension().ag_stream_write_value32(ws.epoch_word_address, epoch, ws.comm.cuda_stream)
+    return epoch, epoch & 1, stream
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ops.
+# ---------------------------------------------------------------------------------------------------
+
+
+def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                      group_name: str, return_gathered: bool, nodes: Sequence[int]) -> Tuple[List[Tensor], Tensor]:
+    """(outputs [M, N_i], gathered [M, K] or empty): ``all_gather(shard2d) @ weights[i] + biases[i]``, rank-major
+    rows, M = world * shard rows."""
+    from fluxinductor.kernels import ag_gemm
+
+    ws = workspace(group_name, shard2d.device, nodes)
+    rows, k = shard2d.shape
+    dtype, world, rank = shard2d.dtype, ws.world, ws.rank
+    # Slots back to back (a row is a multiple of 16 bytes, as the kernel needs): the kernel reads them as one matrix.
+    slot_bytes = rows * k * shard2d.element_size()
+    epoch, parity, stream = _start(ws, world * slot_bytes)
+    gathered = ws.slots(parity, 0, slot_bytes, rows, k, dtype)
+    gathered[rank].copy_(shard2d)
+    ws.comm.wait_stream(stream)
+    own = ws.slot_address(parity, 0, rank, slot_bytes)
+    for q in ws.order:
+        ws.send(parity, q, own, own, slot_bytes)
+    a = gathered.view(world * rows, k)
+    first = torch.empty((world * rows, weights[0].shape[1]), dtype=dtype, device=shard2d.device)
+    ag_gemm.launch_gemm(a, weights[0], biases[0], first, flags=ws.flags(parity), epoch=epoch, rank=rank, world=world,
+                        shard_rows=rows, chunks_per_rank=1, stream=stream)
+    # The kernel saw every flag before it finished: the rest of the stream reads complete slots.
+    outputs = [first] + [torch.addmm(bias, a, weight) if bias is not None else torch.mm(a, weight)
+                         for weight, bias in zip(weights[1:], biases[1:])]
+    gathered_out = a.clone() if return_gathered else shard2d.new_empty(0)
+    return outputs, gathered_out
+
+
+def matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+                          nodes: Sequence[int]) -> Tensor:
+    """[M / world, N]: this rank's rows of ``sum over ranks (a2d @ weight + bias)`` (divided by world for "avg")."""
+    ws = workspace(group_name, a2d.device, nodes)
+    m, _ = a2d.shape
+    n, dtype, world, rank = weight.shape[1], a2d.dtype, ws.world, ws.rank
+    rows = m // world
+    nbytes = rows * n * a2d.element_size()
+    slot_bytes = _round_up(nbytes)
+    epoch, parity, stream = _start(ws, 2 * world * slot_bytes)
+    receive = ws.slots(parity, 0, slot_bytes, rows, n, dtype)
+    send = ws.slots(parity, 1, slot_bytes, rows, n, dtype)
+
+    def partial(q: int, out: Tensor) -> None:
+        a_rows = a2d[q * rows:(q + 1) * rows]
+        if bias is not None:
+            torch.addmm(bias, a_rows, weight, out=out)
+        else:
+            torch.mm(a_rows, weight, out=out)
+
+    for q in ws.remote_first:
+        partial(q, send[q])
+        ws.comm.wait_stream(stream)
+        ws.send(parity, q, ws.slot_address(parity, 0, rank, slot_bytes), ws.slot_address(parity, 1, q, slot_bytes),
+                nbytes)
+    partial(rank, receive[rank])
+    out = torch.empty((rows, n), dtype=dtype, device=a2d.device)
+    loader.extension().reduce_arrivals(
+        _DTYPE_CODES[dtype], rows, n, world, rank, receive.data_ptr(), slot_bytes // a2d.element_size(),
+        ws.flags(parity).data_ptr(), epoch, out.data_ptr(), (1.0 / world) if reduce_op == "avg" else 1.0,
+        ws.error.device, symm.timeout_ns(), stream.cuda_stream)
+    return out

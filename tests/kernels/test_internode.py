@@ -1,0 +1,86 @@
+"""The inter-node path's decisions, on any machine: the order each rank sends in, the nodes the peer check finds,
+and when the dispatcher takes the path (fluxinductor/kernels/internode.py, fluxinductor/dispatch.py).  The GPU side
+(NVSHMEM puts, the kernels) is tests/gpu/test_internode_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxinductor import dispatch, settings
+from fluxinductor.kernels import internode, peers
+from _dist import run_ranks
+
+Identity = peers.Identity
+
+
+def test_send_order_node_local_first_or_last():
+    nodes = [0, 0, 1, 1]
+    assert internode.send_order(0, nodes, remote_first=False) == [1, 2, 3]
+    assert internode.send_order(0, nodes, remote_first=True) == [2, 3, 1]
+    assert internode.send_order(3, nodes, remote_first=False) == [2, 0, 1]
+    assert internode.send_order(3, nodes, remote_first=True) == [0, 1, 2]
+    # every GPU its own node: the ring from the next rank
+    assert internode.send_order(1, [0, 1, 2], remote_first=True) == [2, 0]
+    assert internode.send_order(0, [0], remote_first=True) == []
+
+
+def _nodes_on_two_ranks(rank, world):
+    import torch.distributed as dist
+
+    cpu = torch.device("cpu")
+    linked = lambda a, b: (True, "test")  # noqa: E731
+    out = {}
+    group = dist.new_group([0, 1])
+    out["before"] = peers.nodes(group.group_name, cpu)
+    peers.group_reason(group.group_name, cpu, identify=lambda d: Identity(f"node{rank}/b{rank}", "0000:00:00.0"),
+                       nvlink=linked)
+    out["two hosts"] = peers.nodes(group.group_name, cpu)
+    one = dist.new_group([0, 1])
+    peers.group_reason(one.group_name, cpu, identify=lambda d: Identity("h/b", f"0000:0{rank}:00.0"), nvlink=linked)
+    out["one host"] = peers.nodes(one.group_name, cpu)
+    with settings.override(emulate_nodes=True):
+        out["emulated"] = peers.nodes(one.group_name, cpu)
+    return out
+
+
+def test_nodes_come_from_the_peer_check():
+    r0, r1 = run_ranks(_nodes_on_two_ranks, 2, timeout=120)
+    assert r0 == r1
+    assert r0 == {"before": None, "two hosts": [0, 1], "one host": [0, 0], "emulated": [0, 1]}
+
+
+@pytest.fixture
+def spans(monkeypatch):
+    """dispatch._internode_plan with the nodes, the local check and NVSHMEM's answer injected."""
+
+    def setup(nodes, local=None, backend=None):
+        monkeypatch.setattr(peers, "nodes", lambda group_name, device: nodes)
+        monkeypatch.setattr(dispatch, "_local_reason", lambda index: local)
+        monkeypatch.setattr(internode, "backend_reason", lambda device: backend)
+        return lambda why_not=None: dispatch._internode_plan(torch.device("cpu"), "g", why_not)
+
+    return setup
+
+
+def test_dispatcher_takes_the_path_only_across_nodes(spans):
+    assert spans([0, 0])() is None  # one node: the NVLink kernels' business
+    assert spans(None)() is None  # the peer check has not run (or a rank could not identify itself)
+    assert spans([0, 1])() == ("internode", None)
+    assert spans([0, 0, 1, 1])() == ("internode", None)
+
+
+def test_dispatcher_says_why_it_decomposes_across_nodes(spans):
+    assert spans([0, 1], local="fluxinductor._C is not built")() == (
+        "decomposed", "inter-node path: fluxinductor._C is not built")
+    plan = spans([0, 1], backend="this PyTorch build has no NVSHMEM")()
+    assert plan == ("decomposed", "inter-node path: this PyTorch build has no NVSHMEM")
+    assert spans([0, 1])("an torch.float32 output") == ("decomposed", "inter-node path: an torch.float32 output")
+
+
+def test_operand_reasons():
+    a = torch.zeros(4, 8, dtype=torch.bfloat16)
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert internode.operand_reason(a, [w], [None]) is None
+    assert "bf16 and fp16" in internode.operand_reason(a.float(), [w.float()], [None])
+    assert "different dtypes" in internode.operand_reason(a, [w.half()], [None])
