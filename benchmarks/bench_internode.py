@@ -3,12 +3,14 @@
 (``settings.tuning.emulate_nodes``), against the decomposition over the same links: NCCL's collective then cuBLAS.
 
 Per problem (global M, K, N; Flux's shapes, M swept) and op, the contenders run alternated in ``--rounds`` rounds:
-  * ``internode``: torch.ops.fluxinductor.* under the fused dispatch, which takes the inter-node path;
+  * ``op``: torch.ops.fluxinductor.* under the ``auto`` dispatch, which times the inter-node path against the
+    sequential one at the first call and keeps the faster (the row's ``op_path``);
+  * ``internode``: the same op under the ``fused`` dispatch, which always takes the inter-node path;
   * ``sequential``: NCCL all-gather then cuBLAS (AG+GEMM), cuBLAS then NCCL reduce-scatter (GEMM+RS);
   * ``gemm``: the per-rank cuBLAS GEMM alone (T_gemm).
 Each time is the device time of one call (a barrier, a GPU sleep while the host enqueues it, CUDA events around
 it), the median over iterations per rank, the maximum over ranks; the JSON keeps every round.  Overlap efficiency
-E = 1 - (T - T_gemm) / (T_seq - T_gemm), from the medians over rounds.
+E = 1 - (T - T_gemm) / (T_seq - T_gemm), from the medians over rounds, for ``op`` and ``internode``.
 
 Which wire NVSHMEM and NCCL use is the environment's: NVSHMEM_DISABLE_P2P=1 with a remote transport
 (NVSHMEM_REMOTE_TRANSPORT) takes NVSHMEM off NVLink; NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 does the same for NCCL.
@@ -28,13 +30,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (ENV_PREFIXES, RunContext, environment, exit_now, parse_problems, per_rank_summary,  # noqa: E402
-                     time_iterations, watchdog, write_json)
+from harness import (ENV_PREFIXES, RunContext, dispatch_mode, environment, exit_now, parse_problems,  # noqa: E402
+                     per_rank_summary, time_iterations, watchdog, write_json)
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 FLUX_SHAPES = {"all_gather_matmul": (12288, 49152), "matmul_reduce_scatter": (49152, 12288)}
 DEFAULT_MS = (1024, 4096, 8192, 4098)  # 4098: odd rows per rank at TP=2
-CONTENDERS = ("internode", "sequential", "gemm")
+CONTENDERS = ("op", "internode", "sequential", "gemm")
 
 
 def make_calls(op: str, m: int, k: int, n: int, ctx: RunContext, group_name: str):
@@ -57,7 +59,8 @@ def make_calls(op: str, m: int, k: int, n: int, ctx: RunContext, group_name: str
         def check():
             dist.all_gather_into_tensor(full, shard)
             ref = full.float() @ weight.float()
-            return ((fused().float() - ref).norm() / ref.norm()).item()
+            with dispatch_mode("fused"):
+                return ((fused().float() - ref).norm() / ref.norm()).item()
 
         gemm = lambda: full @ weight  # noqa: E731
     else:
@@ -76,10 +79,17 @@ def make_calls(op: str, m: int, k: int, n: int, ctx: RunContext, group_name: str
             partial = (a @ weight).float()
             dist.all_reduce(partial)
             ref = partial[rank * (m // w):(rank + 1) * (m // w)]
-            return ((fused().float() - ref).norm() / ref.norm()).item()
+            with dispatch_mode("fused"):
+                return ((fused().float() - ref).norm() / ref.norm()).item()
 
         gemm = lambda: a @ weight  # noqa: E731
-    return {"internode": fused, "sequential": sequential, "gemm": gemm}, check
+    def under(mode):
+        def call():
+            with dispatch_mode(mode):
+                return fused()
+        return call
+
+    return {"op": under("auto"), "internode": under("fused"), "sequential": sequential, "gemm": gemm}, check
 
 
 def main(argv=None) -> int:
@@ -94,9 +104,8 @@ def main(argv=None) -> int:
     ctx = RunContext("cuda", pg_timeout_s=300, default_port=29531)
     from fluxinductor import settings
 
-    os.environ["FLUXINDUCTOR_DISPATCH"] = "fused"
-    settings.reload()
     settings.set_tuning(emulate_nodes=True)
+    from fluxinductor import dispatch
     group_name = dist.group.WORLD.group_name
     ms = [p[0] for p in parse_problems(args.ms, [(m,) for m in DEFAULT_MS])]
     rows = []
@@ -112,15 +121,23 @@ def main(argv=None) -> int:
                         times, _ = time_iterations(ctx, calls[name], args.warmup, args.iters, sleep_cycles=2_000_000)
                         rounds[name].append(per_rank_summary(ctx.gather(times))["ms"])
                 med = {c: statistics.median(v) for c, v in rounds.items()}
-                e = 1 - (med["internode"] - med["gemm"]) / (med["sequential"] - med["gemm"]) \
-                    if med["sequential"] > med["gemm"] else None
+
+                def efficiency(c):
+                    span = med["sequential"] - med["gemm"]
+                    return 1 - (med[c] - med["gemm"]) / span if span > 0 else None
+
+                plans = [p for key, p in dispatch._plans.items() if key[0] == op and key[1] == "auto"]
                 row = {"op": op, "m": m, "k": k, "n": n, "rel_err": err, "rounds_ms": rounds, "median_ms": med,
-                       "speedup_vs_sequential": med["sequential"] / med["internode"], "overlap_efficiency": e}
+                       "op_path": plans[-1][0] if plans else None,
+                       "speedup_vs_sequential": {c: med["sequential"] / med[c] for c in ("op", "internode")},
+                       "overlap_efficiency": {c: None if efficiency(c) is None else round(efficiency(c), 3)
+                                              for c in ("op", "internode")}}
                 rows.append(row)
                 if ctx.rank == 0:
-                    print(f"{op:22s} M {m:6d} K {k} N {n}: internode {med['internode']:.3f} ms, sequential "
-                          f"{med['sequential']:.3f}, gemm {med['gemm']:.3f}; {row['speedup_vs_sequential']:.2f}x, "
-                          f"E {e if e is None else round(e, 2)}, rel err {err:.1e}", flush=True)
+                    sp, e = row["speedup_vs_sequential"], row["overlap_efficiency"]
+                    print(f"{op:22s} M {m:6d}: op ({row['op_path']}) {med['op']:.3f} ms {sp['op']:.2f}x, internode "
+                          f"{med['internode']:.3f} {sp['internode']:.2f}x E {e['internode']}, sequential "
+                          f"{med['sequential']:.3f}, gemm {med['gemm']:.3f}; rel err {err:.1e}", flush=True)
     if ctx.rank == 0 and args.out:
         write_json(args.out, {"environment": environment(ctx, torch.bfloat16, {"emulate_nodes": True},
                                                           env_prefixes=(*ENV_PREFIXES, "UCX_")),

@@ -108,6 +108,22 @@ def _internode_plan(device: torch.device, group_name: str, why_not: Optional[str
     return ("internode", None) if why is None else ("decomposed", f"inter-node path: {why}")
 
 
+def _internode_measured(op: str, device: torch.device, group_name: str, world: int, m: int, k: int, n: int, dtype,
+                        sequential: Callable[[], object], fused: Callable[[], object]) -> Tuple[str, Optional[str]]:
+    """Under ``auto`` dispatch: the inter-node path against the sequential one, timed on the call's operands at the
+    first call of a signature and agreed by every rank (:func:`fluxinductor.calibration.choose_measured`; the cost
+    model's tables know NVLink only).  ("internode", None) or ("decomposed", why).  With calibration off, or under
+    the ``fused`` dispatch: the inter-node path."""
+    if mode() != "auto" or not settings.tuning.calibrate or symm.capturing():
+        return "internode", None
+    from fluxinductor import calibration
+
+    path, reason = calibration.choose_measured(f"internode_{op}", device, group_name, world, m, k, n, dtype,
+                                               {"sequential": sequential, "internode": fused})
+    return ("internode", None) if path == "internode" else ("decomposed", f"inter-node path: calibration chose "
+                                                                            f"{path}, {reason}")
+
+
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
                      fused_eligible: bool = True, split_eligible: bool = True, group_name: Optional[str] = None,
                      run_path: Optional[Callable[[str], Callable[[], object]]] = None) -> Tuple[str, str]:
@@ -365,6 +381,16 @@ def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2
 
     inter = _internode_plan(shard.device, group_name, internode.operand_reason(shard2d, weights, biases)
                             or kernels.unsupported_reason(shard2d, weights, biases, group_name))
+    if inter is not None and inter[0] == "internode":
+        from fluxinductor import ops
+        from fluxinductor.kernels import peers
+
+        nodes = peers.nodes(group_name, shard.device)
+        return _internode_measured(
+            "all_gather_matmul", shard.device, group_name, world, world * shard2d.shape[0], shard2d.shape[1],
+            world * sum(w.shape[1] for w in weights), shard.dtype,
+            lambda: ops.all_gather_matmul_reference(shard, weights, biases, gather_dim, group_name),
+            lambda: internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered, nodes))
     if inter is not None:
         return inter
     why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
@@ -458,6 +484,16 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
     inter = _internode_plan(a.device, group_name, internode.operand_reason(a2d, [weight], [bias]) or (
         f"an {out_dtype} output" if out_dtype is not None else None) or (
         f"reduce op {reduce_op!r}" if reduce_op not in ("sum", "avg") else None))
+    if inter is not None and inter[0] == "internode":
+        from fluxinductor import ops
+        from fluxinductor.kernels import peers
+
+        nodes = peers.nodes(group_name, a.device)
+        inter = _internode_measured(
+            "matmul_reduce_scatter", a.device, group_name, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
+            a.dtype,
+            lambda: ops.matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype),
+            lambda: internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, nodes))
     if inter is not None:
         return (*inter, "store", None)
     extra = () if out_dtype is None else (out_dtype,)

@@ -84,3 +84,27 @@ def test_operand_reasons():
     assert internode.operand_reason(a, [w], [None]) is None
     assert "bf16 and fp16" in internode.operand_reason(a.float(), [w.float()], [None])
     assert "different dtypes" in internode.operand_reason(a, [w.half()], [None])
+
+
+def test_auto_dispatch_measures_the_path_against_the_sequential_one(monkeypatch):
+    from fluxinductor import calibration
+
+    asked = []
+
+    def choose(op, device, group_name, world, m, k, n, dtype, candidates):
+        asked.append((op, m, k, n, tuple(candidates)))
+        return verdict, "measured"
+
+    monkeypatch.setattr(calibration, "choose_measured", choose)
+    call = lambda: dispatch._internode_measured("all_gather_matmul", torch.device("cpu"), "g", 2, 4098, 12288,  # noqa: E731
+                                                49152, torch.bfloat16, lambda: None, lambda: None)
+    with settings.override(dispatch="auto"):
+        verdict = "internode"
+        assert call() == ("internode", None)
+        verdict = "sequential"
+        assert call() == ("decomposed", "inter-node path: calibration chose sequential, measured")
+        with settings.override(calibrate=False):
+            assert call() == ("internode", None)
+    with settings.override(dispatch="fused"):
+        assert call() == ("internode", None)
+    assert asked == [("internode_all_gather_matmul", 4098, 12288, 49152, ("sequential", "internode"))] * 2
