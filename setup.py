@@ -231,7 +231,7 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here: install the build for your machine first (see README.md).
     install_requires=["torch>=2.8", "numpy"],
-    extras_require={"test": ["pytest>=7", "numpy", "nvidia-cutlass==4.2.0.0", "ruff", "transformers", "accelerate"], "bench": ["matplotlib"],
+    extras_require={"test": ["pytest>=7", "numpy", "nvidia-cutlass==4.2.0.0", "ruff", "transformers", "accelerate"], "bench": ["matplotlib"], "internode": ["nvidia-nvshmem-cu13"],
                     "clients": ["transformers", "accelerate", "torchtitan"]},
     ext_modules=[CMakeExtension("fluxinductor._C", HERE)] if os.path.isdir(os.path.join(HERE, "csrc")) else [],
     cmdclass={"build_ext": CMakeBuild},

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ctx = RunContext("cuda", pg_timeout_s=300, default_port=29531)
     from fluxinductor import settings
 
-    settings.set_tuning(emulate_nodes=True)
+    settings.set_tuning(emulate_nodes=1)
     from fluxinductor import dispatch
     group_name = dist.group.WORLD.group_name
     ms = [p[0] for p in parse_problems(args.ms, [(m,) for m in DEFAULT_MS])]
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                           f"{med['internode']:.3f} {sp['internode']:.2f}x E {e['internode']}, sequential "
                           f"{med['sequential']:.3f}, gemm {med['gemm']:.3f}; rel err {err:.1e}", flush=True)
     if ctx.rank == 0 and args.out:
-        write_json(args.out, {"environment": environment(ctx, torch.bfloat16, {"emulate_nodes": True},
+        write_json(args.out, {"environment": environment(ctx, torch.bfloat16, {"emulate_nodes": 1},
                                                           env_prefixes=(*ENV_PREFIXES, "UCX_")),
                               "rows": rows})
     exit_now(0)

@@ -93,7 +93,7 @@ def _local_reason(index: int) -> Optional[str]:
 
 
 def _internode_plan(device: torch.device, group_name: str, why_not: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
-    """For a group whose ranks span nodes (every GPU a node under ``settings.tuning.emulate_nodes``): ("internode",
+    """For a group whose ranks span nodes (or nodes emulated on one host, ``settings.tuning.emulate_nodes``): ("internode",
     None) where the inter-node path takes the call, ("decomposed", why) where it cannot (``why_not``: the call's own
     objection, its operands or the kernel's); None for a group on one node.  Asked after :func:`_peers_reason`, which
     found the nodes."""

@@ -235,8 +235,9 @@ class Tuning:
     calibration_dir: Optional[str] = _knob(None, _path, "Folder of the calibration cache (one JSON per device and "
                                            "world size); None: `$XDG_CACHE_HOME/fluxinductor` or "
                                            "`~/.cache/fluxinductor`.", "path or None")
-    emulate_nodes: bool = _knob(False, _parse_bool, "Treat every GPU as a node of its own: the inter-node (NVSHMEM) "
-                                "path on one host (fluxinductor/kernels/internode.py; tests and benchmarks).", "bool")
+    emulate_nodes: int = _knob(0, _int(0), "GPUs per emulated node: ranks in consecutive groups of this many are "
+                               "taken as nodes, which runs the inter-node (NVSHMEM) path on one host "
+                               "(fluxinductor/kernels/internode.py; tests and benchmarks); 0: nodes are hosts.", "int")
     peer_check_timeout_s: float = _knob(600.0, _float(low=1e-3), "Seconds a rank waits for its peers at a group's "
                                         "first fused call (the peers may still be compiling).", "float")
 

@@ -149,6 +149,8 @@ class Workspace:
         self.pes = [dist.get_global_rank(self.group, q) for q in range(self.world)]
         self.order = send_order(self.rank, nodes, remote_first=False)  # AG+GEMM: the peers this rank sends to
         self.remote_first = send_order(self.rank, nodes, remote_first=True)  # GEMM+RS
+        self.local = [q for q in self.order if nodes[q] == nodes[self.rank]]
+        self.rails = rail_peers(self.rank, nodes)  # AG+GEMM's hierarchical sends; None: a put to every peer
         self.comm = torch.cuda.Stream(device)
         self.error = ErrorWord()
         self.epoch = 0
@@ -191,7 +193,7 @@ class Workspace:
         self.base = buffer.data_ptr()
 
     def next_epoch(self) -> int:
-        self.epoch = (self.epoch + 1) & 0x7FFFFFFF or 1
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1  # flags compare by signed 32-bit difference: wraps safely
         return self.epoch
 
     def flags(self, parity: int) -> Tensor:
@@ -214,21 +216,31 @@ class Workspace:
         raw = self.buffer[start:start + self.world * slot_bytes].view(dtype).view(self.world, -1)
         return raw[:, :rows * cols].view(self.world, rows, cols)
 
+    def release_waits(self) -> None:
+        """After a timed-out wait: raise the flags of the latest call on this rank, so a communication stream still
+        waiting for a rail's flag (AG+GEMM's forwarding) goes on instead of holding every later call."""
+        epoch = self.epoch - (1 << 32) if self.epoch >= 1 << 31 else self.epoch
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # not behind the waiting stream
+            self.flags(self.epoch & 1).fill_(epoch)
+
     def raise_if_error(self) -> None:
         code = self.error.read()
+        if code or symm.read_error(self.device.index):
+            self.release_waits()
         if code:
             self.error.clear()
             raise InternodeError(
                 f"inter-node call on group {self.group_name}: a peer's data did not arrive within "
                 f"{symm.timeout_seconds()} s (error code {code}); the call's outputs were wrong")
 
-    def send(self, parity: int, q: int, dst: int, src: int, nbytes: int) -> None:
+    def send(self, parity: int, q: int, dst: int, src: int, nbytes: int, origin: Optional[int] = None) -> None:
         """On the communication stream: put ``nbytes`` from ``src`` to peer q at ``dst`` (local symmetric address),
-        quiet, then put this call's epoch into q's flag for this rank."""
+        quiet, then put this call's epoch into q's flag for rank ``origin`` (default: this rank)."""
         nvshmem, stream = _load_nvshmem(), self.comm.cuda_stream
         nvshmem.put(dst, src, nbytes, self.pes[q], stream)
         nvshmem.quiet(stream)
-        nvshmem.put(self.flag_address(parity, self.rank), self.epoch_word_address, 4, self.pes[q], stream)
+        flag = self.flag_address(parity, self.rank if origin is None else origin)
+        nvshmem.put(flag, self.epoch_word_address, 4, self.pes[q], stream)
 
 
 _workspaces: Dict[Tuple[str, int], Workspace] = {}
@@ -243,6 +255,22 @@ def send_order(rank: int, nodes: Sequence[int], remote_first: bool) -> List[int]
     local = [q for q in ring if nodes[q] == nodes[rank]]
     remote = [q for q in ring if nodes[q] != nodes[rank]]
     return remote + local if remote_first else local + remote
+
+
+def rail_peers(rank: int, nodes: Sequence[int]) -> Optional[List[int]]:
+    """The ranks of the other nodes that hold this rank's place in their node (its rails: GPU i of one node talks to
+    GPU i of the others), nearest node first; None where the hierarchical sends do not apply (one node, one GPU a node,
+    or nodes of different sizes)."""
+    members: Dict[int, List[int]] = {}
+    for q, node in enumerate(nodes):
+        members.setdefault(node, []).append(q)
+    sizes = {len(m) for m in members.values()}
+    if len(members) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    order = list(members)
+    mine = order.index(nodes[rank])
+    place = members[nodes[rank]].index(rank)
+    return [members[order[(mine + i) % len(order)]][place] for i in range(1, len(order))]
 
 
 def workspace(group_name: str, device: torch.device, nodes: Sequence[int]) -> Workspace:
@@ -261,8 +289,8 @@ def check_errors(device: Optional[torch.device] = None, synchronize: bool = Fals
     from fluxinductor.kernels import ag_gemm
 
     index = torch.cuda.current_device() if device is None else torch.device(device).index
-    if synchronize:
-        torch.cuda.synchronize(index)
+    if synchronize:  # the caller's stream only: a communication stream may wait for a flag that never comes
+        torch.cuda.current_stream(index).synchronize()
     for (_, dev), ws in list(_workspaces.items()):
         if dev == index:
             ws.raise_if_error()
@@ -305,8 +333,20 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     gathered[rank].copy_(shard2d)
     ws.comm.wait_stream(stream)
     own = ws.slot_address(parity, 0, rank, slot_bytes)
-    for q in ws.order:
-        ws.send(parity, q, own, own, slot_bytes)
+    if ws.rails is None:
+        for q in ws.order:
+            ws.send(parity, q, own, own, slot_bytes)
+    else:
+        # Hierarchical: this rank's shard to its rails (between nodes) and its node's peers; each shard a rail
+        # delivers is forwarded to the node's peers, so every shard crosses between two nodes once.
+        for q in ws.rails + ws.local:
+            ws.send(parity, q, own, own, slot_bytes)
+        ext = loader.extension()
+        for p in ws.rails:
+            ext.ag_stream_wait_value32_eq(ws.flag_address(parity, p), epoch, ws.comm.cuda_stream)
+            delivered = ws.slot_address(parity, 0, p, slot_bytes)
+            for q in ws.local:
+                ws.send(parity, q, delivered, delivered, slot_bytes, origin=p)
     a = gathered.view(world * rows, k)
     first = torch.empty((world * rows, weights[0].shape[1]), dtype=dtype, device=shard2d.device)
     ag_gemm.launch_gemm(a, weights[0], biases[0], first, flags=ws.flags(parity), epoch=epoch, rank=rank, world=world,

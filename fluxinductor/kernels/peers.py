@@ -208,7 +208,7 @@ def remembered_group_reason(group_name: str, device: torch.device) -> Tuple[bool
 
 def nodes(group_name: str, device: torch.device) -> Optional[List[int]]:
     """The node of each rank of the group (ranks of one host share a number, in order of first appearance), as the
-    peer check saw them; every rank its own node under ``settings.tuning.emulate_nodes``; None before the group's
+    peer check saw them; under ``settings.tuning.emulate_nodes`` = g, ranks in consecutive groups of g; None before the group's
     first :func:`group_reason` (or where a rank could not identify itself, or the group is unknown).  Never
     collective."""
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -218,7 +218,7 @@ def nodes(group_name: str, device: torch.device) -> Optional[List[int]]:
     except Exception:  # noqa: BLE001 - an unknown group has no nodes to report
         return None
     if settings.tuning.emulate_nodes:
-        return list(range(group.size()))
+        return [q // settings.tuning.emulate_nodes for q in range(group.size())]
     if group.size() == 1:
         return [0]
     hosts = _hosts.get((group_name, -1 if device.index is None else device.index))

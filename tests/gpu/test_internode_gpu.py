@@ -4,7 +4,7 @@
   flags raised on a side stream after a delay, the output poisoned with NaN first; the sum against fp32 in rank order,
   bf16 and fp16, the 16-byte and the scalar paths, ``avg``; a sender whose flag never comes: the kernel gives up after
   the timeout and writes its error code.
-* 2 GPUs: tests/gpu/run_internode_2rank.py under torchrun (two emulated nodes, NVSHMEM puts, torch.compile, 1000
+* 2 GPUs: tests/gpu/run_internode.py under torchrun (two emulated nodes, NVSHMEM puts, torch.compile, 1000
   calls, a missing peer).
 
 Without CUDA, the extension or an sm_90 GPU they skip with the reason.
@@ -75,7 +75,7 @@ def test_reduce_arrivals_gives_up_on_a_missing_sender():
 
 @pytest.mark.gpu(min_gpus=2)
 def test_two_emulated_nodes_torchrun():
-    script = os.path.join(HERE, "run_internode_2rank.py")
+    script = os.path.join(HERE, "run_internode.py")
     env = dict(os.environ)
     env.setdefault("NVSHMEM_SYMMETRIC_SIZE", "2G")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script],

@@ -39,7 +39,7 @@ def _nodes_on_two_ranks(rank, world):
     one = dist.new_group([0, 1])
     peers.group_reason(one.group_name, cpu, identify=lambda d: Identity("h/b", f"0000:0{rank}:00.0"), nvlink=linked)
     out["one host"] = peers.nodes(one.group_name, cpu)
-    with settings.override(emulate_nodes=True):
+    with settings.override(emulate_nodes=1):
         out["emulated"] = peers.nodes(one.group_name, cpu)
     return out
 
@@ -108,3 +108,13 @@ def test_auto_dispatch_measures_the_path_against_the_sequential_one(monkeypatch)
     with settings.override(dispatch="fused"):
         assert call() == ("internode", None)
     assert asked == [("internode_all_gather_matmul", 4098, 12288, 49152, ("sequential", "internode"))] * 2
+
+
+def test_rail_peers():
+    assert internode.rail_peers(0, [0, 0, 1, 1]) == [2]
+    assert internode.rail_peers(3, [0, 0, 1, 1]) == [1]
+    assert internode.rail_peers(1, [0, 0, 1, 1, 2, 2]) == [3, 5]
+    assert internode.rail_peers(4, [0, 0, 1, 1, 2, 2]) == [0, 2]  # nearest node first, around the ring
+    assert internode.rail_peers(0, [0, 1]) is None  # one GPU a node: nothing to forward
+    assert internode.rail_peers(0, [0, 0, 0, 1]) is None  # nodes of different sizes: a put to every peer
+    assert internode.rail_peers(0, [0, 0]) is None

@@ -1,4 +1,4 @@
-"""Two ranks on two GPUs (torchrun --nproc-per-node 2) as two emulated nodes: the inter-node path
+"""Ranks on GPUs of one host as emulated nodes (every GPU a node, or nodes of the GPUs given): the inter-node path
 (fluxinductor/kernels/internode.py) under ``settings.tuning.emulate_nodes``, its puts through NVSHMEM.  With the
 environment of the call (NVSHMEM_DISABLE_P2P=1 and a remote transport) NVSHMEM carries them over that transport;
 without, over its peer-to-peer path.
@@ -10,10 +10,11 @@ Checks (each prints a PASS or FAIL line; any FAIL exits non-zero):
   * GEMM+RS: bf16 and fp16, sum and avg, bias, odd rows per rank, N 4096 and 1000 (the reduction's scalar path);
   * torch.compile(backend="flux") of a sequence-parallel block (all-gather, two linears, reduce-scatter) matches eager;
   * 1000 back-to-back calls of each op with changing data, compared on the device, one host sync at the end;
-  * a rank that skips a call: the other's wait gives up after FLUXINDUCTOR_TIMEOUT_S and the host raises.
+  * a rank that skips a call: the others' waits give up after FLUXINDUCTOR_TIMEOUT_S and the host raises.
 Prints "INTERNODE CHECKS PASSED" on each rank when every check passed.
 
-    torchrun --nproc-per-node 2 tests/gpu/run_internode_2rank.py
+    torchrun --nproc-per-node 2 tests/gpu/run_internode.py         # every GPU a node
+    torchrun --nproc-per-node 4 tests/gpu/run_internode.py 2       # two nodes of two GPUs: rails, forwarding
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def check_late_rank(group_name, device, rank, world):
     internode.check_errors(device, synchronize=True)
     dist.barrier()
     raised = None
-    if rank == 0:  # rank 1 never makes this one
+    if rank != 1:  # rank 1 never makes this one
         with torch.no_grad():
             ops.all_gather_matmul(shard, [w], [None], 0, group_name, False)
         try:
@@ -209,9 +210,16 @@ def main():
     os.environ["FLUXINDUCTOR_DISPATCH"] = "fused"
     os.environ.setdefault("FLUXINDUCTOR_TIMEOUT_S", "3")
     settings.reload()
-    settings.set_tuning(emulate_nodes=True)
+    gpus_per_node = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    settings.set_tuning(emulate_nodes=gpus_per_node)
     group_name = dist.group.WORLD.group_name
     check_path(group_name, device)
+    if gpus_per_node > 1:
+        from fluxinductor.kernels import internode
+
+        ws = internode._workspaces[(group_name, device.index)]
+        verdict(f"{world // gpus_per_node} nodes of {gpus_per_node}: the all-gather goes by rails", ws.rails is not None,
+                f"rails {ws.rails}, node peers {ws.local}")
     check_all_gather_matmul(group_name, device, rank, world)
     check_matmul_reduce_scatter(group_name, device, rank, world)
     check_compiled(group_name, device, rank)
