@@ -14,7 +14,8 @@ E = 1 - (T - T_gemm) / (T_seq - T_gemm), from the medians over rounds, for ``op`
 
 Which wire NVSHMEM and NCCL use is the environment's: NVSHMEM_DISABLE_P2P=1 with a remote transport
 (NVSHMEM_REMOTE_TRANSPORT) takes NVSHMEM off NVLink; NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 does the same for NCCL.
-The JSON records that environment.
+The JSON records that environment.  With ``--gpus-per-node`` g > 1 (4 GPUs, g = 2: two nodes of two) the AG+GEMM
+takes its hierarchical sends (rails and forwarding inside a node).
 
     torchrun --nproc-per-node 2 benchmarks/bench_internode.py --out benchmarks/results/internode/h200x2_tp2.json
 """
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default=None, help="global M values, comma-separated (default: 1024,4096,8192,4098)")
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each emulated node (1: every GPU a node)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     ctx = RunContext("cuda", pg_timeout_s=300, default_port=29531)
     from fluxinductor import settings
 
-    settings.set_tuning(emulate_nodes=1)
+    settings.set_tuning(emulate_nodes=args.gpus_per_node)
     from fluxinductor import dispatch
     group_name = dist.group.WORLD.group_name
     ms = [p[0] for p in parse_problems(args.ms, [(m,) for m in DEFAULT_MS])]
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
                           f"{med['internode']:.3f} {sp['internode']:.2f}x E {e['internode']}, sequential "
                           f"{med['sequential']:.3f}, gemm {med['gemm']:.3f}; rel err {err:.1e}", flush=True)
     if ctx.rank == 0 and args.out:
-        write_json(args.out, {"environment": environment(ctx, torch.bfloat16, {"emulate_nodes": 1},
+        write_json(args.out, {"environment": environment(ctx, torch.bfloat16, {"emulate_nodes": args.gpus_per_node},
                                                           env_prefixes=(*ENV_PREFIXES, "UCX_")),
                               "rows": rows})
     exit_now(0)
