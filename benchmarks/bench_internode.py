@@ -36,7 +36,7 @@ from harness import (ENV_PREFIXES, RunContext, dispatch_mode, environment, exit_
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 FLUX_SHAPES = {"all_gather_matmul": (12288, 49152), "matmul_reduce_scatter": (49152, 12288)}
-DEFAULT_MS = (1024, 4096, 8192, 4098)  # 4098: odd rows per rank at TP=2
+DEFAULT_MS = (1024, 4096, 8192)  # and world * 2049: odd rows per rank
 CONTENDERS = ("op", "internode", "sequential", "gemm")
 
 
@@ -95,7 +95,7 @@ def make_calls(op: str, m: int, k: int, n: int, ctx: RunContext, group_name: str
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ms", default=None, help="global M values, comma-separated (default: 1024,4096,8192,4098)")
+    p.add_argument("--ms", default=None, help="global M values, comma-separated (default: 1024,4096,8192 and world*2049)")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each emulated node (1: every GPU a node)")
     p.add_argument("--rounds", type=int, default=3)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     settings.set_tuning(emulate_nodes=args.gpus_per_node)
     from fluxinductor import dispatch
     group_name = dist.group.WORLD.group_name
-    ms = [p[0] for p in parse_problems(args.ms, [(m,) for m in DEFAULT_MS])]
+    ms = [p[0] for p in parse_problems(args.ms, [(m,) for m in (*DEFAULT_MS, ctx.world * 2049)])]
     rows = []
     with torch.no_grad(), watchdog(1500):
         for op in args.ops.split(","):
