@@ -40,7 +40,7 @@ import ctypes
 import glob
 import os
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -144,13 +144,16 @@ class Workspace:
         self.group_name, self.device = group_name, device
         self.group = _resolve_process_group(group_name)
         self.rank, self.world = self.group.rank(), self.group.size()
-        if self.world > _FLAG_BYTES // 8 - 4:
-            raise ValueError(f"inter-node path: a group of {self.world} ranks (at most {_FLAG_BYTES // 8 - 4})")
         self.pes = [dist.get_global_rank(self.group, q) for q in range(self.world)]
         self.order = send_order(self.rank, nodes, remote_first=False)  # AG+GEMM: the peers this rank sends to
         self.remote_first = send_order(self.rank, nodes, remote_first=True)  # GEMM+RS
         self.local = [q for q in self.order if nodes[q] == nodes[self.rank]]
         self.rails = rail_peers(self.rank, nodes)  # AG+GEMM's hierarchical sends; None: a put to every peer
+        self.rs_plan = reduce_scatter_plan(self.rank, nodes)
+        self.flag_words = max(self.world, self.rs_plan.flags)
+        if 8 * self.flag_words > _FLAG_BYTES - 16:
+            raise ValueError(f"inter-node path: a group of {self.world} ranks needs {self.flag_words} flags a call "
+                             f"(at most {(_FLAG_BYTES - 16) // 8})")
         self.comm = torch.cuda.Stream(device)
         self.error = ErrorWord()
         self.epoch = 0
@@ -197,24 +200,25 @@ class Workspace:
         return self.epoch
 
     def flags(self, parity: int) -> Tensor:
-        return self.buffer[parity * 4 * self.world:(parity + 1) * 4 * self.world].view(torch.int32)
+        return self.buffer[parity * 4 * self.flag_words:(parity + 1) * 4 * self.flag_words].view(torch.int32)
 
-    def flag_address(self, parity: int, q: int) -> int:
-        return self.base + 4 * (parity * self.world + q)
+    def flag_address(self, parity: int, index: int) -> int:
+        return self.base + 4 * (parity * self.flag_words + index)
 
     @property
     def epoch_word_address(self) -> int:
         return self.base + _FLAG_BYTES - 16
 
-    def slot_address(self, parity: int, kind: int, q: int, slot_bytes: int) -> int:
-        """Address of slot q of ``kind`` (0 receive, 1 send) of ``parity``."""
-        return self.base + _FLAG_BYTES + parity * self.capacity + (kind * self.world + q) * slot_bytes
+    def slot_address(self, parity: int, index: int, slot_bytes: int) -> int:
+        """Address of slot ``index`` of ``parity`` (slots ``slot_bytes`` apart)."""
+        return self.base + _FLAG_BYTES + parity * self.capacity + index * slot_bytes
 
-    def slots(self, parity: int, kind: int, slot_bytes: int, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
-        """The ``world`` slots of ``kind`` as one [world * rows, cols] tensor (each slot ``slot_bytes`` apart)."""
-        start = _FLAG_BYTES + parity * self.capacity + kind * self.world * slot_bytes
-        raw = self.buffer[start:start + self.world * slot_bytes].view(dtype).view(self.world, -1)
-        return raw[:, :rows * cols].view(self.world, rows, cols)
+    def slots(self, parity: int, first: int, count: int, slot_bytes: int, rows: int, cols: int,
+              dtype: torch.dtype) -> Tensor:
+        """Slots [first, first + count) of ``parity`` as a [count, rows, cols] tensor."""
+        start = _FLAG_BYTES + parity * self.capacity + first * slot_bytes
+        raw = self.buffer[start:start + count * slot_bytes].view(dtype).view(count, -1)
+        return raw[:, :rows * cols].view(count, rows, cols)
 
     def release_waits(self) -> None:
         """After a timed-out wait: raise the flags of the latest call on this rank, so a communication stream still
@@ -233,14 +237,14 @@ class Workspace:
                 f"inter-node call on group {self.group_name}: a peer's data did not arrive within "
                 f"{symm.timeout_seconds()} s (error code {code}); the call's outputs were wrong")
 
-    def send(self, parity: int, q: int, dst: int, src: int, nbytes: int, origin: Optional[int] = None) -> None:
+    def send(self, parity: int, q: int, dst: int, src: int, nbytes: int, flag: Optional[int] = None) -> None:
         """On the communication stream: put ``nbytes`` from ``src`` to peer q at ``dst`` (local symmetric address),
-        quiet, then put this call's epoch into q's flag for rank ``origin`` (default: this rank)."""
+        quiet, then put this call's epoch into q's flag ``flag`` (default: this rank's)."""
         nvshmem, stream = _load_nvshmem(), self.comm.cuda_stream
         nvshmem.put(dst, src, nbytes, self.pes[q], stream)
         nvshmem.quiet(stream)
-        flag = self.flag_address(parity, self.rank if origin is None else origin)
-        nvshmem.put(flag, self.epoch_word_address, 4, self.pes[q], stream)
+        address = self.flag_address(parity, self.rank if flag is None else flag)
+        nvshmem.put(address, self.epoch_word_address, 4, self.pes[q], stream)
 
 
 _workspaces: Dict[Tuple[str, int], Workspace] = {}
@@ -271,6 +275,71 @@ def rail_peers(rank: int, nodes: Sequence[int]) -> Optional[List[int]]:
     mine = order.index(nodes[rank])
     place = members[nodes[rank]].index(rank)
     return [members[order[(mine + i) % len(order)]][place] for i in range(1, len(order))]
+
+
+class Partial(NamedTuple):
+    """GEMM+RS: compute the partial of ``owner``'s rows into slot ``here``; with ``peer``, put it into that peer's slot
+    ``there`` (and raise its flag ``there``)."""
+    owner: int
+    here: int
+    peer: Optional[int] = None
+    there: int = 0
+
+
+class Aggregate(NamedTuple):
+    """GEMM+RS between nodes: once the ``count`` slots from ``first`` (this node's partials of ``peer``'s rows, this
+    rank's own at index ``own``) arrived, sum them into slot ``here`` and put that into ``peer``'s slot ``there``."""
+    first: int
+    count: int
+    own: int
+    here: int
+    peer: int
+    there: int
+
+
+class ReduceScatterPlan(NamedTuple):
+    """Where one rank's GEMM+RS partials go, in slot indices of one parity (a receive slot's flag has its index)."""
+    steps: List[Union[Partial, Aggregate]]  # in the order this rank runs them
+    final: int       # the final reduction sums receive slots [0, final)
+    own: int         # ... this rank's own partial in slot ``own``
+    slots: int       # slots a parity holds
+    flags: int       # flag words a parity needs
+
+
+def reduce_scatter_plan(rank: int, nodes: Sequence[int]) -> ReduceScatterPlan:
+    """Across nodes of equal size (``rail_peers``): this rank's partials of another node's rows go to the rank of its
+    node in that owner's place, which sums the node's partials and puts one sum across, so one chunk per rank crosses
+    between two nodes; partials for the node's own ranks go straight to them.  Otherwise a put to every owner, the
+    other nodes' first.  Receive slots: the final reduction's (by sender place, then one per other node), then one
+    area per other node for the sums this rank makes; send slots after them."""
+    world = len(nodes)
+    if rail_peers(rank, nodes) is None:  # receive slot q: sender q; send slot world + q: the partial of owner q
+        steps: List[Union[Partial, Aggregate]] = [Partial(q, world + q, q, rank)
+                                                  for q in send_order(rank, nodes, remote_first=True)]
+        return ReduceScatterPlan(steps + [Partial(rank, rank)], world, rank, 2 * world, world)
+    members: Dict[int, List[int]] = {}
+    for q, node in enumerate(nodes):
+        members.setdefault(node, []).append(q)
+    order = list(members)
+    count, g = len(order), len(members[nodes[rank]])
+    node, place = order.index(nodes[rank]), members[nodes[rank]].index(rank)
+    final = g + count - 1  # [0, g): from this node's ranks by place; g + e - 1: the sum from the node e before
+    sends = final + (count - 1) * g  # area d (1..count-1): [final + (d - 1) g, + g), the node d after's partials
+    steps = []
+    for d in range(1, count):
+        owners = members[order[(node + d) % count]]
+        area = final + (d - 1) * g
+        for j, q in enumerate(owners):
+            aggregator = members[nodes[rank]][j]
+            steps.append(Partial(q, area + place) if aggregator == rank else Partial(q, sends + q, aggregator,
+                                                                                     area + place))
+    for d in range(1, count):
+        steps.append(Aggregate(final + (d - 1) * g, g, place, sends + world + d - 1,
+                               members[order[(node + d) % count]][place], g + count - d - 1))
+    for q in send_order(rank, nodes, remote_first=False)[:g - 1]:  # this node's ranks
+        steps.append(Partial(q, sends + q, q, place))
+    steps.append(Partial(rank, place))
+    return ReduceScatterPlan(steps, final, place, sends + world + count - 1, sends)
 
 
 def workspace(group_name: str, device: torch.device, nodes: Sequence[int]) -> Workspace:
@@ -329,10 +398,10 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     # Slots back to back (a row is a multiple of 16 bytes, as the kernel needs): the kernel reads them as one matrix.
     slot_bytes = rows * k * shard2d.element_size()
     epoch, parity, stream = _start(ws, world * slot_bytes)
-    gathered = ws.slots(parity, 0, slot_bytes, rows, k, dtype)
+    gathered = ws.slots(parity, 0, world, slot_bytes, rows, k, dtype)  # slot q: rank q's shard
     gathered[rank].copy_(shard2d)
     ws.comm.wait_stream(stream)
-    own = ws.slot_address(parity, 0, rank, slot_bytes)
+    own = ws.slot_address(parity, rank, slot_bytes)
     if ws.rails is None:
         for q in ws.order:
             ws.send(parity, q, own, own, slot_bytes)
@@ -344,9 +413,9 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         ext = loader.extension()
         for p in ws.rails:
             ext.ag_stream_wait_value32_eq(ws.flag_address(parity, p), epoch, ws.comm.cuda_stream)
-            delivered = ws.slot_address(parity, 0, p, slot_bytes)
+            delivered = ws.slot_address(parity, p, slot_bytes)
             for q in ws.local:
-                ws.send(parity, q, delivered, delivered, slot_bytes, origin=p)
+                ws.send(parity, q, delivered, delivered, slot_bytes, flag=p)
     a = gathered.view(world * rows, k)
     first = torch.empty((world * rows, weights[0].shape[1]), dtype=dtype, device=shard2d.device)
     ag_gemm.launch_gemm(a, weights[0], biases[0], first, flags=ws.flags(parity), epoch=epoch, rank=rank, world=world,
@@ -363,30 +432,33 @@ def matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], r
     """[M / world, N]: this rank's rows of ``sum over ranks (a2d @ weight + bias)`` (divided by world for "avg")."""
     ws = workspace(group_name, a2d.device, nodes)
     m, _ = a2d.shape
-    n, dtype, world, rank = weight.shape[1], a2d.dtype, ws.world, ws.rank
+    n, dtype, world = weight.shape[1], a2d.dtype, ws.world
     rows = m // world
     nbytes = rows * n * a2d.element_size()
     slot_bytes = _round_up(nbytes)
-    epoch, parity, stream = _start(ws, 2 * world * slot_bytes)
-    receive = ws.slots(parity, 0, slot_bytes, rows, n, dtype)
-    send = ws.slots(parity, 1, slot_bytes, rows, n, dtype)
+    plan = ws.rs_plan
+    epoch, parity, stream = _start(ws, plan.slots * slot_bytes)
+    ext, elements = loader.extension(), slot_bytes // a2d.element_size()
 
-    def partial(q: int, out: Tensor) -> None:
-        a_rows = a2d[q * rows:(q + 1) * rows]
-        if bias is not None:
-            torch.addmm(bias, a_rows, weight, out=out)
-        else:
-            torch.mm(a_rows, weight, out=out)
+    def slot(index: int) -> Tensor:
+        return ws.slots(parity, index, 1, slot_bytes, rows, n, dtype)[0]
 
-    for q in ws.remote_first:
-        partial(q, send[q])
-        ws.comm.wait_stream(stream)
-        ws.send(parity, q, ws.slot_address(parity, 0, rank, slot_bytes), ws.slot_address(parity, 1, q, slot_bytes),
-                nbytes)
-    partial(rank, receive[rank])
+    def reduce(first: int, count: int, own: int, out: Tensor, scale: float) -> None:
+        ext.reduce_arrivals(_DTYPE_CODES[dtype], rows, n, count, own, ws.slot_address(parity, first, slot_bytes),
+                            elements, ws.flag_address(parity, first), epoch, out.data_ptr(), scale, ws.error.device,
+                            symm.timeout_ns(), stream.cuda_stream)
+
+    for step in plan.steps:
+        if isinstance(step, Partial):
+            a_rows = a2d[step.owner * rows:(step.owner + 1) * rows]
+            out = slot(step.here)
+            torch.mm(a_rows, weight, out=out) if bias is None else torch.addmm(bias, a_rows, weight, out=out)
+        else:  # the sum of this node's partials of a peer's rows, one chunk across
+            reduce(step.first, step.count, step.own, slot(step.here), 1.0)
+        if step.peer is not None:
+            ws.comm.wait_stream(stream)
+            ws.send(parity, step.peer, ws.slot_address(parity, step.there, slot_bytes),
+                    ws.slot_address(parity, step.here, slot_bytes), nbytes, flag=step.there)
     out = torch.empty((rows, n), dtype=dtype, device=a2d.device)
-    loader.extension().reduce_arrivals(
-        _DTYPE_CODES[dtype], rows, n, world, rank, receive.data_ptr(), slot_bytes // a2d.element_size(),
-        ws.flags(parity).data_ptr(), epoch, out.data_ptr(), (1.0 / world) if reduce_op == "avg" else 1.0,
-        ws.error.device, symm.timeout_ns(), stream.cuda_stream)
+    reduce(0, plan.final, plan.own, out, (1.0 / world) if reduce_op == "avg" else 1.0)
     return out

@@ -118,3 +118,53 @@ def test_rail_peers():
     assert internode.rail_peers(0, [0, 1]) is None  # one GPU a node: nothing to forward
     assert internode.rail_peers(0, [0, 0, 0, 1]) is None  # nodes of different sizes: a put to every peer
     assert internode.rail_peers(0, [0, 0]) is None
+
+
+def _simulate(nodes):
+    """Every rank's plan run on numbers: partial (r, q) is 1000 r + q; every put lands, flags counted.  Returns what
+    each rank's final reduction sums, and the puts that cross between nodes."""
+    world = len(nodes)
+    plans = [internode.reduce_scatter_plan(r, nodes) for r in range(world)]
+    memory = [dict() for _ in range(world)]
+    raised = [set() for _ in range(world)]
+    crossing = 0
+
+    def run(kind):
+        nonlocal crossing
+        for r, plan in enumerate(plans):
+            for step in plan.steps:
+                if not isinstance(step, kind):
+                    continue
+                if isinstance(step, internode.Partial):
+                    memory[r][step.here] = 1000 * r + step.owner
+                else:
+                    slots = range(step.first, step.first + step.count)
+                    assert all(s in raised[r] for s in slots if s != step.first + step.own), (r, step)
+                    memory[r][step.here] = sum(memory[r][s] for s in slots)
+                if step.peer is not None:
+                    assert step.there < plans[step.peer].flags
+                    memory[step.peer][step.there] = memory[r][step.here]
+                    raised[step.peer].add(step.there)
+                    crossing += nodes[step.peer] != nodes[r]
+
+    run(internode.Partial)  # every partial before any sum: the sums wait for them (flags), as on the device
+    run(internode.Aggregate)
+    finals = []
+    for r, plan in enumerate(plans):
+        assert all(s in raised[r] for s in range(plan.final) if s != plan.own)
+        assert max(list(memory[r]) + [0]) < plan.slots
+        finals.append(sum(memory[r][s] for s in range(plan.final)))
+    return finals, crossing
+
+
+@pytest.mark.parametrize("nodes", [[0, 1], [0, 1, 2, 3], [0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2],
+                                   [0, 0, 0, 1], [5, 5, 2, 2]])
+def test_reduce_scatter_plan_sums_every_partial_once(nodes):
+    world = len(nodes)
+    finals, crossing = _simulate(nodes)
+    assert finals == [sum(1000 * r + q for r in range(world)) for q in range(world)]
+    groups = len(set(nodes))
+    if internode.rail_peers(0, nodes) is not None:  # one sum per (rank, other node) crosses
+        assert crossing == world * (groups - 1)
+    else:
+        assert crossing == sum(nodes[r] != nodes[q] for r in range(world) for q in range(world))
