@@ -9,20 +9,25 @@ libfabric) between nodes.  A rank's data put is followed by a quiet, then by a 4
 receiver's flag for this rank: the flag lands after the data on every transport, with no atomic (NVSHMEM's UCX
 transport refuses atomics without GDRCopy).
 
-One workspace per (group, device): one symmetric allocation holding the flags (two parities of ``world`` int32), the
-epoch word the flag puts read, and two parities of data (``world`` receive slots, then ``world`` send slots).  Call e
-uses parity e % 2.  A rank starts call e's puts only after its stream finished call e - 1, which waited for every
-peer's call e - 1 flag, which each peer put only after its own stream finished call e - 2: so no put of call e lands
-in a slot a peer may still read (that peer's call e - 2 used the same parity).
+One workspace per (group, device): one symmetric allocation holding the flags (two parities), the epoch word the
+flag puts read, and two parities of data slots.  Call e uses parity e % 2.  A rank starts call e's puts only after its
+stream finished call e - 1, which waited for flags its peers raised only after their streams finished call e - 2: so
+no put of call e lands in a slot a peer may still read (that peer's call e - 2 used the same parity).
 
-* AG+GEMM: this rank's shard is copied into its receive slot and put into the same slot of every peer (peers of its
-  node first, then the others nearest-first); the fused AG+GEMM kernel reads the receive slots as the gathered A,
-  each tile waiting for the flag of the rank its rows come from (its own rows need none).  The other weights of a
-  multi-weight call run on cuBLAS once the kernel saw every flag.
-* GEMM+RS: the partial of each peer's rows is computed (cuBLAS, bias added on every rank) into a send slot, peers of
-  other nodes first, and put into that peer's receive slot for this rank while the next partial is computed; this
-  rank's own partial goes straight into its own receive slot; a reduction kernel (csrc/internode/reduce_arrivals.h)
-  waits for every sender's flag with a timeout and sums the slots in rank order.
+Nodes of equal size go by rails (GPU i of a node talks to GPU i of the others), so a chunk crosses between two nodes
+once per rank, as NCCL's rings do; elsewhere (one GPU a node, nodes of different sizes) a rank puts to every peer.
+
+* AG+GEMM: this rank's shard is copied into its receive slot and put into the same slot of its rails and of its
+  node's peers; each shard a rail delivers (a stream wait on its flag) is forwarded to the node's peers.  The fused
+  AG+GEMM kernel reads the receive slots as the gathered A, each tile waiting for the flag of the rank its rows come
+  from (its own rows need none).  The other weights of a multi-weight call run on cuBLAS once the kernel saw every
+  flag.  A forwarding wait has no timeout of its own: the kernel's wait times out, and the next call (or
+  :func:`check_errors`) raises the stuck flags before it raises, which frees the stream.
+* GEMM+RS (:func:`reduce_scatter_plan`): the partials of other nodes' rows first, each computed (cuBLAS, bias added
+  on every rank) into a slot and put to the rank of this node in its owner's place, while the next is computed; that
+  rank sums its node's partials (csrc/internode/reduce_arrivals.h: waits for their flags with a timeout, sums in a
+  fixed order) and puts the one sum to the owner; then the partials of this node's ranks, put straight to them; this
+  rank's own last.  The final reduction sums this node's partials and the other nodes' sums.
 
 A wait past ``FLUXINDUCTOR_TIMEOUT_S`` writes an error word and gives up; the next call raises (or
 :func:`check_errors`).  NVSHMEM puts address a peer's memory by the local address of the same symmetric object, so
@@ -31,7 +36,7 @@ A process has one symmetric-memory backend: the inter-node path sets NVSHMEM's a
 (the call decomposes) where another backend was already in use.  Calls under CUDA graph capture decompose.
 
 The topology (which ranks share a node) comes from the peer check (:mod:`fluxinductor.kernels.peers`), or, under
-``settings.tuning.emulate_nodes``, every GPU is a node of its own, which runs this path on one host.
+``settings.tuning.emulate_nodes`` = g, ranks in consecutive groups of g are nodes, which runs this path on one host.
 """
 
 from __future__ import annotations
