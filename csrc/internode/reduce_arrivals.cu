@@ -7,37 +7,18 @@
 
 #include <cstdio>
 
+#include "fluxinductor/allreduce/one_shot.cuh"  // the flag load, the timer and the conversions the one-shot uses
+
 namespace fluxinductor::internode {
 namespace {
 
+using allreduce::detail::from_float;
+using allreduce::detail::one_shot_globaltimer;
+using allreduce::detail::one_shot_load_acquire;
+using allreduce::detail::to_float;
+
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 1024;
-
-__device__ __forceinline__ uint32_t load_acquire(uint32_t const* address) {
-  uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ int64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return int64_t(t);
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
 
 // Thread 0 of each block waits for every sender's flag; the block's other threads read the slots only after the
 // barrier that follows its acquire loads.  Vec elements a thread (16 bytes where rows * n allows, else 1).
@@ -46,11 +27,11 @@ __global__ void __launch_bounds__(kThreads) reduce_arrivals_kernel(ReduceArrival
   __shared__ int gave_up;
   if (threadIdx.x == 0) {
     gave_up = 0;
-    int64_t const start = globaltimer();
+    int64_t const start = one_shot_globaltimer();
     for (int q = 0; q < a.world && !gave_up; ++q) {
       if (q == a.rank) continue;
-      while (int32_t(load_acquire(a.flags + q) - a.epoch) < 0) {
-        if (globaltimer() - start > a.timeout_ns) {
+      while (int32_t(one_shot_load_acquire(a.flags + q) - a.epoch) < 0) {
+        if (one_shot_globaltimer() - start > a.timeout_ns) {
           if (a.error != nullptr) atomicCAS(a.error, 0, int32_t(kReduceArrivalsTimeout));
           gave_up = 1;
           break;
