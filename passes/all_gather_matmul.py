@@ -59,6 +59,9 @@ from fluxinductor.passes import _match as m
 from fluxinductor.passes._match import Skip
 
 PATTERN = "all_gather_matmul"
+# Why a weight-gradient mm(gathered^T, grad) stays as it is (it still reads the fused op's gathered tensor).
+WEIGHT_GRADIENT_SKIP = ("weight-gradient mm: the gathered tensor is its contraction dim (this matmul only; the "
+                        "all-gather may fuse with another)")
 
 
 @dataclass
@@ -186,7 +189,7 @@ def _consumers(match: _AllGatherMatch, closure: List[Node]) -> List[_Matmul]:
                     for mm in u.users:
                         ops = m.matmul_operands(mm)
                         if ops is not None and ops[0] is u:
-                            record_skip(PATTERN, "gathered tensor is on the contraction dim (weight-gradient mm)",
+                            record_skip(PATTERN, WEIGHT_GRADIENT_SKIP,
                                         f"{mm.name} = mm({u.name}, ...)")
                 elif m.is_call(u, (m.MM, m.ADDMM, m.aten.bmm.default, m.aten.baddbmm.default)):
                     record_skip(PATTERN, "unsupported matmul form", u.name)
