@@ -92,10 +92,11 @@ def _local_reason(index: int) -> Optional[str]:
     return why
 
 
-def _internode_plan(device: torch.device, group_name: str, why_not: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
-    """For a group whose ranks span nodes (or nodes emulated on one host, ``settings.tuning.emulate_nodes``): ("internode",
-    None) where the inter-node path takes the call, ("decomposed", why) where it cannot (``why_not``: the call's own
-    objection, its operands or the kernel's); None for a group on one node.  Asked after :func:`_peers_reason`, which
+def _internode_plan(device: torch.device, group_name: str, why_not: Callable[[], Optional[str]]
+                    ) -> Optional[Tuple[str, Optional[str]]]:
+    """For a group whose ranks span nodes (or nodes emulated on one host, ``settings.tuning.emulate_nodes``):
+    ("internode", None) where the inter-node path takes the call, ("decomposed", why) where it cannot (``why_not()``:
+    the call's own objection, its operands' or the kernel's); None for a group on one node.  Asked after :func:`_peers_reason`, which
     found the nodes."""
     from fluxinductor.kernels import peers
 
@@ -104,7 +105,7 @@ def _internode_plan(device: torch.device, group_name: str, why_not: Optional[str
         return None
     from fluxinductor.kernels import internode
 
-    why = _local_reason(device.index) or internode.backend_reason(device) or why_not
+    why = _local_reason(device.index) or internode.backend_reason(device) or why_not()
     return ("internode", None) if why is None else ("decomposed", f"inter-node path: {why}")
 
 
@@ -379,7 +380,7 @@ def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2
     why = _peers_reason(group_name, shard.device)
     from fluxinductor.kernels import internode
 
-    inter = _internode_plan(shard.device, group_name, internode.operand_reason(shard2d, weights, biases)
+    inter = _internode_plan(shard.device, group_name, lambda: internode.operand_reason(shard2d, weights, biases)
                             or kernels.unsupported_reason(shard2d, weights, biases, group_name))
     if inter is not None and inter[0] == "internode":
         from fluxinductor import ops
@@ -481,7 +482,7 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
     why = _peers_reason(group_name, a.device)
     from fluxinductor.kernels import internode
 
-    inter = _internode_plan(a.device, group_name, internode.operand_reason(a2d, [weight], [bias]) or (
+    inter = _internode_plan(a.device, group_name, lambda: internode.operand_reason(a2d, [weight], [bias]) or (
         f"an {out_dtype} output" if out_dtype is not None else None) or (
         f"reduce op {reduce_op!r}" if reduce_op not in ("sum", "avg") else None))
     if inter is not None and inter[0] == "internode":

@@ -58,7 +58,7 @@ def spans(monkeypatch):
         monkeypatch.setattr(peers, "nodes", lambda group_name, device: nodes)
         monkeypatch.setattr(dispatch, "_local_reason", lambda index: local)
         monkeypatch.setattr(internode, "backend_reason", lambda device: backend)
-        return lambda why_not=None: dispatch._internode_plan(torch.device("cpu"), "g", why_not)
+        return lambda why_not=None: dispatch._internode_plan(torch.device("cpu"), "g", lambda: why_not)
 
     return setup
 
@@ -96,8 +96,9 @@ def test_auto_dispatch_measures_the_path_against_the_sequential_one(monkeypatch)
         return verdict, "measured"
 
     monkeypatch.setattr(calibration, "choose_measured", choose)
-    call = lambda: dispatch._internode_measured("all_gather_matmul", torch.device("cpu"), "g", 2, 4098, 12288,  # noqa: E731
-                                                49152, torch.bfloat16, lambda: None, lambda: None)
+    def call():
+        return dispatch._internode_measured("all_gather_matmul", torch.device("cpu"), "g", 2, 4098, 12288, 49152,
+                                            torch.bfloat16, lambda: None, lambda: None)
     with settings.override(dispatch="auto"):
         verdict = "internode"
         assert call() == ("internode", None)
