@@ -55,7 +55,7 @@ from fluxinductor.kernels.symm import ErrorWord
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
 _ALIGN = 256
-_FLAG_BYTES = 4096  # flags: 2 parities x world int32 (world <= 512), then the epoch word
+_FLAG_BYTES = 4096  # 2 parities of Workspace.flag_words int32 flags; the epoch word in the last 16 bytes
 
 
 class InternodeError(RuntimeError):
@@ -175,7 +175,7 @@ class Workspace:
         capacity = max(1 << 20, 1 << (int(data_bytes) - 1).bit_length())
         if self.buffer is not None:
             torch.cuda.synchronize(self.device)  # this rank's streams are done with the old allocation
-        self.buffer = None
+        self.buffer, self.capacity = None, 0
         why = backend_reason(self.device)
         if why is not None:
             raise RuntimeError(f"inter-node path: {why}")
