@@ -4,8 +4,8 @@
   flags raised on a side stream after a delay, the output poisoned with NaN first; the sum against fp32 in rank order,
   bf16 and fp16, the 16-byte and the scalar paths, ``avg``; a sender whose flag never comes: the kernel gives up after
   the timeout and writes its error code.
-* 2 GPUs: tests/gpu/run_internode.py under torchrun (two emulated nodes, NVSHMEM puts, torch.compile, 1000
-  calls, a missing peer).
+* 2 GPUs (two emulated nodes) and 4 GPUs (two nodes of two: the rails): tests/gpu/run_internode.py under torchrun
+  (NVSHMEM puts, torch.compile, 1000 calls, a missing peer).
 
 Without CUDA, the extension or an sm_90 GPU they skip with the reason.
 """
@@ -73,12 +73,22 @@ def test_reduce_arrivals_gives_up_on_a_missing_sender():
     assert error.read() == loader.extension().REDUCE_ARRIVALS_TIMEOUT
 
 
-@pytest.mark.gpu(min_gpus=2)
-def test_two_emulated_nodes_torchrun():
+def _torchrun(ranks: int, gpus_per_node: int):
     script = os.path.join(HERE, "run_internode.py")
     env = dict(os.environ)
     env.setdefault("NVSHMEM_SYMMETRIC_SIZE", "2G")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script],
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), script,
+                             str(gpus_per_node)], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("INTERNODE CHECKS PASSED") == 2, result.stdout[-4000:]
+    assert result.stdout.count("INTERNODE CHECKS PASSED") == ranks, result.stdout[-4000:]
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_two_emulated_nodes_torchrun():
+    _torchrun(2, 1)
+
+
+@pytest.mark.gpu(min_gpus=4)
+def test_two_emulated_nodes_of_two_gpus_torchrun():
+    """The rails: AG+GEMM's forwarding inside a node, GEMM+RS's sums per node."""
+    _torchrun(4, 2)
