@@ -147,7 +147,8 @@ void export_probes(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a) the one-shot all-reduce and the inter-node reduction";
+  m.doc() = "fluxinductor fused AG+GEMM and GEMM+RS kernels (CUTLASS sm90a), the one-shot all-reduce and the "
+            "inter-node reduction";
   export_ag_gemm(m);
   export_gemm_rs(m);
   export_one_shot(m);

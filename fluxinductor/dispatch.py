@@ -96,8 +96,8 @@ def _internode_plan(device: torch.device, group_name: str, why_not: Callable[[],
                     ) -> Optional[Tuple[str, Optional[str]]]:
     """For a group whose ranks span nodes (or nodes emulated on one host, ``settings.tuning.emulate_nodes``):
     ("internode", None) where the inter-node path takes the call, ("decomposed", why) where it cannot (``why_not()``:
-    the call's own objection, its operands' or the kernel's); None for a group on one node.  Asked after :func:`_peers_reason`, which
-    found the nodes."""
+    the call's own objection, its operands' or the kernel's); None for a group on one node.  Asked after
+    :func:`_peers_reason`, which found the nodes."""
     from fluxinductor.kernels import peers
 
     nodes = peers.nodes(group_name, device)
@@ -357,10 +357,9 @@ def all_gather_matmul(
         record_fallback(op, why, "PyTorch async-TP")
         return _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
     if path == "internode":
-        from fluxinductor.kernels import internode, peers
+        from fluxinductor.kernels import internode
 
-        outputs2d, gathered2d = internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
-                                                            peers.nodes(group_name, shard.device))
+        outputs2d, gathered2d = internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered)
     elif path != "fused":
         record_fallback(op, why)
         return None
@@ -384,14 +383,12 @@ def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2
                             or kernels.unsupported_reason(shard2d, weights, biases, group_name))
     if inter is not None and inter[0] == "internode":
         from fluxinductor import ops
-        from fluxinductor.kernels import peers
 
-        nodes = peers.nodes(group_name, shard.device)
         return _internode_measured(
             "all_gather_matmul", shard.device, group_name, world, world * shard2d.shape[0], shard2d.shape[1],
             world * sum(w.shape[1] for w in weights), shard.dtype,
             lambda: ops.all_gather_matmul_reference(shard, weights, biases, gather_dim, group_name),
-            lambda: internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered, nodes))
+            lambda: internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered))
     if inter is not None:
         return inter
     why = kernels.unsupported_reason(shard2d, weights, biases, group_name) or why
@@ -459,10 +456,9 @@ def matmul_reduce_scatter(
         record_fallback(op, why, "PyTorch async-TP")
         return _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, world)
     if path == "internode":
-        from fluxinductor.kernels import internode, peers
+        from fluxinductor.kernels import internode
 
-        out2d = internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, peers.nodes(group_name,
-                                                                                                       a.device))
+        out2d = internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name)
         return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
     if path != "fused":
         record_fallback(op, why)
@@ -487,14 +483,12 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
         f"reduce op {reduce_op!r}" if reduce_op not in ("sum", "avg") else None))
     if inter is not None and inter[0] == "internode":
         from fluxinductor import ops
-        from fluxinductor.kernels import peers
 
-        nodes = peers.nodes(group_name, a.device)
         inter = _internode_measured(
             "matmul_reduce_scatter", a.device, group_name, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
             a.dtype,
             lambda: ops.matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype),
-            lambda: internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, nodes))
+            lambda: internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name))
     if inter is not None:
         return (*inter, "store", None)
     extra = () if out_dtype is None else (out_dtype,)

@@ -151,7 +151,6 @@ class Workspace:
         self.rank, self.world = self.group.rank(), self.group.size()
         self.pes = [dist.get_global_rank(self.group, q) for q in range(self.world)]
         self.order = send_order(self.rank, nodes, remote_first=False)  # AG+GEMM: the peers this rank sends to
-        self.remote_first = send_order(self.rank, nodes, remote_first=True)  # GEMM+RS
         self.local = [q for q in self.order if nodes[q] == nodes[self.rank]]
         self.rails = rail_peers(self.rank, nodes)  # AG+GEMM's hierarchical sends; None: a put to every peer
         self.rs_plan = reduce_scatter_plan(self.rank, nodes)
@@ -266,13 +265,19 @@ def send_order(rank: int, nodes: Sequence[int], remote_first: bool) -> List[int]
     return remote + local if remote_first else local + remote
 
 
+def _members(nodes: Sequence[int]) -> Dict[int, List[int]]:
+    """The ranks of each node, nodes in order of first appearance, ranks in rank order."""
+    members: Dict[int, List[int]] = {}
+    for q, node in enumerate(nodes):
+        members.setdefault(node, []).append(q)
+    return members
+
+
 def rail_peers(rank: int, nodes: Sequence[int]) -> Optional[List[int]]:
     """The ranks of the other nodes that hold this rank's place in their node (its rails: GPU i of one node talks to
     GPU i of the others), nearest node first; None where the hierarchical sends do not apply (one node, one GPU a node,
     or nodes of different sizes)."""
-    members: Dict[int, List[int]] = {}
-    for q, node in enumerate(nodes):
-        members.setdefault(node, []).append(q)
+    members = _members(nodes)
     sizes = {len(m) for m in members.values()}
     if len(members) < 2 or len(sizes) != 1 or sizes == {1}:
         return None
@@ -322,9 +327,7 @@ def reduce_scatter_plan(rank: int, nodes: Sequence[int]) -> ReduceScatterPlan:
         steps: List[Union[Partial, Aggregate]] = [Partial(q, world + q, q, rank)
                                                   for q in send_order(rank, nodes, remote_first=True)]
         return ReduceScatterPlan(steps + [Partial(rank, rank)], world, rank, 2 * world, world)
-    members: Dict[int, List[int]] = {}
-    for q, node in enumerate(nodes):
-        members.setdefault(node, []).append(q)
+    members = _members(nodes)
     order = list(members)
     count, g = len(order), len(members[nodes[rank]])
     node, place = order.index(nodes[rank]), members[nodes[rank]].index(rank)
@@ -347,13 +350,20 @@ def reduce_scatter_plan(rank: int, nodes: Sequence[int]) -> ReduceScatterPlan:
     return ReduceScatterPlan(steps, final, place, sends + world + count - 1, sends)
 
 
-def workspace(group_name: str, device: torch.device, nodes: Sequence[int]) -> Workspace:
+def workspace(group_name: str, device: torch.device) -> Workspace:
+    """The group's workspace on ``device``, made at its first call from the nodes the peer check found."""
     key = (group_name, device.index)
     ws = _workspaces.get(key)
     if ws is None:
+        from fluxinductor.kernels import peers
+
         with _lock:
             ws = _workspaces.get(key)
             if ws is None:
+                nodes = peers.nodes(group_name, device)
+                if nodes is None:
+                    raise RuntimeError(f"inter-node path: the nodes of group {group_name} are not known (the peer "
+                                       "check has not run)")
                 ws = _workspaces[key] = Workspace(group_name, device, nodes)
     return ws
 
@@ -392,12 +402,12 @@ def _start(ws: Workspace, data_bytes: int) -> Tuple[int, int, torch.cuda.Stream]
 
 
 def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                      group_name: str, return_gathered: bool, nodes: Sequence[int]) -> Tuple[List[Tensor], Tensor]:
+                      group_name: str, return_gathered: bool) -> Tuple[List[Tensor], Tensor]:
     """(outputs [M, N_i], gathered [M, K] or empty): ``all_gather(shard2d) @ weights[i] + biases[i]``, rank-major
     rows, M = world * shard rows."""
     from fluxinductor.kernels import ag_gemm
 
-    ws = workspace(group_name, shard2d.device, nodes)
+    ws = workspace(group_name, shard2d.device)
     rows, k = shard2d.shape
     dtype, world, rank = shard2d.dtype, ws.world, ws.rank
     # Slots back to back (a row is a multiple of 16 bytes, as the kernel needs): the kernel reads them as one matrix.
@@ -432,10 +442,10 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     return outputs, gathered_out
 
 
-def matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
-                          nodes: Sequence[int]) -> Tensor:
+def matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                          group_name: str) -> Tensor:
     """[M / world, N]: this rank's rows of ``sum over ranks (a2d @ weight + bias)`` (divided by world for "avg")."""
-    ws = workspace(group_name, a2d.device, nodes)
+    ws = workspace(group_name, a2d.device)
     m, _ = a2d.shape
     n, dtype, world = weight.shape[1], a2d.dtype, ws.world
     rows = m // world

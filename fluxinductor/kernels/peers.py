@@ -208,9 +208,9 @@ def remembered_group_reason(group_name: str, device: torch.device) -> Tuple[bool
 
 def nodes(group_name: str, device: torch.device) -> Optional[List[int]]:
     """The node of each rank of the group (ranks of one host share a number, in order of first appearance), as the
-    peer check saw them; under ``settings.tuning.emulate_nodes`` = g, ranks in consecutive groups of g; None before the group's
-    first :func:`group_reason` (or where a rank could not identify itself, or the group is unknown).  Never
-    collective."""
+    peer check saw them; under ``settings.tuning.emulate_nodes`` = g, ranks in consecutive groups of g; None before
+    the group's first :func:`group_reason` (or where a rank could not identify itself, or the group is unknown).
+    Never collective."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
