@@ -23,13 +23,13 @@ batch).
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
 import random
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -120,6 +120,36 @@ def grads_of(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def profile_steps(folder: str, runs: dict, step, index: int, rank: int) -> None:
+    """Two more steps of each contender: one under the profiler (host and device), saved as a Chrome trace per rank,
+    and one under cProfile (the host's Python), saved as text, the functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for name, trainer in runs.items():
+        torch.distributed.barrier()
+        with profile(activities=activities) as prof:
+            step(trainer, index)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(os.path.join(folder, f"{name}_rank{rank}.json"))
+        torch.distributed.barrier()
+        python = cProfile.Profile()
+        python.enable()
+        step(trainer, index + 1)
+        python.disable()
+        text = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(python, stream=text).sort_stats(order).print_stats(60)
+        with open(os.path.join(folder, f"{name}_rank{rank}.pstats.txt"), "w") as f:
+            f.write(text.getvalue())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (dim 64, 2 layers, 32 tokens)")
@@ -142,6 +172,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5, help="timed steps per contender per round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", default=None, help="JSON path (rank 0 writes it)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the rounds, profile a step per contender: DIR/<contender>_rank<r>.json (Chrome trace) "
+                        "and .pstats.txt (cProfile of the host's Python)")
     args = p.parse_args()
     if args.tiny:
         args.dim, args.heads, args.kv_heads, args.vocab, args.tokens, args.multiple_of = 64, 4, 2, 128, 32, 32
@@ -157,7 +190,7 @@ def main() -> None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     register_flavor(args)
     root = tempfile.mkdtemp(prefix=f"bench-torchtitan-{rank}-")
-    steps = args.warmup + 1 + args.iters * args.rounds
+    steps = args.warmup + 1 + args.iters * args.rounds + (2 if args.profile else 0)
     tok_dir, data_dir = write_assets(root, args.vocab, args.tokens // args.batch, samples=args.batch * (steps + 2))
     contenders = [c for c in args.contenders.split(",") if c]
     backends = {"inductor": "inductor", "flux": "flux"}
@@ -206,7 +239,7 @@ def main() -> None:
             for i in range(args.warmup):
                 step(trainer, 1 + i)
             entry["rewrite_stats"] = fluxinductor.rewrite_stats()
-            entry["times_ms"] = []
+            entry["times_ms"], entry["host_ms"] = [], []
             runs[name] = trainer
         except Exception as e:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
             entry["error"] = f"{type(e).__name__}: {e}"
@@ -216,13 +249,30 @@ def main() -> None:
     timer = Timer(device)
     names = list(runs)
     first = 1 + args.warmup
+    def timed(name: str, index: int) -> None:
+        """One timed step: its host-exposed time, and the host's time to return from train_step (where that is
+        close to the step's time, the step is host-bound)."""
+        host = []
+
+        def fn():
+            t0 = time.perf_counter()
+            step(runs[name], index)
+            host.append((time.perf_counter() - t0) * 1e3)
+
+        result["contenders"][name]["times_ms"].append(timer(fn))
+        result["contenders"][name]["host_ms"].append(host[0])
+
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)] if names else []
         for name in order:
-            result["contenders"][name]["times_ms"] += [
-                timer(functools.partial(step, runs[name], first + r * args.iters + i)) for i in range(args.iters)]
+            for i in range(args.iters):
+                timed(name, first + r * args.iters + i)
     for name in names:
-        result["contenders"][name]["summary"] = summary(result["contenders"][name]["times_ms"])
+        entry = result["contenders"][name]
+        entry["summary"] = summary(entry["times_ms"])
+        entry["host_summary"] = summary(entry["host_ms"])
+    if args.profile:
+        profile_steps(args.profile, runs, step, first + args.rounds * args.iters, rank)
     if rank == 0:
         sha, dirty = git_sha()
         data = {"benchmark": "bench_torchtitan", "torchtitan": getattr(torchtitan, "__version__", "?"),
@@ -231,13 +281,14 @@ def main() -> None:
                 "torchtitan_trainer": result}
         if args.out:
             write_json(args.out, data)
-        print(f"{'contender':<10} {'median ms':>10} {'min':>8} {'max':>8} {'loss err':>10} {'grad err':>10}")
+        print(f"{'contender':<10} {'median ms':>10} {'min':>8} {'max':>8} {'host ms':>8} {'loss err':>10} {'grad err':>10}")
         for name, entry in result["contenders"].items():
             s = entry.get("summary")
             if s is None:
                 print(f"{name:<10} {entry.get('error', '')[:70]}")
             else:
                 print(f"{name:<10} {s['median_ms']:>10.2f} {s['min_ms']:>8.2f} {s['max_ms']:>8.2f} "
+                      f"{entry['host_summary']['median_ms']:>8.2f} "
                       f"{entry['loss_rel_err']:>10.2e} {entry['grad_rel_err_all']:>10.2e}")
     dist.barrier()
     dist.destroy_process_group()

@@ -90,21 +90,20 @@ def forget() -> None:
 
 def check(op: str, group: dist.ProcessGroup, group_name: str, fields: Dict[str, object],
           local_check: Callable[[], None]) -> None:
-    """Run ``local_check`` (raises ``ValueError`` on bad input, before any collective) and, on the first call of the
-    signature ``fields`` (name -> value; every rank must pass equal values), check that every rank of ``group`` agrees.
+    """On the first call of the signature ``fields`` (name -> value; every rank must pass equal values), run
+    ``local_check`` (raises ``ValueError`` on bad input, before any collective) and check that every rank of ``group``
+    agrees.  ``fields`` must hold everything ``local_check`` reads: a signature that passed once is not checked again.
 
     Raises the local error on the rank whose input failed, and :class:`RanksDisagreeError` on every other rank (and on
     every rank where the descriptors differ)."""
+    key = (op, group_name, tuple(fields.values()))
+    if key in _agreed:  # its first call passed ``local_check``, and ``fields`` hold all that the check reads
+        return
     try:
         local_check()
         local_error: Optional[ValueError] = None
     except ValueError as e:
         local_error = e
-    key = (op, group_name, tuple(fields.values()))
-    if key in _agreed:
-        if local_error is not None:  # not reached where ``fields`` hold all the local check reads
-            raise local_error
-        return
     world = group.size()
     if world == 1:
         if local_error is not None:
@@ -157,7 +156,8 @@ def _remember(key: tuple) -> None:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """As ``fluxinductor.kernels.symm.capturing``: no capture can have begun where CUDA is not initialized."""
+    return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _differences(descriptors: List[Dict[str, object]], ranks: List[int]) -> List[str]:

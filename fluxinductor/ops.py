@@ -213,7 +213,8 @@ def _matmul_fields(group: dist.ProcessGroup, a: Tensor, weight: Tensor, bias: Op
     paths with different collectives."""
     return {"world": group.size(), "input shape": a.shape, "dtype": a.dtype, "device": a.device.type,
             "weight shape": weight.shape, "weight dtype": weight.dtype,
-            "bias shape": None if bias is None else bias.shape, "reduce_op": reduce_op, "out_dtype": out_dtype,
+            "bias shape": None if bias is None else bias.shape, "bias dtype": None if bias is None else bias.dtype,
+            "reduce_op": reduce_op, "out_dtype": out_dtype,
             "layouts (strides, 16-byte aligned) of input, weight, bias": (_layout(a), _layout(weight), _layout(bias)),
             **_path_settings()}
 
@@ -303,6 +304,7 @@ def all_gather_matmul(
         "world": group.size(), "shard shape": shard.shape, "dtype": shard.dtype, "device": shard.device.type,
         "weight shapes": tuple(w.shape for w in weights), "weight dtypes": tuple(w.dtype for w in weights),
         "bias shapes": tuple(None if b is None else b.shape for b in biases),
+        "bias dtypes": tuple(None if b is None else b.dtype for b in biases),
         "gather_dim": _dim_or_raw(gather_dim, shard), "return_gathered": return_gathered,
         "layouts (strides, 16-byte aligned) of shard, weights, biases": (
             _layout(shard), tuple(_layout(w) for w in weights), tuple(_layout(b) for b in biases)),

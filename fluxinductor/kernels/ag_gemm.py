@@ -406,7 +406,8 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     for i in rest:
         outputs[i] = (torch.mm(a_full, weights[i]) if biases[i] is None else
                       torch.addmm(biases[i], a_full, weights[i]))
-    main.wait_stream(side)
+    if not push:  # (pushing, main already follows side: nothing was enqueued on side since)
+        main.wait_stream(side)
     return outputs, gathered if return_gathered else shard2d.new_empty(0)
 
 

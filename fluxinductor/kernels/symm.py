@@ -34,8 +34,10 @@ from fluxinductor.kernels.loader import extension, extension_available  # noqa: 
 
 
 def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph (False where CUDA is not initialized: no capture can have
+    begun).  Asked several times per fused call: ``torch.cuda.is_available`` consults the environment and NVML on
+    every call, ``is_initialized`` reads a flag."""
+    return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
 
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fluxinductor import dispatch, settings
-from fluxinductor.kernels import peers
+from fluxinductor.kernels import peers, symm
 from _dist import run_ranks
 
 Identity = peers.Identity
@@ -188,8 +188,7 @@ def test_dispatcher_asks_before_the_call_checks(fake_kernels, monkeypatch):
 def test_no_check_while_capturing_a_cuda_graph(monkeypatch):
     """A capture takes no collective step: under capture the dispatcher only uses an answer an eager call got, and
     without one the call decomposes (an eager call of the group before the capture asks)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(symm, "capturing", lambda: True)
     monkeypatch.setattr(peers, "group_reason", lambda *args, **kw: pytest.fail("checked during capture"))
     remembered = {}
     monkeypatch.setattr(peers, "remembered_group_reason", lambda group, device: remembered[group])

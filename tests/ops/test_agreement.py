@@ -203,3 +203,41 @@ def test_no_exchange_under_capture_and_an_unchecked_signature_is_logged_once():
         assert capture["exchanges"] == 0, f"rank {rank}: {capture}"
         assert len(capture["warnings"]) == 1, f"rank {rank}: {capture}"
         assert "not checked for agreement" in capture["warnings"][0] and "[7, 8]" in capture["warnings"][0]
+
+
+def test_an_agreed_signature_skips_its_local_check():
+    """The input checks run on a signature's first call only (host time on every call of a model's step): the
+    signature holds everything they read."""
+    import types
+
+    from fluxinductor import agreement
+
+    agreement.forget()
+    group = types.SimpleNamespace(size=lambda: 1)
+    calls = []
+    for _ in range(3):
+        agreement.check("op", group, "g", {"shape": (2, 3)}, lambda: calls.append(1))
+    agreement.check("op", group, "g", {"shape": (2, 4)}, lambda: calls.append(2))
+    assert calls == [1, 2]
+    agreement.forget()
+
+
+def _bias_dtype_job(rank: int, world: int) -> Dict[str, Dict[str, str]]:
+    import torch.distributed as dist
+
+    import fluxinductor.ops  # noqa: F401 - defines the ops
+
+    name = dist.group.WORLD.group_name
+    mrs, agm = torch.ops.fluxinductor.matmul_reduce_scatter, torch.ops.fluxinductor.all_gather_matmul
+    a, w = torch.ones(4, 8), torch.ones(8, 6)
+    mrs(a, w, torch.ones(6), "sum", 0, name)  # the signatures agreed with an fp32 bias
+    agm(a, [w], [torch.ones(6)], 0, name, False)
+    fp64 = torch.ones(6, dtype=torch.float64)
+    return {"matmul_reduce_scatter": _outcome(lambda: mrs(a, w, fp64, "sum", 0, name)),
+            "all_gather_matmul": _outcome(lambda: agm(a, [w], [fp64], 0, name, False))}
+
+
+def test_a_bias_of_another_dtype_after_an_agreed_call_still_gets_the_input_error():
+    for rank, result in enumerate(run_ranks(_bias_dtype_job, 2)):
+        for op, o in result.items():
+            assert o["raised"] == "ValueError" and "bias dtype torch.float64 differs" in o["message"], (rank, op, o)
