@@ -302,6 +302,11 @@ def table_version(device_name: str, world: int) -> tuple:
     return path, mtime, _generation
 
 
+def cache_generation() -> int:
+    """How many times :func:`clear_cache` ran (part of :func:`table_version`, without the file system)."""
+    return _generation
+
+
 def clear_cache() -> None:
     """Forget every loaded table (they are also re-read whenever their file's mtime changes)."""
     global _generation
