@@ -249,9 +249,10 @@ def main() -> None:
     timer = Timer(device)
     names = list(runs)
     first = 1 + args.warmup
+
     def timed(name: str, index: int) -> None:
-        """One timed step: its host-exposed time, and the host's time to return from train_step (where that is
-        close to the step's time, the step is host-bound)."""
+        """One timed step: its host-exposed time, and the host's time until train_step returned (its host work, and
+        any wait for the GPU inside the step)."""
         host = []
 
         def fn():
