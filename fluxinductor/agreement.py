@@ -156,8 +156,9 @@ def _remember(key: tuple) -> None:
 
 
 def _capturing() -> bool:
-    """As ``fluxinductor.kernels.symm.capturing``: no capture can have begun where CUDA is not initialized."""
-    return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
+    from fluxinductor.kernels import symm
+
+    return symm.capturing()
 
 
 def _differences(descriptors: List[Dict[str, object]], ranks: List[int]) -> List[str]:

@@ -69,6 +69,7 @@ import math
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -291,20 +292,34 @@ def _table_path(directory: str, device_name: str, world: int) -> str:
     return os.path.join(directory, f"{device_key(device_name)}_tp{world}.json")
 
 
+# How long a looked-up table version serves the calls after it.  The dispatcher asks for it on every ``auto`` call, and
+# asking the file system each time cost 25-190 us of host time per fused call on the 2xH200 machine
+# (benchmarks/probes/host_overhead.py at torchtitan's Llama3 shapes, the auto path against the fused one:
+# benchmarks/results/host_one_call/h200x2_host_llama3_dim4096_run*.json).
+TABLE_RECHECK_S = 1.0
+_versions: Dict[Tuple[str, int], Tuple[float, tuple]] = {}
+_clock = time.monotonic
+
+
 def table_version(device_name: str, world: int) -> tuple:
     """What identifies the table :func:`choose` reads for this device and world size: its path, its file's mtime
-    (None: no file) and how many times :func:`clear_cache` ran.  The dispatcher keys its remembered decisions by it."""
+    (None: no file) and how many times :func:`clear_cache` ran.  The dispatcher keys its remembered decisions by it.
+    The mtime is looked up again after :data:`TABLE_RECHECK_S` (an edited table counts within that); another path (a
+    new tuning folder) or :func:`clear_cache` looks it up at once."""
     path = table_path(device_name, world)
+    key = (path, _generation)
+    now = _clock()
+    seen = _versions.get(key)
+    if seen is None or now - seen[0] >= TABLE_RECHECK_S:
+        seen = _versions[key] = (now, (path, _mtime(path), _generation))
+    return seen[1]
+
+
+def _mtime(path: str) -> Optional[int]:
     try:
-        mtime = os.stat(path).st_mtime_ns
+        return os.stat(path).st_mtime_ns
     except OSError:
-        mtime = None
-    return path, mtime, _generation
-
-
-def cache_generation() -> int:
-    """How many times :func:`clear_cache` ran (part of :func:`table_version`, without the file system)."""
-    return _generation
+        return None
 
 
 def clear_cache() -> None:
@@ -312,6 +327,7 @@ def clear_cache() -> None:
     global _generation
     with _lock:
         _generation += 1
+        _versions.clear()
         tuning_table.forget_loaded()
         _choices.clear()
         _split_configs.clear()

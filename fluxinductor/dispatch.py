@@ -30,7 +30,6 @@ non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -279,9 +278,9 @@ def _restore(out2d: Tensor, lead: int, rest: Tuple[int, ...], dim: int) -> Tenso
 # remembered, keyed by all it depends on: the dispatch mode; the operands' shapes, strides, dtypes, devices and
 # 16-byte alignment; the op's other arguments; the group's name and size; in ``auto`` mode the async-TP setting and
 # the cost model's table version (its file's mtime, looked up at most once a second: an edited table counts within a
-# second; a settings change or ``cost_model.clear_cache()`` at once).  What is per call stays per
-# call: the fallback is counted (FLUXINDUCTOR_LOG), the kernel module checks its workspace.  Calls under CUDA graph
-# capture decide afresh: whether they can run fused depends on the workspaces an eager call set up.
+# second).  What is per call stays per call: the fallback is counted (FLUXINDUCTOR_LOG), the kernel module checks its
+# workspace.  Calls under CUDA graph capture decide afresh: whether they can run fused depends on the workspaces an
+# eager call set up.
 _plans: Dict[tuple, tuple] = {}
 _MAX_PLANS = 4096
 
@@ -292,7 +291,6 @@ def clear_plans() -> None:
     from fluxinductor import ops
 
     _plans.clear()
-    _table_versions.clear()
     ops.clear_plans()
 
 
@@ -300,29 +298,11 @@ def _operand_key(t: Optional[Tensor]) -> Optional[tuple]:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
-# How long a looked-up table version serves the calls after it.  Asking the file system for the table's mtime on every
-# call cost 25-190 us of host time per fused call on the 2xH200 machine (benchmarks/probes/host_overhead.py at
-# torchtitan's Llama3 shapes, the auto path against the fused one:
-# benchmarks/results/host_one_call/h200x2_host_llama3_dim4096_run*.json).
-TABLE_RECHECK_S = 1.0
-_table_versions: Dict[tuple, Tuple[float, tuple]] = {}
-_clock = time.monotonic
-
-
 def _auto_key(device: torch.device, world: int) -> tuple:
-    """What an ``auto`` decision depends on beyond the call: whether async-TP is offered, and the table's version
-    (:func:`fluxinductor.cost_model.table_version`, looked up again after :data:`TABLE_RECHECK_S`, a settings change
-    or ``cost_model.clear_cache()``)."""
+    """What an ``auto`` decision depends on beyond the call: whether async-TP is offered, and the table's version."""
     from fluxinductor import cost_model
 
-    key = (device.index, world, settings.generation(), cost_model.cache_generation())
-    now = _clock()
-    seen = _table_versions.get(key)
-    if seen is None or now - seen[0] >= TABLE_RECHECK_S:
-        if len(_table_versions) >= _MAX_PLANS:
-            _table_versions.clear()
-        seen = _table_versions[key] = (now, cost_model.table_version(_device_name(device.index), world))
-    return settings.tuning.asynctp, seen[1]
+    return settings.tuning.asynctp, cost_model.table_version(_device_name(device.index), world)
 
 
 def _remember(key: Optional[tuple], plan: tuple) -> tuple:

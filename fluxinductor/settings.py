@@ -316,11 +316,6 @@ def _changed() -> None:
     _generation += 1
 
 
-def generation() -> int:
-    """A number that changes with every change of :data:`current` or :data:`tuning` (what caches key on)."""
-    return _generation
-
-
 def reload() -> Settings:
     """Read the environment again, as at import: :data:`current` from it, :data:`tuning` back to its defaults.
     Raises :class:`SettingsError` on a bad value (then nothing changes)."""

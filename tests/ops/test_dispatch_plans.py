@@ -107,7 +107,7 @@ def test_what_the_decision_depends_on_makes_a_new_signature(flux_settings, count
     assert counted.checks == decided + 1 and counted.cost == decided
     # back to auto: remembered; then the table file appears, and changes (seen at the next call here: the table's
     # version is looked up again after TABLE_RECHECK_S, see the test below)
-    monkeypatch.setattr(dispatch, "TABLE_RECHECK_S", 0.0)
+    monkeypatch.setattr(cost_model, "TABLE_RECHECK_S", 0.0)
     flux_settings(dispatch="auto")
     rs(a, torch.randn(4, 6))
     assert counted.cost == decided
@@ -123,20 +123,21 @@ def test_what_the_decision_depends_on_makes_a_new_signature(flux_settings, count
 
 def test_the_table_version_is_looked_up_at_most_once_a_second(counted, monkeypatch):
     """Every ``auto`` call keys its plan by the table's version, its file's mtime; asking the file system on every call
-    cost host time, so a version serves the calls of the next TABLE_RECHECK_S, and a settings change or
-    ``cost_model.clear_cache()`` asks again at once."""
+    cost host time, so a version serves the calls of the next TABLE_RECHECK_S, and ``cost_model.clear_cache()`` asks
+    again at once."""
     looked = []
-    real = cost_model.table_version
-    monkeypatch.setattr(cost_model, "table_version", lambda *args: looked.append(args) or real(*args))
+    mtime = cost_model._mtime
+    monkeypatch.setattr(cost_model, "_mtime", lambda path: looked.append(path) or mtime(path))
     clock = [100.0]
-    monkeypatch.setattr(dispatch, "_clock", lambda: clock[0])
+    monkeypatch.setattr(cost_model, "_clock", lambda: clock[0])
+    cost_model.clear_cache()  # no version an earlier test looked up on the real clock
     for _ in range(5):
         rs(torch.randn(8, 4), torch.randn(4, 6))
     assert len(looked) == 1
-    clock[0] += dispatch.TABLE_RECHECK_S / 2
+    clock[0] += cost_model.TABLE_RECHECK_S / 2
     rs(torch.randn(8, 4), torch.randn(4, 6))
     assert len(looked) == 1
-    clock[0] += dispatch.TABLE_RECHECK_S / 2
+    clock[0] += cost_model.TABLE_RECHECK_S / 2
     rs(torch.randn(8, 4), torch.randn(4, 6))
     assert len(looked) == 2
     cost_model.clear_cache()
