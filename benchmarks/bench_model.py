@@ -129,7 +129,7 @@ from harness import (
     watchdog,
     write_json,
 )
-from model_modes import FLUX_DISPATCH, GAIN_MODES, MODES, RUN_ORDER, compare, mode_setup, snapshot
+from model_modes import DEFAULT_MODES, FLUX_DISPATCH, GAIN_MODES, MODES, RUN_ORDER, compare, mode_setup, snapshot
 from models import CONFIGS, MODELS, NOCOMM_METHOD, build_model, build_nocomm, input_shape, nocomm_approximation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -636,7 +636,8 @@ def derive(data: dict) -> None:
         ind, noc = rows.get("inductor", {}), rows.get("nocomm", {})
         entry = {"model": model, "phase": phase, "inductor_ms": ind.get("ms"), "nocomm_ms": noc.get("ms"),
                  "comm_ms": None, "comm_share": None, "host_exposed": True,
-                 "nocomm_approximation": data["settings"]["nocomm"]["approximation"].get(model), "modes": {}}
+                 "nocomm_approximation": data["settings"]["nocomm"]["approximation"].get(model.split("@")[0]),
+                 "modes": {}}
         if ind.get("ms") is not None and noc.get("ms") is not None:
             entry["comm_ms"] = ind["ms"] - noc["ms"]
             entry["comm_share"] = entry["comm_ms"] / ind["ms"]
@@ -695,7 +696,8 @@ def format_table(data: dict) -> str:
         f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''} "
         f"({s['rounds']} rounds x {s['iters']} steps per mode, order rotated each round; {s['timing']})",
     ]
-    head = (f"{'model':7}{'phase':8}{'mode':11}|{'ms':>9}{'p10':>8}{'p90':>8}{'min':>8}{'max':>8} |{'hidden':>8} |"
+    width = max([7] + [len(r["model"]) + 1 for r in data["results"]])
+    head = (f"{'model':{width}}{'phase':8}{'mode':11}|{'ms':>9}{'p10':>8}{'p90':>8}{'min':>8}{'max':>8} |{'hidden':>8} |"
             f"{'G [round min,max]':>20} |{'/induct':>8}{'anchor':>8}{'first_s':>8} |{'max_err':>8}{'norm_err':>9} "
             f"| round medians; notes")
     lines += [head, "-" * len(head)]
@@ -707,7 +709,7 @@ def format_table(data: dict) -> str:
             rounds = " ".join(f"{t:.3f}" for t in r.get("round_median_ms") or ())
             note = (rounds + "; " if rounds else "") + _fused_summary(r)
         lines.append(
-            f"{r['model']:7}{r['phase']:8}{r['mode']:11}|{cell(r.get('ms'), width=9)}{cell(sp.get('p10_ms'))}"
+            f"{r['model']:{width}}{r['phase']:8}{r['mode']:11}|{cell(r.get('ms'), width=9)}{cell(sp.get('p10_ms'))}"
             f"{cell(sp.get('p90_ms'))}{cell(sp.get('min_ms'))}{cell(sp.get('max_ms'))} |"
             f"{cell(r.get('hidden_host_ms'))} |{_gain_cell(r):>20} |"
             f"{cell(r.get('speedup_vs_inductor'), '{:.2f}x', 8)}{cell(r.get('anchor_ms'), '{:.2f}', 8)}"
@@ -761,10 +763,16 @@ def build_args(argv=None) -> argparse.Namespace:
                    help="fp32 weights and inputs, every step under torch.autocast in this dtype")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma-separated subset of " + ",".join(MODES) + " (default: all but inductor_overlap)")
     p.add_argument("--config", choices=tuple(CONFIGS), default=None, help="default full on cuda, small on cpu")
     p.add_argument("--seq", type=int, default=None, help="override llama2 S and mlp tokens")
     p.add_argument("--layers", type=int, default=None, help="override the llama2 decoder layer count (2)")
+    p.add_argument("--tokens", default=None, metavar="N[,N...]",
+                   help="llama2 only: time each of these tokens per step as a row of its own, 'llama2@N' (plain TP: "
+                        "a batch of N one-token sequences, as in decode; sequence parallel: one sequence of N tokens), "
+                        "every contender built once and compiled for each size (static shapes, as a serving loop "
+                        "that compiles per batch size; CUDA graphs per size where the compile mode makes them)")
     p.add_argument("--batch", type=int, default=None,
                    help="llama2 batch B (default 1), and the mlp's with --mlp-shard-dim 1 (x [B, T/w, H]): B > 1 "
                         "puts the sequence dim behind the batch dim, which the passes rewrite rows-first")
@@ -816,6 +824,15 @@ def build_args(argv=None) -> argparse.Namespace:
         for name in getattr(args, flag).split(","):
             if name not in allowed:
                 p.error(f"unknown {flag[:-1]} {name!r} (choose from {','.join(allowed)})")
+    if args.tokens is not None:
+        try:
+            tokens = [int(t) for t in args.tokens.split(",")]
+        except ValueError:
+            p.error(f"--tokens takes positive integers, got {args.tokens!r}")
+        if min(tokens) < 1:
+            p.error(f"--tokens takes positive integers, got {args.tokens!r}")
+        if args.models != "llama2" or args.seq is not None or args.batch is not None:
+            p.error("--tokens sweeps llama2's tokens per step: give --models llama2 and neither --seq nor --batch")
     try:
         parse_tuning(args.tuning)
         if parse_tuning(args.flux_options) and args.compile_mode:
@@ -844,6 +861,13 @@ def configure_compile() -> dict:
     return {"recompile_limit": RECOMPILE_LIMIT, "automatic_dynamic_shapes": False}
 
 
+def _sweep_shape(tp: str, tokens: int) -> dict:
+    """llama2's batch and sequence length for ``tokens`` tokens per step in a ``--tokens`` sweep: plain tensor
+    parallelism runs a batch of one-token sequences (a decode step's matmul shapes), sequence parallelism one
+    sequence (a prefill chunk, its rows split between the ranks)."""
+    return {"batch": tokens, "seq": 1} if tp == "plain" else {"batch": 1, "seq": tokens}
+
+
 def main(argv=None) -> int:
     args = build_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
@@ -863,6 +887,10 @@ def main(argv=None) -> int:
         if args.mlp_shard_dim == 1:
             configs["mlp"]["batch"] = args.batch
     models = [m for m in MODELS if m in args.models.split(",")]
+    sweep = sorted({int(t) for t in args.tokens.split(",")}) if args.tokens else None
+    if sweep:
+        # Every contender is built once, for the largest size (its RoPE tables cover every sequence length).
+        configs["llama2"].update(_sweep_shape(args.tp, max(sweep)))
     phases = [p for p in PHASES if p in args.phases.split(",")]
     modes = [m for m in RUN_ORDER if m in args.modes.split(",")]
     tol = TOLERANCE[ctx.autocast or ctx.dtype]
@@ -876,7 +904,7 @@ def main(argv=None) -> int:
         "environment": run_environment(ctx, tuning_values),
         "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
                      "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp,
-                     "compile_mode": args.compile_mode,
+                     "compile_mode": args.compile_mode, "tokens": sweep, "tokens_skipped": [],
                      "flux_options": ctx.flux_options, "warmup": ctx.warmup, "round_warmup": ctx.round_warmup,
                      "rounds": ctx.rounds, "iters": ctx.iters, "host_exposed": True,
                      "order": "per (model, phase): every mode compiled and checked in RUN_ORDER, then timed in "
@@ -922,16 +950,25 @@ def main(argv=None) -> int:
                 data.setdefault("model_errors", {})[model_name] = msg
                 save()
                 continue
-            shape = input_shape(model_name, cfg, ctx.world, args.mlp_shard_dim, args.tp)
-            # Plain TP: the input and the output's gradient are replicated, so every rank draws the same ones.
-            gen = torch.Generator().manual_seed(args.seed * 1000 + (0 if args.tp == "plain" else ctx.rank))
-            x = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
-            grad_out = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
-            for phase in phases:
-                grad = grad_out if phase == "fwd_bwd" else None
-                x.requires_grad_(grad is not None)
-                run_phase(ctx, conts, model_name, phase, modes, x, grad, tol, args.contender_timeout, data, log, save)
-            del conts, x, grad_out
+            for tokens in sweep or (None,):
+                label, cfg_n = model_name, cfg
+                if tokens is not None:
+                    label, cfg_n = f"{model_name}@{tokens}", dict(cfg, **_sweep_shape(args.tp, tokens))
+                    if args.tp == "sequence" and tokens % ctx.world:
+                        log(f"{label}: skipped (sequence parallel needs tokens divisible by {ctx.world})")
+                        data["settings"]["tokens_skipped"].append(tokens)
+                        continue
+                shape = input_shape(model_name, cfg_n, ctx.world, args.mlp_shard_dim, args.tp)
+                # Plain TP: the input and the output's gradient are replicated, so every rank draws the same ones.
+                gen = torch.Generator().manual_seed(args.seed * 1000 + (0 if args.tp == "plain" else ctx.rank))
+                x = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
+                grad_out = torch.randn(shape, generator=gen).to(device=ctx.device, dtype=ctx.dtype)
+                for phase in phases:
+                    grad = grad_out if phase == "fwd_bwd" else None
+                    x.requires_grad_(grad is not None)
+                    run_phase(ctx, conts, label, phase, modes, x, grad, tol, args.contender_timeout, data, log, save)
+                del x, grad_out
+            del conts
             gc.collect()
             if ctx.is_cuda:
                 torch.cuda.empty_cache()

@@ -1,13 +1,15 @@
 """bench_model.py's modes: what each compiles (eager, inductor, inductor + async-TP, ``backend="flux"`` with dispatch
 ``auto`` or ``fused``, and ``nocomm``: inductor on the no-communication replica), a census of the collectives left in
-inductor's graphs, and each mode's errors against eager.
+inductor's graphs, and each mode's errors against eager.  ``inductor_overlap`` is inductor with PyTorch's overlap
+scheduler (``aten_distributed_optimizations.enable_overlap_scheduling``: collectives started early, their waits sunk
+past independent compute), for comparison.
 
 Every mode's callable stays alive for the whole run of its model (the contenders are timed in alternating rounds),
 so each must keep its own compiled code: torch.compile keys dynamo's cache entries by code object and tells
 backends apart by the backend callable only (two ``torch.compile`` calls with the same backend share compiled code
 across model instances), while inductor reads its config when it compiles.  So async-TP gets a backend callable of
 its own (``inductor_asynctp``, registered with dynamo) that applies ``_micro_pipeline_tp`` to the forward and
-backward compiles it makes, ``flux_fused`` another (``flux_fused``: flux's compiler under a second callable), the
+backward compiles it makes (the overlap scheduler likewise, ``inductor_overlap``), ``flux_fused`` another (``flux_fused``: flux's compiler under a second callable), the
 no-communication replica a root module of its own (``models.LocalReplica``), and every mode gets its context
 (dispatch mode, config patches) back each time it runs (``make_context``)."""
 
@@ -23,13 +25,16 @@ import torch
 import torch.nn as nn
 from harness import RunContext, dispatch_mode
 
-MODES = ("eager", "inductor", "asynctp", "flux", "flux_fused", "nocomm")
+MODES = ("eager", "inductor", "inductor_overlap", "asynctp", "flux", "flux_fused", "nocomm")
+# inductor_overlap (PyTorch's overlap scheduler) is opt-in: it needs triton, and it removed nothing in the runs recorded
+# in docs/performance.md.
+DEFAULT_MODES = tuple(m for m in MODES if m != "inductor_overlap")
 # Compile order: eager first (the reference), fluxinductor before async-TP (as in bench_ops.py), so async-TP's
 # symmetric-memory workspace is allocated last.  Timing rounds rotate this order.
-RUN_ORDER = ("eager", "inductor", "nocomm", "flux", "flux_fused", "asynctp")
+RUN_ORDER = ("eager", "inductor", "inductor_overlap", "nocomm", "flux", "flux_fused", "asynctp")
 FLUX_DISPATCH = {"flux": "auto", "flux_fused": "fused"}
 # Modes whose share of the communication cost removed, G = (T_inductor - T) / (T_inductor - T_nocomm), is reported.
-GAIN_MODES = ("asynctp", "flux", "flux_fused")
+GAIN_MODES = ("inductor_overlap", "asynctp", "flux", "flux_fused")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,30 +95,36 @@ class InductorAsyncTP:
 
     __name__ = "inductor_asynctp"
 
-    def __init__(self):
+    def __init__(self, extra: Optional[dict] = None):
         self.census: Optional[GraphCensus] = None
+        self.extra = dict(extra) if extra is not None else {"_micro_pipeline_tp": True}
 
     def __call__(self, gm, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
         from torch._inductor.compile_fx import compile_fx
 
         # What backend="inductor" would apply for this mode and options (CUDA graphs for reduce-overhead, ...).
         patches = dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
-        patches["_micro_pipeline_tp"] = True
+        patches.update(self.extra)
         if self.census is not None:
             patches["post_grad_custom_post_pass"] = self.census
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 ASYNCTP_BACKEND = InductorAsyncTP()
+# PyTorch's own overlap scheduler (post-grad: collectives started early, waits sunk past independent compute).
+OVERLAP_PATCHES = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+OVERLAP_BACKEND = InductorAsyncTP(OVERLAP_PATCHES)
+OVERLAP_BACKEND.__name__ = "inductor_overlap"
 
 
-def asynctp_backend() -> InductorAsyncTP:
-    """The async-TP backend callable, registered with dynamo as ``inductor_asynctp`` (once per process)."""
+def asynctp_backend(backend: InductorAsyncTP = ASYNCTP_BACKEND) -> InductorAsyncTP:
+    """The async-TP (or overlap-scheduler) backend callable, registered with dynamo under its name (once per
+    process)."""
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
-    if _COMPILER_FNS.get("inductor_asynctp") is not ASYNCTP_BACKEND:
-        register_backend(ASYNCTP_BACKEND, name="inductor_asynctp")
-    return ASYNCTP_BACKEND
+    if _COMPILER_FNS.get(backend.__name__) is not backend:
+        register_backend(backend, name=backend.__name__)
+    return backend
 
 
 def flux_fused(gm, example_inputs, **kwargs):
@@ -126,7 +137,7 @@ def flux_fused(gm, example_inputs, **kwargs):
 
 
 def flux_backend_for(mode: str):
-    """The backend for a flux mode: ``"flux"`` (what users write) or the registered ``flux_fused`` callable."""
+    """The backend for a flux mode: ``"flux"`` (what users write) or a registered callable of the mode's own."""
     if mode == "flux":
         return "flux"
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
@@ -148,6 +159,10 @@ def mode_setup(mode: str, model: nn.Module, ctx: RunContext, notes: List[str]):
         census = GraphCensus()
         fn = torch.compile(model, backend="inductor", **ctx.compile_kwargs)
         return fn, lambda: inductor_config.patch({"post_grad_custom_post_pass": census}), census
+    if mode == "inductor_overlap":
+        backend = asynctp_backend(OVERLAP_BACKEND)
+        census = backend.census = GraphCensus()
+        return torch.compile(model, backend=backend, **ctx.compile_kwargs), contextlib.nullcontext, census
     if mode == "asynctp":
         if ctx.is_cuda:
             err = _enable_symm_mem(ctx.group_name)

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Plot bench_model results: per model, phase and JSON, each contender's host-exposed step time (median, p10-p90)
-with the host-hidden device time beside it, and flux's G.
+with the host-hidden device time beside it, and flux's G; a ``--tokens`` sweep as one panel per JSON and phase: each
+contender's speed-up over inductor against the tokens per step (hollow markers: flux fused nothing, its graph is
+inductor's).
 
     python benchmarks/plot_model.py benchmarks/results/model/h200x2_tp2_*.json --out benchmarks/results/model/h200x2_tp2.png
 """
@@ -35,9 +37,64 @@ def panels(path: str, data: dict) -> Iterator[Tuple[str, List[dict]]]:
         yield title, sorted(records, key=lambda r: list(COLORS).index(r["mode"]))
 
 
+def sweep_panels(path: str, data: dict) -> Iterator[Tuple[str, dict]]:
+    """(title, {mode: [(tokens, record)]}) per phase of a ``--tokens`` sweep's JSON (none for other JSONs)."""
+    env, settings = data.get("environment", {}), data.get("settings", {})
+    if not settings.get("tokens"):
+        return
+    by_phase: dict = {}
+    for r in data.get("results", []):
+        if r.get("ms") is not None and r.get("mode") in COLORS and "@" in r["model"]:
+            tokens = int(r["model"].split("@")[1])
+            by_phase.setdefault(r["phase"], {}).setdefault(r["mode"], []).append((tokens, r))
+    for phase, by_mode in by_phase.items():
+        title = (f"llama2 {phase}, {settings.get('tp', 'sequence')} TP, {settings.get('compile_mode') or 'default'} "
+                 f"mode\n{env.get('device', '?')} x{env.get('world', '?')} ({os.path.basename(path)})")
+        yield title, {m: sorted(v, key=lambda tr: tr[0]) for m, v in by_mode.items()}
+
+
+def draw_sweep(ax, title: str, by_mode: dict) -> None:
+    inductor = {t: r["ms"] for t, r in by_mode.get("inductor", [])}
+    for mode, points in by_mode.items():
+        points = [(t, r) for t, r in points if t in inductor]
+        if mode == "inductor" or not points:
+            continue
+        xs = [t for t, _ in points]
+        ys = [inductor[t] / r["ms"] for t, r in points]
+        lo = [y - inductor[t] / r["spread"]["p90_ms"] for (t, r), y in zip(points, ys)]
+        hi = [inductor[t] / r["spread"]["p10_ms"] - y for (t, r), y in zip(points, ys)]
+        ax.errorbar(xs, ys, yerr=[lo, hi], color=COLORS[mode], capsize=2, label=mode)
+        for x, y, (_, r) in zip(xs, ys, points):
+            # Hollow: flux fused nothing at this size (the graph it ran is inductor's).
+            unfused = mode == "flux" and not (r.get("rewrite_stats") or {}).get("fused_forward")
+            ax.plot([x], [y], "o", color=COLORS[mode], markerfacecolor="white" if unfused else COLORS[mode],
+                    markersize=5, zorder=3)
+    ax.axhline(1.0, color="black", linewidth=0.7)
+    ax.axhline(0.99, color="black", linewidth=0.5, linestyle=":")
+    ax.plot([], [], "o", color=COLORS["flux"], markerfacecolor="white", label="flux ran inductor's graph")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per step")
+    ax.set_ylabel("speed-up over inductor (host exposed)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6)
+
+
 def main() -> None:
     args, plt = cli(__doc__)
-    found = [panel for path in args.json for panel in panels(path, json.load(open(path)))]
+    datas = [(path, json.load(open(path))) for path in args.json]
+    is_sweep = [bool(d.get("settings", {}).get("tokens")) for _, d in datas]
+    if any(is_sweep):
+        if not all(is_sweep):
+            raise SystemExit("plot --tokens sweeps and other bench_model runs into separate PNGs")
+        sweeps = [panel for path, d in datas for panel in sweep_panels(path, d)]
+        cols = min(2, len(sweeps))
+        rows = (len(sweeps) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.8 * rows), squeeze=False)
+        for ax, (title, by_mode) in zip(axes.flat, sweeps):
+            draw_sweep(ax, title, by_mode)
+        finish(fig, axes, len(sweeps), args.out)
+        return
+    found = [panel for path, d in datas for panel in panels(path, d)]
     if not found:
         raise SystemExit("no bench_model results in " + ", ".join(args.json))
     cols = min(2, len(found))

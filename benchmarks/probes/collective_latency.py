@@ -1,8 +1,9 @@
 """Latency of the small collectives a tensor-parallel decode step runs (torchrun, CUDA, any world size).
 
 For each size (bytes of the bf16 tensor every rank holds before the collective) and collective: NCCL's
-``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, and PyTorch's one-shot all-reduce on
-symmetric memory (``torch.ops.symm_mem.one_shot_all_reduce``, where it runs).  Two timings per point, medians of
+``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, PyTorch's one-shot all-reduce on
+symmetric memory (``torch.ops.symm_mem.one_shot_all_reduce``, where it runs) and fluxinductor's (the kernel of the
+``matmul_all_reduce`` op, checked against NCCL's result first).  Two timings per point, medians of
 ``--rounds`` rounds, the collectives alternated within each round:
 
   exposed_us  a barrier, then CUDA events around one call: what a step that waits on the collective pays;
@@ -50,7 +51,42 @@ def collectives(numel: int, world: int, device: torch.device, group_name: str):
     except Exception as e:  # noqa: BLE001 - reported, not fatal: PyTorch's op may not run here
         if dist.get_rank() == 0:
             print(f"symm_mem one-shot all-reduce unavailable: {type(e).__name__}: {e}", flush=True)
+    try:
+        ops["flux_one_shot_all_reduce"] = flux_one_shot(x, group_name)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal: the extension may not be built here
+        if dist.get_rank() == 0:
+            print(f"fluxinductor's one-shot all-reduce unavailable: {type(e).__name__}: {e}", flush=True)
     return ops
+
+
+def flux_one_shot(x: torch.Tensor, group_name: str):
+    """fluxinductor's one-shot all-reduce of ``x`` (as rows of up to 8192 elements), its input already in the group's
+    symmetric buffer, as PyTorch's is above (in the fused op the matmul writes it there)."""
+    from fluxinductor.kernels import one_shot
+
+    n = min(8192, x.numel())
+    rows = x.numel() // n
+    ws = one_shot.workspace(group_name, x.device)
+    ws.reserve(rows * n * x.element_size())
+    partial = ws.partial(rows, n, x.dtype)
+    partial.copy_(x[:rows * n].view(rows, n))
+    out = torch.empty_like(partial)
+    blocks = one_shot.blocks_for(rows, n, x.dtype)
+
+    def call():
+        # trap_on_timeout: the call is also replayed in a CUDA graph, where no host code reads the error word.
+        one_shot.launch(dtype=x.dtype, out=out, rows=rows, n=n, world=ws.world, rank=ws.rank, inputs=ws.buffer_ptrs,
+                        signals=ws.signal_ptrs, counters=ws.counters.data_ptr(), error_address=ws.error.device,
+                        trap_on_timeout=True, blocks=blocks)
+
+    out.fill_(float("nan"))
+    call()
+    want = x[:rows * n].view(rows, n).clone()
+    dist.all_reduce(want)
+    error = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    if not error <= 1e-2:  # NaN (a row never written) fails too
+        raise AssertionError(f"one-shot all-reduce of {rows}x{n}: relative error {error} against NCCL's")
+    return call
 
 
 def graphed(fn):

@@ -17,6 +17,7 @@ every error against eager small, and the table printed last.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -253,3 +254,37 @@ def test_bench_model_cpu_compile_mode(tmp_path):
     for r in (eager, inductor, flux):
         _check_measured(r)
     _check_flux(flux, n_layers=1)
+
+
+def test_bench_model_cpu_tokens_sweep(tmp_path):
+    # --tokens: each size a row of its own ("llama2@N"), every contender built once and compiled per size (flux's
+    # passes rewrite every size's graph); sequence parallel skips a size the ranks cannot split.
+    data, stdout = _run(tmp_path, "sweep", ["--models", "llama2", "--layers", "1", "--phases", "fwd",
+                                            "--modes", "inductor,flux,nocomm", "--tokens", "8,3,4", "--rounds", "2"])
+    s = data["settings"]
+    assert s["tokens"] == [3, 4, 8] and s["tokens_skipped"] == [3]
+    assert s["models"]["llama2"]["seq"] == 8 and s["models"]["llama2"]["batch"] == 1  # built for the largest
+    rows = {(r["model"], r["mode"]): r for r in data["results"]}
+    assert set(rows) == {(f"llama2@{n}", m) for n in (4, 8) for m in ("inductor", "flux", "nocomm")}
+    for (label, mode), r in rows.items():
+        _check_measured(r, rounds=2)
+        if mode == "flux":
+            assert r["error_ok"] is True, (label, r["errors"])  # against eager at this size
+            assert r["rewrite_stats"]["fused_forward"].get(AG_MM, 0) >= 1, (label, r["rewrite_stats"])
+    assert {g["model"] for g in data["gain"]} == {"llama2@4", "llama2@8"}
+    assert all(g["nocomm_approximation"] for g in data["gain"])  # sequence parallel: the replica's stand-ins
+    assert "llama2@3: skipped" in stdout and "G llama2@8 fwd:" in stdout
+    if importlib.util.find_spec("matplotlib") is not None:  # the sweep's plot: one panel per JSON and phase
+        png = tmp_path / "sweep.png"
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "plot_model.py"),
+                               str(tmp_path / "sweep.json"), "--out", str(png)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "(1 panels)" in proc.stdout and png.stat().st_size > 0, proc.stderr[-2000:]
+
+
+def test_bench_model_cli_rejects_tokens_without_llama(tmp_path):
+    for extra in (["--models", "mlp"], ["--models", "llama2", "--seq", "8"], ["--models", "llama2", "--tokens", "0"]):
+        args = ["--tokens", "4"] + extra if "--tokens" not in extra else extra
+        proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and "--tokens" in proc.stderr, (extra, proc.stderr[-500:])
