@@ -183,6 +183,8 @@ class Ctx(RunContext):
         self.hidden = self.is_cuda and self.sleep_cycles > 0
         self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
         self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
+        if args.dynamic:
+            self.compile_kwargs["dynamic"] = True
         self.cudagraphs = args.compile_mode == "reduce-overhead"
         self.flux_options = parse_tuning(args.flux_options)
 
@@ -693,7 +695,8 @@ def format_table(data: dict) -> str:
         f"bench_model: {env['device']} x{env['world']} {env['backend']} {env['dtype']}"
         f"{' autocast ' + env['autocast'] if env.get('autocast') else ''} torch {env['torch']} "
         f"sha {env['git_sha']} config {s['config']}"
-        f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''} "
+        f"{' compile mode ' + s['compile_mode'] if s.get('compile_mode') else ''}"
+        f"{' dynamic' if s.get('dynamic') else ''} "
         f"({s['rounds']} rounds x {s['iters']} steps per mode, order rotated each round; {s['timing']})",
     ]
     width = max([7] + [len(r["model"]) + 1 for r in data["results"]])
@@ -768,6 +771,9 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", choices=tuple(CONFIGS), default=None, help="default full on cuda, small on cpu")
     p.add_argument("--seq", type=int, default=None, help="override llama2 S and mlp tokens")
     p.add_argument("--layers", type=int, default=None, help="override the llama2 decoder layer count (2)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="torch.compile(dynamic=True): one graph per mode serves every size of a --tokens sweep (a "
+                        "serving loop's dynamic batch; CUDA graphs are still recorded per size)")
     p.add_argument("--tokens", default=None, metavar="N[,N...]",
                    help="llama2 only: time each of these tokens per step as a row of its own, 'llama2@N' (plain TP: "
                         "a batch of N one-token sequences, as in decode; sequence parallel: one sequence of N tokens), "
@@ -904,7 +910,8 @@ def main(argv=None) -> int:
         "environment": run_environment(ctx, tuning_values),
         "settings": {"config": config_name, "models": {m: configs[m] for m in models}, "phases": phases,
                      "modes": modes, "mlp_shard_dim": args.mlp_shard_dim, "tp": args.tp,
-                     "compile_mode": args.compile_mode, "tokens": sweep, "tokens_skipped": [],
+                     "compile_mode": args.compile_mode, "dynamic": args.dynamic, "tokens": sweep,
+                     "tokens_skipped": [],
                      "flux_options": ctx.flux_options, "warmup": ctx.warmup, "round_warmup": ctx.round_warmup,
                      "rounds": ctx.rounds, "iters": ctx.iters, "host_exposed": True,
                      "order": "per (model, phase): every mode compiled and checked in RUN_ORDER, then timed in "

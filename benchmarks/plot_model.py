@@ -49,7 +49,7 @@ def sweep_panels(path: str, data: dict) -> Iterator[Tuple[str, dict]]:
             by_phase.setdefault(r["phase"], {}).setdefault(r["mode"], []).append((tokens, r))
     for phase, by_mode in by_phase.items():
         title = (f"llama2 {phase}, {settings.get('tp', 'sequence')} TP, {settings.get('compile_mode') or 'default'} "
-                 f"mode\n{env.get('device', '?')} x{env.get('world', '?')} ({os.path.basename(path)})")
+                 f"mode{', dynamic' if settings.get('dynamic') else ''}\n{env.get('device', '?')} x{env.get('world', '?')} ({os.path.basename(path)})")
         yield title, {m: sorted(v, key=lambda tr: tr[0]) for m, v in by_mode.items()}
 
 

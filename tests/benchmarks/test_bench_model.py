@@ -282,6 +282,21 @@ def test_bench_model_cpu_tokens_sweep(tmp_path):
         assert proc.returncode == 0 and "(1 panels)" in proc.stdout and png.stat().st_size > 0, proc.stderr[-2000:]
 
 
+def test_bench_model_cpu_tokens_sweep_dynamic(tmp_path):
+    # --dynamic: plain TP, one graph per mode serves every size after the first (no compile at the later sizes).
+    data, stdout = _run(tmp_path, "dyn", ["--models", "llama2", "--layers", "1", "--phases", "fwd", "--tp", "plain",
+                                          "--modes", "inductor,flux", "--tokens", "2,4,8", "--dynamic", "--rounds", "2"])
+    assert data["settings"]["dynamic"] is True and " dynamic " in stdout
+    rows = {(r["model"], r["mode"]): r for r in data["results"]}
+    for mode in ("inductor", "flux"):
+        assert rows[("llama2@2", mode)]["graphs_compiled_first_call"] >= 1
+        for n in (4, 8):
+            r = rows[(f"llama2@{n}", mode)]
+            assert r["error"] is None and r["graphs_compiled_first_call"] == 0, (n, mode, r.get("error"))
+            if mode == "flux":
+                assert r["error_ok"] is True, r["errors"]
+
+
 def test_bench_model_cli_rejects_tokens_without_llama(tmp_path):
     for extra in (["--models", "mlp"], ["--models", "llama2", "--seq", "8"], ["--models", "llama2", "--tokens", "0"]):
         args = ["--tokens", "4"] + extra if "--tokens" not in extra else extra
