@@ -440,7 +440,8 @@ def _all_reduce_plan(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tens
     * ``auto``: measured on the signature's first call by :func:`fluxinductor.calibration.choose_measured` among
       sequential, oneshot and (where not vetoed) split, on every rank at the same call.  Where that module does not
       offer the function, the ``fused`` size rule with the split veto.  Under CUDA graph capture only a remembered
-      plan counts (a capture measures nothing); without one, sequential.
+      plan counts (a capture measures nothing); without one, sequential.  A remembered sequential plan runs the
+      one-shot kernel under capture where it can (:func:`_captured_one_shot`).
     """
     dispatch_mode = dispatch.mode()
     capturing = symm.capturing()
@@ -453,6 +454,9 @@ def _all_reduce_plan(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tens
             why = _one_shot_reason(a2d, weight, bias, reduce_op, group_name, out_dtype, dispatch_mode)
             if why is not None:
                 return "sequential", why
+        if plan[0] == "sequential" and capturing and _captured_one_shot(a2d, weight, bias, reduce_op, group_name,
+                                                                        out_dtype, dispatch_mode, world, rows):
+            return "oneshot", None
         return plan
     plan = _decide_all_reduce(a, a2d, weight, bias, reduce_op, group_name, out_dtype, world, rows, dispatch_mode)
     if capturing:
@@ -461,6 +465,26 @@ def _all_reduce_plan(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tens
         _all_reduce_plans.clear()
     _all_reduce_plans[key] = plan
     return plan
+
+
+def _captured_one_shot(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
+                       out_dtype: Optional[torch.dtype], dispatch_mode: str, world: int, rows: int) -> bool:
+    """Whether a call captured in a CUDA graph whose remembered plan is sequential runs the one-shot kernel instead.
+
+    The plan compares eager calls, but inside a captured graph the sequential path (the matmul, then c10d's
+    all-reduce) cost about 1.1 ms more device time per call in the decode steps of bench_model (2xH200, plain TP,
+    ``reduce-overhead``: 32 tokens with dynamic shapes, where it measured as fast as the one-shot path eagerly, and 64
+    tokens under the ``fused`` dispatch), where captured one-shot calls cost what they cost eagerly.  So a captured
+    call takes the one-shot kernel where it can run and the output is small enough for it
+    (:func:`fluxinductor.kernels.one_shot.small_enough`).  Every input is the same on every rank (the agreed plan, the
+    shapes, the group's workspace, grown collectively), so every rank captures the same path."""
+    if dispatch_mode not in ("auto", "fused"):
+        return False
+    from fluxinductor.kernels import one_shot
+
+    if not one_shot.small_enough(rows, weight.shape[1], a2d.dtype, world):
+        return False
+    return _one_shot_reason(a2d, weight, bias, reduce_op, group_name, out_dtype, dispatch_mode) is None
 
 
 def _one_shot_reason(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,

@@ -135,6 +135,28 @@ def test_capture_reuses_the_eager_plan_and_never_measures(flux_settings, monkeyp
     assert _plan(rows=64) == ("sequential", "CUDA graph capture before an eager call of this size")
 
 
+def test_capture_runs_a_sequential_plan_on_the_one_shot_kernel_where_it_can(flux_settings, monkeypatch):
+    # The sequential path costs ~1 ms more per call inside a captured graph: a captured call whose eager plan is
+    # sequential takes the one-shot kernel where it can run and the output is small; eager calls keep the plan.
+    flux_settings(dispatch="auto")
+    monkeypatch.setattr(ops, "_choose_measured", lambda: lambda **kwargs: ("sequential", "a tie"))
+    _one_shot_eligible(monkeypatch)
+    assert _plan(rows=32) == ("sequential", "measured: a tie")
+    assert _plan(rows=1024) == ("sequential", "measured: a tie")  # 16 MiB: more than the one-shot path takes
+    monkeypatch.setattr(symm, "capturing", lambda: True)
+    assert _plan(rows=32) == ("oneshot", None)
+    assert _plan(rows=1024) == ("sequential", "measured: a tie")
+    monkeypatch.setattr(ops, "_one_shot_reason", lambda *args: "CUDA graph capture before an eager call of this size")
+    assert _plan(rows=32) == ("sequential", "measured: a tie")
+    monkeypatch.setattr(symm, "capturing", lambda: False)
+    _one_shot_eligible(monkeypatch)
+    assert _plan(rows=32) == ("sequential", "measured: a tie")  # eager: the measured plan
+    flux_settings(dispatch="decomposed")
+    monkeypatch.setattr(symm, "capturing", lambda: True)
+    assert ops._captured_one_shot(torch.zeros(32, 64), torch.zeros(64, 8192), None, "sum", GROUP, None,
+                                  "decomposed", 2, 32) is False
+
+
 def test_kernel_module_reasons_on_cpu(monkeypatch):
     a, w = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
     reason = one_shot.unsupported_reason(a, w, None, "sum", GROUP)
