@@ -49,7 +49,8 @@ def sweep_panels(path: str, data: dict) -> Iterator[Tuple[str, dict]]:
             by_phase.setdefault(r["phase"], {}).setdefault(r["mode"], []).append((tokens, r))
     for phase, by_mode in by_phase.items():
         title = (f"llama2 {phase}, {settings.get('tp', 'sequence')} TP, {settings.get('compile_mode') or 'default'} "
-                 f"mode{', dynamic' if settings.get('dynamic') else ''}\n{env.get('device', '?')} x{env.get('world', '?')} ({os.path.basename(path)})")
+                 f"mode{', dynamic' if settings.get('dynamic') else ''}\n{env.get('device', '?')} "
+                 f"x{env.get('world', '?')} ({os.path.basename(path)})")
         yield title, {m: sorted(v, key=lambda tr: tr[0]) for m, v in by_mode.items()}
 
 
@@ -79,6 +80,13 @@ def draw_sweep(ax, title: str, by_mode: dict) -> None:
     ax.legend(fontsize=6)
 
 
+def _grid(plt, panels: int):
+    """(figure, axes) of a grid of ``panels`` panels, two per row."""
+    cols = min(2, panels)
+    rows = (panels + cols - 1) // cols
+    return plt.subplots(rows, cols, figsize=(6.4 * cols, 3.8 * rows), squeeze=False)
+
+
 def main() -> None:
     args, plt = cli(__doc__)
     datas = [(path, json.load(open(path))) for path in args.json]
@@ -87,9 +95,7 @@ def main() -> None:
         if not all(is_sweep):
             raise SystemExit("plot --tokens sweeps and other bench_model runs into separate PNGs")
         sweeps = [panel for path, d in datas for panel in sweep_panels(path, d)]
-        cols = min(2, len(sweeps))
-        rows = (len(sweeps) + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.8 * rows), squeeze=False)
+        fig, axes = _grid(plt, len(sweeps))
         for ax, (title, by_mode) in zip(axes.flat, sweeps):
             draw_sweep(ax, title, by_mode)
         finish(fig, axes, len(sweeps), args.out)
@@ -97,9 +103,7 @@ def main() -> None:
     found = [panel for path, d in datas for panel in panels(path, d)]
     if not found:
         raise SystemExit("no bench_model results in " + ", ".join(args.json))
-    cols = min(2, len(found))
-    rows = (len(found) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.8 * rows), squeeze=False)
+    fig, axes = _grid(plt, len(found))
     for ax, (title, records) in zip(axes.flat, found):
         names = [r["mode"] for r in records]
         xs = range(len(records))
