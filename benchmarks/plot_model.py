@@ -65,10 +65,14 @@ def draw_sweep(ax, title: str, by_mode: dict) -> None:
         lo = [y - inductor[t] / r["spread"]["p90_ms"] for (t, r), y in zip(points, ys)]
         hi = [inductor[t] / r["spread"]["p10_ms"] - y for (t, r), y in zip(points, ys)]
         ax.errorbar(xs, ys, yerr=[lo, hi], color=COLORS[mode], capsize=2, label=mode)
+        fused = False
         for x, y, (_, r) in zip(xs, ys, points):
-            # Hollow: flux fused nothing at this size (the graph it ran is inductor's).
-            unfused = mode == "flux" and not (r.get("rewrite_stats") or {}).get("fused_forward")
-            ax.plot([x], [y], "o", color=COLORS[mode], markerfacecolor="white" if unfused else COLORS[mode],
+            # Hollow: flux fused nothing in the graph this size ran, which is inductor's then.  A size whose first
+            # call compiled nothing (dynamic shapes) ran the graph the size before it compiled.
+            if r.get("graphs_compiled_first_call", 1):
+                fused = bool((r.get("rewrite_stats") or {}).get("fused_forward"))
+            hollow = mode == "flux" and not fused
+            ax.plot([x], [y], "o", color=COLORS[mode], markerfacecolor="white" if hollow else COLORS[mode],
                     markersize=5, zorder=3)
     ax.axhline(1.0, color="black", linewidth=0.7)
     ax.axhline(0.99, color="black", linewidth=0.5, linestyle=":")
