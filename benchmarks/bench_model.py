@@ -839,6 +839,7 @@ def build_args(argv=None) -> argparse.Namespace:
             p.error(f"--tokens takes positive integers, got {args.tokens!r}")
         if args.models != "llama2" or args.seq is not None or args.batch is not None:
             p.error("--tokens sweeps llama2's tokens per step: give --models llama2 and neither --seq nor --batch")
+        args.tokens = sorted(set(tokens))
     try:
         parse_tuning(args.tuning)
         if parse_tuning(args.flux_options) and args.compile_mode:
@@ -893,7 +894,7 @@ def main(argv=None) -> int:
         if args.mlp_shard_dim == 1:
             configs["mlp"]["batch"] = args.batch
     models = [m for m in MODELS if m in args.models.split(",")]
-    sweep = sorted({int(t) for t in args.tokens.split(",")}) if args.tokens else None
+    sweep = args.tokens  # sorted sizes, or None
     if sweep:
         # Every contender is built once, for the largest size (its RoPE tables cover every sequence length).
         configs["llama2"].update(_sweep_shape(args.tp, max(sweep)))

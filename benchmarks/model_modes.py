@@ -9,7 +9,8 @@ so each must keep its own compiled code: torch.compile keys dynamo's cache entri
 backends apart by the backend callable only (two ``torch.compile`` calls with the same backend share compiled code
 across model instances), while inductor reads its config when it compiles.  So async-TP gets a backend callable of
 its own (``inductor_asynctp``, registered with dynamo) that applies ``_micro_pipeline_tp`` to the forward and
-backward compiles it makes (the overlap scheduler likewise, ``inductor_overlap``), ``flux_fused`` another (``flux_fused``: flux's compiler under a second callable), the
+backward compiles it makes (the overlap scheduler likewise, ``inductor_overlap``), ``flux_fused`` another
+(``flux_fused``: flux's compiler under a second callable), the
 no-communication replica a root module of its own (``models.LocalReplica``), and every mode gets its context
 (dispatch mode, config patches) back each time it runs (``make_context``)."""
 
@@ -87,41 +88,43 @@ def _enable_symm_mem(group_name: str) -> Optional[str]:
     return None
 
 
-class InductorAsyncTP:
-    """``inductor_asynctp``: inductor with ``_micro_pipeline_tp`` on (PyTorch async-TP) and this run's graph census,
-    as a backend callable of its own.  The patches go to ``compile_fx(config_patches=...)``, which applies them to
-    the forward compile and to the backward compile whenever AOTAutograd makes it; ``mode`` / ``options`` (from
-    ``torch.compile(..., mode=...)``) mean what they mean for ``backend="inductor"``."""
+class PatchedInductor:
+    """Inductor with config ``patches`` and this run's graph census, as a backend callable of its own, registered with
+    dynamo as ``name``: ``inductor_asynctp`` (``_micro_pipeline_tp`` on: PyTorch async-TP) and ``inductor_overlap``
+    (PyTorch's overlap scheduler: each collective started early, its wait sunk past independent compute).  The patches
+    go to ``compile_fx(config_patches=...)``, which applies them to the forward compile and to the backward compile
+    whenever AOTAutograd makes it; ``mode`` / ``options`` (from ``torch.compile(..., mode=...)``) mean what they mean
+    for ``backend="inductor"``."""
 
-    __name__ = "inductor_asynctp"
-
-    def __init__(self, extra: Optional[dict] = None):
+    def __init__(self, name: str, patches: dict):
+        self.__name__ = name
+        self.patches = dict(patches)
         self.census: Optional[GraphCensus] = None
-        self.extra = dict(extra) if extra is not None else {"_micro_pipeline_tp": True}
 
     def __call__(self, gm, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
         from torch._inductor.compile_fx import compile_fx
 
         # What backend="inductor" would apply for this mode and options (CUDA graphs for reduce-overhead, ...).
         patches = dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
-        patches.update(self.extra)
+        patches.update(self.patches)
         if self.census is not None:
             patches["post_grad_custom_post_pass"] = self.census
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-ASYNCTP_BACKEND = InductorAsyncTP()
-# PyTorch's own overlap scheduler (post-grad: collectives started early, waits sunk past independent compute).
-OVERLAP_PATCHES = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
-OVERLAP_BACKEND = InductorAsyncTP(OVERLAP_PATCHES)
-OVERLAP_BACKEND.__name__ = "inductor_overlap"
+PATCHED_BACKENDS = {
+    "asynctp": PatchedInductor("inductor_asynctp", {"_micro_pipeline_tp": True}),
+    "inductor_overlap": PatchedInductor("inductor_overlap",
+                                        {"aten_distributed_optimizations.enable_overlap_scheduling": True}),
+}
 
 
-def asynctp_backend(backend: InductorAsyncTP = ASYNCTP_BACKEND) -> InductorAsyncTP:
-    """The async-TP (or overlap-scheduler) backend callable, registered with dynamo under its name (once per
-    process)."""
+def patched_backend(mode: str) -> PatchedInductor:
+    """The backend callable of ``mode`` (a key of :data:`PATCHED_BACKENDS`), registered with dynamo under its name
+    (once per process)."""
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
+    backend = PATCHED_BACKENDS[mode]
     if _COMPILER_FNS.get(backend.__name__) is not backend:
         register_backend(backend, name=backend.__name__)
     return backend
@@ -137,7 +140,7 @@ def flux_fused(gm, example_inputs, **kwargs):
 
 
 def flux_backend_for(mode: str):
-    """The backend for a flux mode: ``"flux"`` (what users write) or a registered callable of the mode's own."""
+    """The backend for a flux mode: ``"flux"`` (what users write) or the registered ``flux_fused`` callable."""
     if mode == "flux":
         return "flux"
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
@@ -159,18 +162,14 @@ def mode_setup(mode: str, model: nn.Module, ctx: RunContext, notes: List[str]):
         census = GraphCensus()
         fn = torch.compile(model, backend="inductor", **ctx.compile_kwargs)
         return fn, lambda: inductor_config.patch({"post_grad_custom_post_pass": census}), census
-    if mode == "inductor_overlap":
-        backend = asynctp_backend(OVERLAP_BACKEND)
-        census = backend.census = GraphCensus()
-        return torch.compile(model, backend=backend, **ctx.compile_kwargs), contextlib.nullcontext, census
-    if mode == "asynctp":
-        if ctx.is_cuda:
+    if mode in PATCHED_BACKENDS:
+        if mode == "asynctp" and ctx.is_cuda:
             err = _enable_symm_mem(ctx.group_name)
             if err:
                 notes.append(err)
-        else:
+        elif mode == "asynctp":
             notes.append("cpu: symmetric memory is CUDA only; the async-TP pass cannot fuse here")
-        backend = asynctp_backend()
+        backend = patched_backend(mode)
         census = backend.census = GraphCensus()
         return torch.compile(model, backend=backend, **ctx.compile_kwargs), contextlib.nullcontext, census
     if mode in FLUX_DISPATCH:
