@@ -78,16 +78,19 @@ class FluxPassManager(CustomGraphPass):
 
         ``op`` "matmul_all_reduce" (an all-reduce the split pass will not split, kept whole as that op): None where
         the op's one-shot all-reduce kernel could run (a GPU that runs the fused kernels, the kernel built, a dtype,
-        world and N it takes) under the ``fused`` dispatch; the op then runs that kernel.  Under ``auto`` the
+        world and N it takes) under the ``fused`` dispatch; the op then runs that kernel.  Under ``auto`` only in a
+        graph inductor captures in CUDA graphs (``triton.cudagraphs``, ``reduce-overhead``) with the fused ops
+        captured (``cuda_graphs``), for a static output small enough for the one-shot kernel
+        (:func:`fluxinductor.kernels.one_shot.small_enough`): captured, the op runs that kernel
+        (``ops._captured_one_shot``), whose replay costs less than c10d's all-reduce's.  Without CUDA graphs the
         all-reduce stays inductor's: in the decode steps of bench_model (2xH200, plain TP, 64 tokens) the op ran
-        0.90x inductor's step in default mode (its per-call host cost exceeds the kernel's saving) and, under
-        ``reduce-overhead``, 1.04x where every call took the one-shot kernel but 0.25x where the measured choice was
-        its sequential path.  Elsewhere (CPU included) the all-reduce stays as it is.
+        0.90x inductor's step in default mode, its per-call host cost exceeding the kernel's saving.  Elsewhere (CPU
+        included) the all-reduce stays as it is.
         """
         if op == "matmul_all_reduce":
-            if device.type != "cuda" or self.dispatch_mode != "fused":
-                return (f"the all-reduce stays whole under FLUXINDUCTOR_DISPATCH={self.dispatch_mode} on "
-                        f"{device.type} (the one-shot op is taken only under the fused dispatch)")
+            why = self._whole_all_reduce_reason(device, world, m, n, dtype)
+            if why is not None:
+                return why
             try:
                 from fluxinductor import dispatch
                 from fluxinductor.kernels import one_shot
@@ -123,6 +126,25 @@ class FluxPassManager(CustomGraphPass):
             return (f"cost model chose sequential at every M from {SYMBOLIC_M_PROBES[0]} to {SYMBOLIC_M_PROBES[-1]} "
                     f"(symbolic M); at M={SYMBOLIC_M_PROBES[-1]}: {choices[-1][1]}")
         return f"cost model chose sequential: {choices[0][1]}"
+
+    def _whole_all_reduce_reason(self, device: torch.device, world: int, m: Optional[int], n: int,
+                                 dtype) -> Optional[str]:
+        """Why the dispatch mode and the compile keep an all-reduce that will not be split as it is, rather than as
+        one ``matmul_all_reduce`` op (see :meth:`not_worth_fusing`); None to ask the kernel."""
+        if device.type != "cuda" or self.dispatch_mode not in ("auto", "fused"):
+            return (f"the all-reduce stays whole under FLUXINDUCTOR_DISPATCH={self.dispatch_mode} on "
+                    f"{device.type} (the one-shot op is taken under the fused dispatch, or auto in CUDA graphs)")
+        if self.dispatch_mode == "fused":
+            return None
+        if not (self.cuda_graphs and torch._inductor.config.triton.cudagraphs):
+            return ("the all-reduce stays inductor's outside CUDA graphs under FLUXINDUCTOR_DISPATCH=auto "
+                    "(the one-shot op's host cost exceeds its saving at decode sizes)")
+        from fluxinductor.kernels import one_shot
+
+        if m is None or not one_shot.small_enough(m, n, dtype, world):
+            return (f"the all-reduce's output ({'symbolic' if m is None else m} x {n} {dtype}) is not known to be "
+                    f"small enough for the one-shot kernel")
+        return None
 
     def sum_per_term(self, device: torch.device, world: int, m: int, ks: List[int], n: int, dtype,
                      copied_bytes: int) -> bool:

@@ -334,9 +334,10 @@ def test_all_reduce_split_still_splits_where_the_split_pays():
 
 
 def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_run(flux_settings, monkeypatch):
-    """The pass manager's answer for op "matmul_all_reduce": never on CPU or under the auto or decomposed dispatch;
-    under the fused dispatch on a GPU where the fused kernels run, wherever the one-shot kernel takes the dtype, world
-    and N (a row a multiple of 16 bytes)."""
+    """The pass manager's answer for op "matmul_all_reduce": never on CPU or under the decomposed dispatch; under auto
+    only in a graph captured in CUDA graphs, for a static output small enough for the one-shot kernel; under the
+    fused dispatch on a GPU where the fused kernels run, wherever the one-shot kernel takes the dtype, world and N (a
+    row a multiple of 16 bytes)."""
     from fluxinductor import dispatch
     from fluxinductor.kernels import one_shot
     from fluxinductor.passes import FluxPassManager
@@ -348,7 +349,16 @@ def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_r
     assert "cpu" in ask(FluxPassManager(), torch.device("cpu"))
     monkeypatch.setattr(dispatch, "_local_reason", lambda index: None)
     monkeypatch.setattr(one_shot, "_extension", lambda: object())
-    assert "stays whole under FLUXINDUCTOR_DISPATCH=auto" in ask(FluxPassManager(), cuda)
+    assert "outside CUDA graphs under FLUXINDUCTOR_DISPATCH=auto" in ask(FluxPassManager(), cuda)
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert ask(FluxPassManager(), cuda) is None
+        assert "outside CUDA graphs" in ask(FluxPassManager(cuda_graphs=False), cuda)
+        big = one_shot.FUSED_MAX_REMOTE_BYTES // (8192 * 2) + 1  # rows past the one-shot kernel's size
+        assert "not known to be small enough" in FluxPassManager().not_worth_fusing(
+            "matmul_all_reduce", cuda, 2, big, 28672, 8192, torch.bfloat16)
+        assert "symbolic" in FluxPassManager().not_worth_fusing(
+            "matmul_all_reduce", cuda, 2, None, 28672, 8192, torch.bfloat16)
+        assert "world size 16" in ask(FluxPassManager(), cuda, n=256, world=16)
     flux_settings(dispatch="fused")
     manager = FluxPassManager()
     assert ask(manager, cuda) is None
