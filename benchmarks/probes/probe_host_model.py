@@ -1,9 +1,14 @@
-"""Host time of compiled model steps, and where it goes: bench_model's sequence-parallel Llama layers (full config,
-bf16, no grad) compiled per backend, each step enqueued behind a long GPU sleep so that the host is timed alone, then
-a cProfile of more such steps (rank 0 prints the top entries by own and by cumulative time).
+"""Host time of compiled model steps, and where it goes: bench_model's Llama layers (full config, bf16, inference)
+compiled per backend, each step enqueued behind a long GPU sleep so that the host is timed alone, the backends
+alternated in rounds; then a cProfile of more steps of each (rank 0 prints the top entries by own and by cumulative
+time, and ``--out`` records how much of a step goes to the pieces named in :data:`PIECES`).
 
-    torchrun --nproc-per-node 2 benchmarks/probes/probe_host_model.py --backends inductor,flux [--steps 10] [--top 28]
+    torchrun --nproc-per-node 2 benchmarks/probes/probe_host_model.py --backends nocomm,inductor,flux \
+        [--tp plain --tokens 8 --compile-mode reduce-overhead] [--steps 20 --rounds 5] [--out host.json]
 
+Backends: ``inductor`` and ``flux`` compile the tensor-parallel model (DTensor parameters); ``nocomm`` compiles
+bench_model's no-communication replica (plain tensors, the same per-rank work) with inductor.  ``--tokens N`` runs
+bench_model's ``--tokens`` shape (plain TP: N one-token sequences; sequence parallel: one sequence of N tokens).
 With FLUXINDUCTOR_DISPATCH=fused it shows how much of a flux step's host time the fused ops' Python (dispatch,
 checks, launches) takes against inductor's.
 """
@@ -25,8 +30,20 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the models
 import models  # noqa: E402
+from harness import git_sha, write_json  # noqa: E402
 
 _SLEEP_CYCLES = 50_000_000  # ~25 ms: longer than any step's enqueue
+
+# Pieces of a step's host time, by (file suffix, function): cumulative time per step in the profile.
+PIECES = {
+    "step": [("eval_frame.py", "compile_wrapper")],
+    "tensor_subclass_unwrap": [("subclass_utils.py", "runtime_unwrap_tensor_subclasses")],
+    "tensor_subclass_wrap": [("subclass_utils.py", "wrap_tensor_subclasses")],
+    "dtensor_guards": [("guards.py", "guard_fn")],
+    "cudagraph_trees": [("cudagraph_trees.py", "run")],
+    "fluxinductor_ops": [("fluxinductor/ops.py", op) for op in ("all_gather_matmul", "matmul_reduce_scatter",
+                                                                 "matmul_all_reduce")],
+}
 
 
 def host_steps(fn, x, steps: int, prof=None):
@@ -46,11 +63,28 @@ def host_steps(fn, x, steps: int, prof=None):
     return times
 
 
+def pieces(stats: pstats.Stats, steps: int) -> dict:
+    """µs per step of each of :data:`PIECES` (cumulative time; the outermost call of a recursive function)."""
+    out = {}
+    for name, keys in PIECES.items():
+        total = 0.0
+        for (filename, _, func), (_, _, _, cumtime, _) in stats.stats.items():
+            if any(filename.endswith(suffix) and func == fname for suffix, fname in keys):
+                total += cumtime
+        out[name] = total * 1e6 / steps
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="inductor,flux")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--tp", choices=("sequence", "plain"), default="sequence")
+    p.add_argument("--tokens", type=int, default=None, help="bench_model's --tokens shape (default: the full config)")
+    p.add_argument("--compile-mode", default=None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=28)
+    p.add_argument("--out", default=None)
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,27 +92,51 @@ def main() -> None:
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world,))
     cfg = dict(models.CONFIGS["full"]["llama2"])
-    model = models.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1)
-    x = torch.randn(models.input_shape("llama2", cfg, world, 1), dtype=torch.bfloat16, device=device)
-    for backend in args.backends.split(","):
-        torch._dynamo.reset()
+    if args.tokens is not None:
+        cfg.update({"batch": args.tokens, "seq": 1} if args.tp == "plain" else {"batch": 1, "seq": args.tokens})
+    x = torch.randn(models.input_shape("llama2", cfg, world, 1, args.tp), dtype=torch.bfloat16, device=device)
+    backends = args.backends.split(",")
+    fns = {}
+    for backend in backends:
+        if backend == "nocomm":
+            model = models.build_nocomm("llama2", cfg, world, device, torch.bfloat16, 1, args.tp)
+        else:
+            model = models.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1, args.tp)
         if backend == "flux":
             import fluxinductor  # noqa: F401  (registers the backend)
-        fn = torch.compile(model, backend=backend)
-        with torch.no_grad():
-            host_steps(fn, x, 3)  # compile and warm up
-            times = host_steps(fn, x, args.steps)
-            prof = cProfile.Profile()
-            host_steps(fn, x, args.steps, prof)
+        fns[backend] = torch.compile(model, backend="inductor" if backend == "nocomm" else backend,
+                                     mode=args.compile_mode)
+    times = {b: [] for b in backends}
+    profiles = {}
+    with torch.inference_mode():
+        for backend, fn in fns.items():
+            host_steps(fn, x, 5)  # compile, record CUDA graphs, warm up
+        for _ in range(args.rounds):
+            for backend, fn in fns.items():
+                times[backend] += host_steps(fn, x, args.steps)
+        for backend, fn in fns.items():
+            profiles[backend] = cProfile.Profile()
+            host_steps(fn, x, args.steps, profiles[backend])
+    result = {}
+    for backend in backends:
+        stats = pstats.Stats(profiles[backend])
+        result[backend] = {"host_ms_median": statistics.median(times[backend]), "host_ms_min": min(times[backend]),
+                           "profiled_us_per_step": pieces(stats, args.steps)}
         if rank == 0:
-            print(f"=== {backend}: host ms per step, median {statistics.median(times):.3f}, min {min(times):.3f}",
-                  flush=True)
+            print(f"=== {backend}: host ms per step, median {result[backend]['host_ms_median']:.3f}, "
+                  f"min {result[backend]['host_ms_min']:.3f}; profiled us per step: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in result[backend]["profiled_us_per_step"].items()), flush=True)
             pstats.f8 = lambda v: f"{v * 1e6 / args.steps:8.1f}"  # us per step, not s in all
             print("(tottime and cumtime in us per step)", flush=True)
             for key in ("tottime", "cumulative"):
                 out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+                pstats.Stats(profiles[backend], stream=out).sort_stats(key).print_stats(args.top)
                 print("\n".join(line[:200] for line in out.getvalue().splitlines()[6:]), flush=True)
+    if rank == 0 and args.out:
+        sha, dirty = git_sha()
+        write_json(args.out, {"probe": "probe_host_model", "device": torch.cuda.get_device_name(), "world": world,
+                              "git_sha": sha, "git_dirty": dirty, "torch": torch.__version__, "args": vars(args),
+                              "config": cfg, "results": result})
     dist.destroy_process_group()
 
 
