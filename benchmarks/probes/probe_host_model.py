@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the models
 import models  # noqa: E402
-from harness import git_sha, write_json  # noqa: E402
+from harness import exit_now, git_sha, write_json  # noqa: E402
 
 _SLEEP_CYCLES = 50_000_000  # ~25 ms: longer than any step's enqueue
 
@@ -137,8 +137,9 @@ def main() -> None:
         write_json(args.out, {"probe": "probe_host_model", "device": torch.cuda.get_device_name(), "world": world,
                               "git_sha": sha, "git_dirty": dirty, "torch": torch.__version__, "args": vars(args),
                               "config": cfg, "results": result})
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # everything is written; no process-group teardown (it hangs at exit with captured collectives)
