@@ -18,7 +18,8 @@ and the agreement check has made every rank's signature the same):
 
 Both answers are kept in memory and in a cache on disk, ``<calibration_dir>/<device_key>_tp<world>.json`` (the tuning
 field ``calibration_dir``; default ``$XDG_CACHE_HOME/fluxinductor`` or ``~/.cache/fluxinductor``), so the next process
-measures nothing.  A cached answer is used only when every rank has it: the ranks exchange their cached times in one
+measures nothing.  The file also says what each measurement cost rank 0's first call, in seconds (``measured_s`` of
+the rates, ``calibration_s`` of each shape's row).  A cached answer is used only when every rank has it: the ranks exchange their cached times in one
 small all-reduce (a rank without them sends a "missing" mark and all of them measure), so ranks that read the file at
 different moments still agree.  The group's rank 0 writes the file (whole, through a rename).
 
@@ -195,13 +196,16 @@ def ensure_rates(device: torch.device, group_name: str, world: int, timer: Optio
     agreed = _agree(as_costs(have) if all(isinstance(v, (int, float)) and v > 0 for v in have) else [None] * 3,
                     device, group)
     source = "measured (cached)"
+    seconds = None
     if agreed is None:
+        started = time.perf_counter()
         measured = _measure_rates(device, group, world, timer or _timer(device, group))
         agreed = _agree(as_costs(measured), device, group)
-        source = "measured"
+        source, seconds = "measured", time.perf_counter() - started
     agreed = as_costs(agreed)
     if source == "measured" and group.rank() == 0:
-        _write_cache(path, name, world, lambda data: data.__setitem__("rates", dict(zip(fields, agreed))))
+        _write_cache(path, name, world,
+                     lambda data: data.__setitem__("rates", {**dict(zip(fields, agreed)), "measured_s": seconds}))
     rates = cost_model.Rates(*agreed, source=source, memory_gbps=cost_model.nominal_rates(name).memory_gbps)
     cost_model.set_measured_rates(name, world, rates)
     with _lock:
@@ -276,6 +280,7 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
     cached = next((r for r in _read_cache(path).get("entries", []) if _row_key(r) == (op, m, k, n, dtype)), {})
     times = _agree([cached.get(f"{p}_ms") for p in names], device, group)
     fresh = times is None
+    started = time.perf_counter()
     if fresh:
         timer = timer or _timer(device, group)
         for fn in candidates.values():
@@ -291,11 +296,17 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
            **{f"{p}_ms": t for p, t in by_path.items()}}
     if op in (cost_model.ALL_GATHER_MATMUL, cost_model.MATMUL_REDUCE_SCATTER):
         cost_model.add_calibrated_row(name, world, row)
-    if fresh and group.rank() == 0:
-        def update(data: dict) -> None:
-            data["entries"] = [r for r in data.get("entries", []) if _row_key(r) != _row_key(row)] + [row]
+    if fresh:
+        # What measuring cost this rank's first call of the shape, warm-ups and agreement included: on disk and in the
+        # log only (rank 0's), not in the cost model's rows, which every rank and process must hold alike.
+        seconds = time.perf_counter() - started
+        log.info("%s at M=%d K=%d N=%d: calibrated in %.2f s", op, m, k, n, seconds)
+        if group.rank() == 0:
+            def update(data: dict) -> None:
+                data["entries"] = [r for r in data.get("entries", []) if _row_key(r) != _row_key(row)] + [
+                    {**row, "calibration_s": seconds}]
 
-        _write_cache(path, name, world, update)
+            _write_cache(path, name, world, update)
     return choice, by_path
 
 

@@ -180,6 +180,9 @@ def test_ranks_measure_once_agree_and_reuse_the_disk_cache(tmp_path, fused_s, ex
     with open(calibration.cache_path("cpu", 2).replace(calibration.cache_dir(), str(tmp_path))) as f:
         (row,) = json.load(f)["entries"]
     assert row["choice"] == expected and row["sequential_ms"] > 15
+    # what the first call's measurement cost: every warm-up and timed call of both candidates, and the agreement
+    calls_s = (1 + calibration.ROUNDS) * (0.02 + fused_s)
+    assert calls_s <= row["calibration_s"] < calls_s + 30
 
 
 def test_a_cache_on_one_rank_only_makes_both_measure(tmp_path):
@@ -187,6 +190,32 @@ def test_a_cache_on_one_rank_only_makes_both_measure(tmp_path):
     for (path, reason), _, measured, _, _ in results:
         assert path == "fused", reason  # rank 1's stale "fused 50 ms" was not believed
         assert measured == 2 * (1 + calibration.ROUNDS)
+
+
+def _rates_job(rank, world, cache):
+    import torch.distributed as dist
+
+    from fluxinductor import calibration, settings
+
+    settings.set_tuning(calibration_dir=cache)
+    group_name = dist.group.WORLD.group_name
+    first = calibration.ensure_rates(torch.device("cpu"), group_name, world)
+    dist.barrier()
+    calibration.forget()  # a new process: only the disk cache is left
+    again = calibration.ensure_rates(torch.device("cpu"), group_name, world)
+    return first.source, again.source, (first.matmul_tflops, first.link_gbps, first.latency_ms), (
+        again.matmul_tflops, again.link_gbps, again.latency_ms)
+
+
+def test_rates_are_measured_once_with_their_cost_and_read_back(tmp_path):
+    results = run_ranks(_rates_job, 2, str(tmp_path), timeout=120)
+    for first, again, measured, reread in results:
+        assert (first, again) == ("measured", "measured (cached)")
+        assert all(v > 0 for v in measured) and reread == pytest.approx(measured)
+    assert results[0][2] == results[1][2]  # agreed: the slowest rank's numbers on both
+    with open(calibration.cache_path("cpu", 2).replace(calibration.cache_dir(), str(tmp_path))) as f:
+        rates = json.load(f)["rates"]
+    assert 0 < rates["measured_s"] < 60 and rates["matmul_tflops"] == pytest.approx(results[0][2][0])
 
 
 def _dispatch_job(rank, world, cache, fused_s):
