@@ -18,10 +18,10 @@ and the agreement check has made every rank's signature the same):
 
 Both answers are kept in memory and in a cache on disk, ``<calibration_dir>/<device_key>_tp<world>.json`` (the tuning
 field ``calibration_dir``; default ``$XDG_CACHE_HOME/fluxinductor`` or ``~/.cache/fluxinductor``), so the next process
-measures nothing.  The file also says what each measurement cost rank 0's first call, in seconds (``measured_s`` of
-the rates, ``calibration_s`` of each shape's row).  A cached answer is used only when every rank has it: the ranks exchange their cached times in one
+measures nothing.  A cached answer is used only when every rank has it: the ranks exchange their cached times in one
 small all-reduce (a rank without them sends a "missing" mark and all of them measure), so ranks that read the file at
-different moments still agree.  The group's rank 0 writes the file (whole, through a rename).
+different moments still agree.  The group's rank 0 writes the file (whole, through a rename), with what each
+measurement cost its first call, in seconds (``measured_s`` of the rates, ``calibration_s`` of each shape's row).
 
 Nothing here runs under CUDA graph capture (a capture records collectives instead of running them): a captured call
 reuses what its eager warm-up measured.  ``settings.tuning.calibrate`` off leaves the roofline estimate as the answer.
