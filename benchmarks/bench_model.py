@@ -130,7 +130,8 @@ from harness import (
     write_json,
 )
 from model_modes import DEFAULT_MODES, FLUX_DISPATCH, GAIN_MODES, MODES, RUN_ORDER, compare, mode_setup, snapshot
-from models import CONFIGS, MODELS, NOCOMM_METHOD, build_model, build_nocomm, input_shape, nocomm_approximation
+from models import (CONFIGS, MODELS, NOCOMM_METHOD, build_model, build_nocomm, input_shape, nocomm_approximation,
+                    tokens_shape)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -868,13 +869,6 @@ def configure_compile() -> dict:
     return {"recompile_limit": RECOMPILE_LIMIT, "automatic_dynamic_shapes": False}
 
 
-def _sweep_shape(tp: str, tokens: int) -> dict:
-    """llama2's batch and sequence length for ``tokens`` tokens per step in a ``--tokens`` sweep: plain tensor
-    parallelism runs a batch of one-token sequences (a decode step's matmul shapes), sequence parallelism one
-    sequence (a prefill chunk, its rows split between the ranks)."""
-    return {"batch": tokens, "seq": 1} if tp == "plain" else {"batch": 1, "seq": tokens}
-
-
 def main(argv=None) -> int:
     args = build_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
@@ -897,7 +891,7 @@ def main(argv=None) -> int:
     sweep = args.tokens  # sorted sizes, or None
     if sweep:
         # Every contender is built once, for the largest size (its RoPE tables cover every sequence length).
-        configs["llama2"].update(_sweep_shape(args.tp, max(sweep)))
+        configs["llama2"].update(tokens_shape(args.tp, max(sweep)))
     phases = [p for p in PHASES if p in args.phases.split(",")]
     modes = [m for m in RUN_ORDER if m in args.modes.split(",")]
     tol = TOLERANCE[ctx.autocast or ctx.dtype]
@@ -961,7 +955,7 @@ def main(argv=None) -> int:
             for tokens in sweep or (None,):
                 label, cfg_n = model_name, cfg
                 if tokens is not None:
-                    label, cfg_n = f"{model_name}@{tokens}", dict(cfg, **_sweep_shape(args.tp, tokens))
+                    label, cfg_n = f"{model_name}@{tokens}", dict(cfg, **tokens_shape(args.tp, tokens))
                     if args.tp == "sequence" and tokens % ctx.world:
                         log(f"{label}: skipped (sequence parallel needs tokens divisible by {ctx.world})")
                         data["settings"]["tokens_skipped"].append(tokens)

@@ -198,6 +198,13 @@ def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.d
     return model
 
 
+def tokens_shape(tp: str, tokens: int) -> dict:
+    """llama2's batch and sequence length for ``tokens`` tokens per step (bench_model's ``--tokens``): plain tensor
+    parallelism runs a batch of one-token sequences (a decode step's matmul shapes), sequence parallelism one
+    sequence (a prefill chunk, its rows split between the ranks)."""
+    return {"batch": tokens, "seq": 1} if tp == "plain" else {"batch": 1, "seq": tokens}
+
+
 def input_shape(name: str, cfg: dict, world: int, shard_dim: int, tp: str = "sequence") -> Tuple[int, ...]:
     """This rank's input shard shape (plain TP: the whole input, the same on every rank)."""
     if tp == "plain":

@@ -280,8 +280,8 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
     cached = next((r for r in _read_cache(path).get("entries", []) if _row_key(r) == (op, m, k, n, dtype)), {})
     times = _agree([cached.get(f"{p}_ms") for p in names], device, group)
     fresh = times is None
-    started = time.perf_counter()
     if fresh:
+        started = time.perf_counter()
         timer = timer or _timer(device, group)
         for fn in candidates.values():
             timer(fn)  # warm-up: workspaces, autotuned kernels, NCCL's first use of the shape

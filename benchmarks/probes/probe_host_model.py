@@ -93,7 +93,7 @@ def main() -> None:
     mesh = init_device_mesh("cuda", (world,))
     cfg = dict(models.CONFIGS["full"]["llama2"])
     if args.tokens is not None:
-        cfg.update({"batch": args.tokens, "seq": 1} if args.tp == "plain" else {"batch": 1, "seq": args.tokens})
+        cfg.update(models.tokens_shape(args.tp, args.tokens))
     x = torch.randn(models.input_shape("llama2", cfg, world, 1, args.tp), dtype=torch.bfloat16, device=device)
     backends = args.backends.split(",")
     fns = {}
