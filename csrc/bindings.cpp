@@ -108,10 +108,11 @@ void export_gemm_rs(py::module_& m) {
 void export_one_shot(py::module_& m) {
   m.def("one_shot_all_reduce", &api::one_shot_all_reduce,
         "One rank's one-shot all-reduce on `stream` (csrc/allreduce/one_shot.h): out = out_scale * sum of every "
-        "rank's partial (inputs, as mapped here) + bias_scale * bias + residual, between two barriers on the "
-        "signal words",
+        "rank's partial (this rank's pushed into every peer's receive buffer, as mapped here) + bias_scale * bias + "
+        "residual",
         py::arg("dtype"), py::arg("out_float"), py::arg("rows"), py::arg("n"), py::arg("world"), py::arg("rank"),
-        py::arg("inputs"), py::arg("signals"), py::arg("counters"), py::arg("bias"), py::arg("residual"),
+        py::arg("buffers"), py::arg("slot_bytes"), py::arg("signals"), py::arg("counters"), py::arg("partial"),
+        py::arg("bias"), py::arg("residual"),
         py::arg("out"), py::arg("out_scale"), py::arg("bias_scale"), py::arg("error"), py::arg("timeout_ns"),
         py::arg("trap_on_timeout"), py::arg("blocks"), py::arg("stream"));
   m.def("one_shot_blocks", &api::one_shot_blocks, "the grid a one-shot call launches with", py::arg("rows"),
@@ -119,6 +120,7 @@ void export_one_shot(py::module_& m) {
   m.attr("ONE_SHOT_MAX_WORLD") = fluxinductor::allreduce::kOneShotMaxWorld;
   m.attr("ONE_SHOT_MAX_BLOCKS") = fluxinductor::allreduce::kOneShotMaxBlocks;
   m.attr("ONE_SHOT_SIGNAL_WORDS") = fluxinductor::allreduce::kOneShotSignalWords;
+  m.attr("ONE_SHOT_COUNTER_WORDS") = fluxinductor::allreduce::kOneShotCounterWords;
 }
 
 void export_internode(py::module_& m) {

@@ -61,7 +61,7 @@ def collectives(numel: int, world: int, device: torch.device, group_name: str):
 
 def flux_one_shot(x: torch.Tensor, group_name: str):
     """fluxinductor's one-shot all-reduce of ``x`` (as rows of up to 8192 elements), its input already in the group's
-    symmetric buffer, as PyTorch's is above (in the fused op the matmul writes it there)."""
+    partial buffer, where the fused op's matmul writes it."""
     from fluxinductor.kernels import one_shot
 
     n = min(8192, x.numel())
@@ -75,7 +75,8 @@ def flux_one_shot(x: torch.Tensor, group_name: str):
 
     def call():
         # trap_on_timeout: the call is also replayed in a CUDA graph, where no host code reads the error word.
-        one_shot.launch(dtype=x.dtype, out=out, rows=rows, n=n, world=ws.world, rank=ws.rank, inputs=ws.buffer_ptrs,
+        one_shot.launch(dtype=x.dtype, out=out, rows=rows, n=n, world=ws.world, rank=ws.rank,
+                        partial=partial.data_ptr(), buffers=ws.buffer_ptrs, slot_bytes=ws.capacity,
                         signals=ws.signal_ptrs, counters=ws.counters.data_ptr(), error_address=ws.error.device,
                         trap_on_timeout=True, blocks=blocks)
 

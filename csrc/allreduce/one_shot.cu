@@ -74,22 +74,29 @@ Error one_shot_all_reduce(OneShotArgs const& a, void* stream) {
   if (a.rows == 0) {
     return why;
   }
-  if (a.counters == nullptr || a.out == nullptr || !aligned(a.out) || !aligned(a.bias) || !aligned(a.residual)) {
-    return fail("one_shot_all_reduce: counters %p, out %p, bias %p, residual %p (out, bias and residual 16-byte "
-                "aligned)", static_cast<void*>(a.counters), a.out, a.bias, a.residual);
+  int64_t const bytes = a.rows * a.n * element;
+  if (a.counters == nullptr || a.out == nullptr || a.partial == nullptr || !aligned(a.out) || !aligned(a.bias) ||
+      !aligned(a.residual) || !aligned(a.partial)) {
+    return fail("one_shot_all_reduce: counters %p, partial %p, out %p, bias %p, residual %p (partial, out, bias and "
+                "residual 16-byte aligned)", static_cast<void*>(a.counters), a.partial, a.out, a.bias, a.residual);
+  }
+  if (a.slot_bytes < bytes || a.slot_bytes % 16 != 0) {
+    return fail("one_shot_all_reduce: slots of %lld bytes for a partial of %lld (a multiple of 16 at least as large)",
+                static_cast<long long>(a.slot_bytes), static_cast<long long>(bytes));
   }
   Params p{};
   for (int q = 0; q < a.world; ++q) {
-    if (a.inputs[q] == nullptr || !aligned(a.inputs[q]) || a.signals[q] == nullptr) {
-      return fail("one_shot_all_reduce: rank %d's partial %p (16-byte aligned) or signal words %p missing", q,
-                  a.inputs[q], static_cast<void*>(a.signals[q]));
+    if (a.buffers[q] == nullptr || !aligned(a.buffers[q]) || a.signals[q] == nullptr) {
+      return fail("one_shot_all_reduce: rank %d's receive buffer %p (16-byte aligned) or signal words %p missing", q,
+                  a.buffers[q], static_cast<void*>(a.signals[q]));
     }
-    p.inputs[q] = static_cast<char const*>(a.inputs[q]);
-    p.peer_start[q] = a.signals[q] + a.rank;
-    p.peer_end[q] = a.signals[q] + kOneShotMaxBlocks * kOneShotMaxWorld + a.rank;
+    p.peer_slots[q] = static_cast<char*>(a.buffers[q]) + a.rank * a.slot_bytes;
+    p.peer_words[q] = a.signals[q] + a.rank;
   }
-  p.own_start = a.signals[a.rank];
-  p.own_end = a.signals[a.rank] + kOneShotMaxBlocks * kOneShotMaxWorld;
+  p.partial = static_cast<char const*>(a.partial);
+  p.own_slots = static_cast<char const*>(a.buffers[a.rank]);
+  p.slot_bytes = a.slot_bytes;
+  p.own_words = a.signals[a.rank];
   p.counters = a.counters;
   p.bias = static_cast<char const*>(a.bias);
   p.residual = static_cast<char const*>(a.residual);

@@ -10,14 +10,14 @@
 namespace fluxinductor::python {
 
 void one_shot_all_reduce(int dtype, bool out_float, int64_t rows, int64_t n, int world, int rank,
-                         std::vector<int64_t> inputs, std::vector<int64_t> signals, int64_t counters, int64_t bias,
-                         int64_t residual, int64_t out, float out_scale, float bias_scale, int64_t error,
+                         std::vector<int64_t> buffers, int64_t slot_bytes, std::vector<int64_t> signals,
+                         int64_t counters, int64_t partial, int64_t bias, int64_t residual, int64_t out, float out_scale, float bias_scale, int64_t error,
                          int64_t timeout_ns, bool trap_on_timeout, int blocks, int64_t stream) {
   namespace ar = fluxinductor::allreduce;
-  if (world < 1 || world > ar::kOneShotMaxWorld || inputs.size() != size_t(world) || signals.size() != size_t(world)) {
+  if (world < 1 || world > ar::kOneShotMaxWorld || buffers.size() != size_t(world) || signals.size() != size_t(world)) {
     throw std::invalid_argument("one_shot_all_reduce: world " + std::to_string(world) + " (at most " +
-                                std::to_string(ar::kOneShotMaxWorld) + ") with " + std::to_string(inputs.size()) +
-                                " partials and " + std::to_string(signals.size()) + " signal arrays");
+                                std::to_string(ar::kOneShotMaxWorld) + ") with " + std::to_string(buffers.size()) +
+                                " receive buffers and " + std::to_string(signals.size()) + " signal arrays");
   }
   ar::OneShotArgs args;
   args.dtype = dtype;
@@ -27,10 +27,12 @@ void one_shot_all_reduce(int dtype, bool out_float, int64_t rows, int64_t n, int
   args.world = world;
   args.rank = rank;
   for (int q = 0; q < world; ++q) {
-    args.inputs[q] = reinterpret_cast<void const*>(inputs[q]);
+    args.buffers[q] = reinterpret_cast<void*>(buffers[q]);
     args.signals[q] = reinterpret_cast<uint32_t*>(signals[q]);
   }
+  args.slot_bytes = slot_bytes;
   args.counters = reinterpret_cast<uint32_t*>(counters);
+  args.partial = reinterpret_cast<void const*>(partial);
   args.bias = reinterpret_cast<void const*>(bias);
   args.residual = reinterpret_cast<void const*>(residual);
   args.out = reinterpret_cast<void*>(out);

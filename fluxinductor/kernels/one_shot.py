@@ -1,24 +1,25 @@
 """One-shot all-reduce of a row-parallel matmul for small outputs (decode): ``fluxinductor._C.one_shot_all_reduce``.
 
-Every rank's matmul writes its partial ``a2d @ weight`` [rows, N] straight into its own symmetric buffer
-(``torch.mm(..., out=)``, no copy), then one kernel per rank reads every rank's partial over NVLink with 16-byte
-loads, sums them in fp32 in rank order (every rank writes the same bits), scales for ``avg``, adds an optional
-residual, and writes the result.  A bias goes into each rank's partial (``torch.addmm(bias, ..., out=)``), as the
+Every rank's matmul writes its partial ``a2d @ weight`` [rows, N] into a local buffer (``torch.mm(..., out=)``), then
+one kernel per rank pushes it into a slot of every peer's symmetric receive buffer over NVLink (16-byte stores the
+sender does not wait for), signals each peer, waits for each peer's push, and sums its own partial and the received
+ones in fp32 in rank order (every rank writes the same bits), scales for ``avg``, adds an optional residual, and writes
+the result; every load is local.  A bias goes into each rank's partial (``torch.addmm(bias, ..., out=)``), as the
 graph added it on every rank: the result is the exact ``all_reduce(a2d @ weight + bias)`` whatever bias each rank
 holds (adding one rank's own bias ``world`` times instead would give the ranks different results, and wrong ones,
-wherever their biases differ).  For
-the small outputs of decode this costs one kernel and two NVLink round trips, where NCCL's all-reduce is latency
-bound (csrc/allreduce/one_shot.h has the protocol).
+wherever their biases differ).  For the small outputs of decode this costs one kernel and one NVLink crossing each
+way, where NCCL's all-reduce is latency bound (csrc/allreduce/one_shot.h has the protocol).
 
-The workspace of one (process group, device): one symmetric data buffer (allocated on first use, grown to the next
-power of two bytes: a collective step, which every rank takes on the same call because the op checks that the ranks'
-shapes agree first), one symmetric allocation of signal words (the start and end barriers' words, per block and
-peer), per-block call counters on the device, and a host-mapped error word.  The kernel takes its epoch from its
-block's counter and advances it itself, so the host passes no epoch: a call captured in a CUDA graph takes the next
-epoch on every replay, and eager calls and replays interleave freely.  The end barrier makes one buffer enough: once
-a call's kernel finished on a rank, no peer reads that rank's partial any more, so its next matmul may overwrite it.
+The workspace of one (process group, device): the local partial buffer and one symmetric receive buffer of 2 x world
+slots (allocated on first use, each slot grown to the next power of two bytes: a collective step, which every rank
+takes on the same call because the op checks that the ranks' shapes agree first), one symmetric allocation of signal
+words (per block and peer), the call counters on the device, and a host-mapped error word.  The kernel takes its
+epoch from the counters and advances it itself, so the host passes no epoch: a call captured in a CUDA graph takes the
+next epoch on every replay, and eager calls and replays interleave freely.  Calls alternate between the two halves of
+the receive buffer by their epoch's parity, which makes a barrier at the end of a call unnecessary: a peer writes a
+half again only two calls later, after this rank has entered the call in between.
 
-A barrier wait past ``FLUXINDUCTOR_TIMEOUT_S`` writes its code into the error word and the kernel gives up (a call
+A wait past ``FLUXINDUCTOR_TIMEOUT_S`` writes its code into the error word and the kernel gives up (a call
 captured in a CUDA graph traps instead: no host code would see the word); the next call on the group raises
 RuntimeError, and so does :func:`check_error`, after which :func:`reset` lets the group start afresh (collectively).
 
@@ -60,7 +61,6 @@ FUSED_MAX_REMOTE_BYTES = 4 << 20
 _MIN_BYTES = 1 << 20
 _ERRORS = {
     1: "a peer never entered the call (it crashed, hung, or made a different sequence of calls)",
-    2: "a peer entered the call but never finished reading this rank's partial",
 }
 
 
@@ -82,7 +82,7 @@ def _extension():
 
 
 class OneShotWorkspace:
-    """The symmetric data buffer (this rank's partial), the signal words, the per-block counters and the error word
+    """The local partial buffer, the symmetric receive buffer, the signal words, the call counters and the error word
     of one group on one device (see the module docstring)."""
 
     def __init__(self, group_name: str, device: torch.device):
@@ -94,8 +94,9 @@ class OneShotWorkspace:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.device = device
-        self.capacity = 0
-        self.buffer: Optional[Tensor] = None
+        self.capacity = 0  # bytes of one slot, and of the partial buffer
+        self.partials: Optional[Tensor] = None  # this rank's partial (local)
+        self.buffer: Optional[Tensor] = None  # the receive buffer: 2 x world slots of `capacity` bytes
         self.handle = None
         self.buffer_ptrs: List[int] = []
         self.retired: list = []  # buffers a captured graph may still use
@@ -104,8 +105,9 @@ class OneShotWorkspace:
         self._signal_handle = None
         self.signal_ptrs: List[int] = []
         self.counters: Optional[Tensor] = None
-        # Per call signature (rows, n, dtype, out_dtype, reduce_op, max_blocks): the partial's view of the buffer and
-        # the kernel's arguments that do not change between calls (:func:`matmul_all_reduce`); emptied on growth.
+        # Per call signature (rows, n, dtype, out_dtype, reduce_op, max_blocks): the partial's view of the partial
+        # buffer and the kernel's arguments that do not change between calls (:func:`matmul_all_reduce`); emptied on
+        # growth.
         self.calls: Dict[tuple, tuple] = {}
         with torch.cuda.device(device):
             self.error = ErrorWord()
@@ -121,7 +123,7 @@ class OneShotWorkspace:
         return self.signals is not None and nbytes <= self.capacity
 
     def reserve(self, nbytes: int) -> None:
-        """Make the data buffer hold ``nbytes`` (collective on the first call and on growth)."""
+        """Make a slot (and the partial buffer) hold ``nbytes`` (collective on the first call and on growth)."""
         if not self.ready_for(nbytes):
             _symm.outside_graph_pools(lambda: self._grow(nbytes), self.device)
 
@@ -131,10 +133,9 @@ class OneShotWorkspace:
         _symm._enable_group(self.group_name)
         ext = _extension()
         if self.signals is None:
-            words = ext.ONE_SHOT_SIGNAL_WORDS
-            signals = symm_mem.empty(words, dtype=torch.int32, device=self.device)
+            signals = symm_mem.empty(ext.ONE_SHOT_SIGNAL_WORDS, dtype=torch.int32, device=self.device)
             signals.zero_()  # below every epoch, before any peer can write them
-            self.counters = torch.zeros(ext.ONE_SHOT_MAX_BLOCKS, dtype=torch.int32, device=self.device)
+            self.counters = torch.zeros(ext.ONE_SHOT_COUNTER_WORDS, dtype=torch.int32, device=self.device)
             torch.cuda.synchronize(self.device)
             self._signal_handle = symm_mem.rendezvous(signals, self.group_name)
             self.signals = signals
@@ -143,34 +144,38 @@ class OneShotWorkspace:
         if nbytes <= self.capacity:
             return
         if self.handle is not None:
-            # Every peer finished reading the old buffer once this device drained (the kernels' end barrier).
+            # Once this device drained, every push into the old buffer has landed (its kernels waited for each), and
+            # once every peer drained (the barrier), nothing reads or writes it any more.
             _symm.drain(self.handle, self.device)
             if self.captured:
-                self.retired.append((self.buffer, self.handle))
-        buffer, handle, capacity = _symm.new_symmetric_bytes(nbytes, _MIN_BYTES, self.group_name, self.device)
+                self.retired.append((self.buffer, self.handle, self.partials))
+        capacity = max(_MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
+        buffer, handle, _ = _symm.new_symmetric_bytes(2 * self.world * capacity, 0, self.group_name, self.device)
         self.calls.clear()
+        self.partials = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self.buffer, self.handle, self.capacity = buffer, handle, capacity
         self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
 
     def partial(self, rows: int, n: int, dtype: torch.dtype) -> Tensor:
-        """This rank's [rows, n] ``dtype`` partial: a view of the start of its data buffer."""
-        return self.buffer[:rows * n * dtype.itemsize].view(dtype).view(rows, n)
+        """This rank's [rows, n] ``dtype`` partial: a view of the start of its partial buffer."""
+        return self.partials[:rows * n * dtype.itemsize].view(dtype).view(rows, n)
 
     def call(self, rows: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype, reduce_op: str,
              max_blocks: int) -> tuple:
-        """(partial, the kernel's leading arguments up to ``counters``, out_scale, error address, grid) of a call
-        signature, built once (the buffer must hold it: :meth:`reserve` first)."""
+        """(partial, the kernel's leading arguments up to the bias, out_scale, error address, grid) of a call
+        signature, built once (the buffers must hold it: :meth:`reserve` first)."""
         key = (rows, n, dtype, out_dtype, reduce_op, max_blocks)
         found = self.calls.get(key)
         if found is None:
             if not self.ready_for(rows * n * dtype.itemsize):
                 raise RuntimeError(f"one-shot all-reduce: the group's buffer ({self.capacity} bytes) does not hold a "
                                    f"[{rows}, {n}] {dtype} partial (an eager call of this size first)")
+            partial = self.partial(rows, n, dtype)
             head = (DTYPES[dtype], out_dtype != dtype, rows, n, self.world, self.rank, list(self.buffer_ptrs),
-                    list(self.signal_ptrs), self.counters.data_ptr(), 0)  # 0: the bias is in the partials
-            found = self.calls[key] = (self.partial(rows, n, dtype), head,
-                                       1.0 / self.world if reduce_op == "avg" else 1.0, self.error.device,
-                                       blocks_for(rows, n, dtype, max_blocks))
+                    self.capacity, list(self.signal_ptrs), self.counters.data_ptr(), partial.data_ptr(),
+                    0)  # 0: the bias is in the partials
+            found = self.calls[key] = (partial, head, 1.0 / self.world if reduce_op == "avg" else 1.0,
+                                       self.error.device, blocks_for(rows, n, dtype, max_blocks))
         return found
 
 
@@ -217,7 +222,9 @@ def launch(
     n: int,
     world: int,
     rank: int,
-    inputs: Sequence[int],
+    partial: int,
+    buffers: Sequence[int],
+    slot_bytes: int,
     signals: Sequence[int],
     counters: int,
     bias: Optional[Tensor] = None,
@@ -232,15 +239,16 @@ def launch(
 ) -> None:
     """Enqueue one rank's kernel: out [rows, n] = out_scale * sum_q partial_q + bias_scale * bias + residual.
 
-    ``inputs``/``signals``: every rank's partial ([rows, n] ``dtype``, contiguous) and signal words
-    (``ONE_SHOT_SIGNAL_WORDS`` int32, zeroed before first use), addresses as mapped on this device, in rank order;
-    ``counters``: this rank's ``ONE_SHOT_MAX_BLOCKS`` int32 call counters.  bias: [n] ``dtype``; residual: [rows, n]
+    ``partial``: this rank's partial ([rows, n] ``dtype``, contiguous); ``buffers``/``signals``: every rank's receive
+    buffer (2 x world slots of ``slot_bytes``) and signal words (``ONE_SHOT_SIGNAL_WORDS`` int32, zeroed before first
+    use), addresses as mapped on this device, in rank order; ``counters``: this rank's ``ONE_SHOT_COUNTER_WORDS`` int32
+    call counters (zeroed before first use).  bias: [n] ``dtype``; residual: [rows, n]
     in out's dtype, contiguous.  ``blocks``: the grid (0: :func:`blocks_for`'s choice; every rank must launch the
     same).  ``timeout`` in ns (None: FLUXINDUCTOR_TIMEOUT_S)."""
     stream = stream if stream is not None else torch.cuda.current_stream(out.device)
     _extension().one_shot_all_reduce(  # positional: pybind11's keyword parsing costs microseconds
-        DTYPES[dtype], out.dtype != dtype, rows, n, world, rank, list(inputs), list(signals), counters,
-        0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+        DTYPES[dtype], out.dtype != dtype, rows, n, world, rank, list(buffers), slot_bytes, list(signals), counters,
+        partial, 0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
         out_scale, bias_scale, error_address, timeout_ns() if timeout is None else timeout, trap_on_timeout,
         blocks or blocks_for(rows, n, dtype), stream.cuda_stream)
 

@@ -192,8 +192,9 @@ def sample(device: torch.device) -> Dict[str, int]:
     out["rs_retired_bytes"] = sum(buf.numel() for s in states for buf, _ in s.retired)
     out["rs_outbox_bytes"] = sum(s.copy.outbox.numel() for s in states if s.copy is not None and s.copy.outbox is not None)
     one_shot = _one_shot_workspaces()
-    out["one_shot_bytes"] = sum(_nbytes(getattr(ws, "buffer", None)) + _nbytes(getattr(ws, "signals", None))
-                                + sum(_nbytes(buf) for buf, _ in getattr(ws, "retired", [])) for ws in one_shot)
+    out["one_shot_bytes"] = sum(_nbytes(ws.buffer) + _nbytes(ws.partials) + _nbytes(ws.signals)
+                                + sum(_nbytes(buf) + _nbytes(partials) for buf, _, partials in ws.retired)
+                                for ws in one_shot)
     out["workspace"] = sum(out[k] for k in ("ag_symmetric_bytes", "rs_symmetric_bytes", "rs_retired_bytes",
                                             "rs_outbox_bytes", "one_shot_bytes"))
     out["rss"] = _rss()

@@ -11,12 +11,13 @@ namespace fluxinductor::allreduce {
 
 template <int MaxWorld>
 struct OneShotParams {
-  char const* inputs[MaxWorld];  // every rank's partial, as mapped here
-  uint32_t* peer_start[MaxWorld];  // [q]: start[0][rank] on peer q (block b adds b * max_world)
-  uint32_t* peer_end[MaxWorld];    // [q]: end[0][rank] on peer q
-  uint32_t const* own_start;       // this rank's start[0][0]
-  uint32_t const* own_end;         // this rank's end[0][0]
-  uint32_t* counters;
+  char const* partial;             // this rank's partial
+  char* peer_slots[MaxWorld];      // [q]: slot (0, rank) of peer q's receive buffer, as mapped here
+  char const* own_slots;           // slot (0, 0) of this rank's receive buffer
+  int64_t slot_bytes;              // one slot; slot (parity, q) starts at (parity * world + q) * slot_bytes
+  uint32_t* peer_words[MaxWorld];  // [q]: signal word [0][rank] on peer q (block b adds b * max_world)
+  uint32_t const* own_words;       // this rank's signal word [0][0]
+  uint32_t* counters;              // [0] calls completed, [1] blocks finished in this call
   char const* bias;
   char const* residual;
   char* out;
@@ -47,7 +48,7 @@ __device__ __forceinline__ int64_t one_shot_globaltimer() {
   return int64_t(t);
 }
 
-// A peer's partial: written before this kernel started, read once; volatile keeps it out of L1.
+// A peer's pushed partial: written by another GPU during this kernel, read once; volatile keeps it out of L1.
 __device__ __forceinline__ uint4 one_shot_load_vector(char const* address) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -104,11 +105,12 @@ __device__ __forceinline__ void store(char* address, float const (&acc)[kElems])
   }
 }
 
-// Thread q (< world, != rank) of the block writes `epoch` into peer q's word and waits for peer q's word here.
-// Returns whether any wait of the block gave up (then `code` is in the error word).
+// After the block's stores to every peer: thread q (< world, != rank) makes them visible system-wide, writes `epoch`
+// into peer q's word and waits for peer q's word here.  Returns whether any wait of the block gave up (then
+// kOneShotPeerTimeout is in the error word).
 template <int MaxWorld>
-__device__ __forceinline__ bool one_shot_barrier(OneShotParams<MaxWorld> const& p, uint32_t* const (&peer_words)[MaxWorld],
-                                                 uint32_t const* own_words, uint32_t epoch, int32_t code) {
+__device__ __forceinline__ bool one_shot_signal_wait(OneShotParams<MaxWorld> const& p, uint32_t epoch) {
+  __syncthreads();  // every thread's stores precede thread q's fence
   int const q = int(threadIdx.x);
   bool gave_up = false;
   if (q < p.world && q != p.rank) {
@@ -116,16 +118,17 @@ __device__ __forceinline__ bool one_shot_barrier(OneShotParams<MaxWorld> const& 
     uint32_t* peer_word = nullptr;
 #pragma unroll
     for (int i = 0; i < MaxWorld; ++i) {  // constant indices: the parameters stay out of local memory
-      peer_word = i == q ? peer_words[i] : peer_word;
+      peer_word = i == q ? p.peer_words[i] : peer_word;
     }
+    __threadfence_system();
     one_shot_store_release(peer_word + slot, epoch);
-    uint32_t const* word = own_words + slot + q;
+    uint32_t const* word = p.own_words + slot + q;
     if (int32_t(one_shot_load_acquire(word) - epoch) < 0) {
       int64_t const start = one_shot_globaltimer();
       while (int32_t(one_shot_load_acquire(word) - epoch) < 0) {
         if (one_shot_globaltimer() - start > p.timeout_ns) {
           if (p.error != nullptr) {
-            *reinterpret_cast<int32_t volatile*>(p.error) = code;
+            *reinterpret_cast<int32_t volatile*>(p.error) = 1;  // kOneShotPeerTimeout
             __threadfence_system();
           }
           gave_up = true;
@@ -143,13 +146,27 @@ __device__ __forceinline__ bool one_shot_barrier(OneShotParams<MaxWorld> const& 
 template <typename In, typename Out, int World, int MaxWorld, int Threads>
 __global__ void __launch_bounds__(Threads) one_shot_all_reduce_kernel(OneShotParams<MaxWorld> const p) {
   constexpr int kElems = 16 / int(sizeof(In));
-  __shared__ uint32_t epoch_shared;
-  if (threadIdx.x == 0) {
-    epoch_shared = p.counters[blockIdx.x] + 1u;
+  // counters[0] changes only when every block of this call has read it (step 4 of the protocol).
+  uint32_t const epoch = *reinterpret_cast<uint32_t const volatile*>(p.counters) + 1u;
+  int64_t const parity_slots = int64_t(epoch & 1u) * World * p.slot_bytes;
+  int64_t const step = int64_t(gridDim.x) * Threads;
+  int64_t const first = int64_t(blockIdx.x) * Threads + threadIdx.x;
+
+  char* peers[World];
+#pragma unroll
+  for (int q = 0; q < World; ++q) {
+    peers[q] = p.peer_slots[q] + parity_slots;
   }
-  __syncthreads();
-  uint32_t const epoch = epoch_shared;
-  if (detail::one_shot_barrier(p, p.peer_start, p.own_start, epoch, 1)) {
+  for (int64_t v = first; v < p.vectors; v += step) {
+    uint4 const mine = *reinterpret_cast<uint4 const*>(p.partial + v * 16);
+#pragma unroll
+    for (int q = 0; q < World; ++q) {
+      if (q != p.rank) {
+        *reinterpret_cast<uint4*>(peers[q] + v * 16) = mine;
+      }
+    }
+  }
+  if (detail::one_shot_signal_wait(p, epoch)) {
     if (p.trap_on_timeout) {
       __trap();
     }
@@ -159,14 +176,14 @@ __global__ void __launch_bounds__(Threads) one_shot_all_reduce_kernel(OneShotPar
   char const* inputs[World];
 #pragma unroll
   for (int q = 0; q < World; ++q) {
-    inputs[q] = p.inputs[q];
+    inputs[q] = p.own_slots + parity_slots + q * p.slot_bytes;
   }
-  int64_t const step = int64_t(gridDim.x) * Threads;
-  for (int64_t v = int64_t(blockIdx.x) * Threads + threadIdx.x; v < p.vectors; v += step) {
+  for (int64_t v = first; v < p.vectors; v += step) {
     uint4 loaded[World];
 #pragma unroll
     for (int q = 0; q < World; ++q) {  // every load in flight before the first add
-      loaded[q] = detail::one_shot_load_vector(inputs[q] + v * 16);
+      loaded[q] = q == p.rank ? *reinterpret_cast<uint4 const*>(p.partial + v * 16)
+                              : detail::one_shot_load_vector(inputs[q] + v * 16);
     }
     float acc[kElems];
 #pragma unroll
@@ -195,14 +212,12 @@ __global__ void __launch_bounds__(Threads) one_shot_all_reduce_kernel(OneShotPar
   }
 
   __syncthreads();
-  if (detail::one_shot_barrier(p, p.peer_end, p.own_end, epoch, 2)) {
-    if (p.trap_on_timeout) {
-      __trap();
-    }
-    return;
-  }
   if (threadIdx.x == 0) {
-    p.counters[blockIdx.x] = epoch;
+    uint32_t const finished = atomicAdd(p.counters + 1, 1u);
+    if (finished == gridDim.x - 1) {  // the last block: every block has read counters[0]
+      p.counters[1] = 0;
+      p.counters[0] = epoch;
+    }
   }
 }
 
