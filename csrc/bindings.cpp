@@ -109,14 +109,15 @@ void export_one_shot(py::module_& m) {
   m.def("one_shot_all_reduce", &api::one_shot_all_reduce,
         "One rank's one-shot all-reduce on `stream` (csrc/allreduce/one_shot.h): out = out_scale * sum of every "
         "rank's partial (this rank's pushed into every peer's receive buffer, as mapped here) + bias_scale * bias + "
-        "residual",
+        "residual; with norm_weight, also normed = rms_norm(out) (csrc/allreduce/one_shot.h)",
         py::arg("dtype"), py::arg("out_float"), py::arg("rows"), py::arg("n"), py::arg("world"), py::arg("rank"),
         py::arg("buffers"), py::arg("slot_bytes"), py::arg("signals"), py::arg("counters"), py::arg("partial"),
         py::arg("bias"), py::arg("residual"),
         py::arg("out"), py::arg("out_scale"), py::arg("bias_scale"), py::arg("error"), py::arg("timeout_ns"),
-        py::arg("trap_on_timeout"), py::arg("blocks"), py::arg("stream"));
+        py::arg("trap_on_timeout"), py::arg("blocks"), py::arg("stream"), py::arg("norm_weight") = 0,
+        py::arg("normed") = 0, py::arg("eps") = 1e-5f, py::arg("weight_after_cast") = true);
   m.def("one_shot_blocks", &api::one_shot_blocks, "the grid a one-shot call launches with", py::arg("rows"),
-        py::arg("n"), py::arg("element_size"), py::arg("max_blocks"));
+        py::arg("n"), py::arg("element_size"), py::arg("max_blocks"), py::arg("norm") = false);
   m.attr("ONE_SHOT_MAX_WORLD") = fluxinductor::allreduce::kOneShotMaxWorld;
   m.attr("ONE_SHOT_MAX_BLOCKS") = fluxinductor::allreduce::kOneShotMaxBlocks;
   m.attr("ONE_SHOT_SIGNAL_WORDS") = fluxinductor::allreduce::kOneShotSignalWords;

@@ -176,7 +176,9 @@ def rewrite_stats() -> dict:
     an all-gather, or made one ``matmul_all_reduce`` op under dynamic shapes.  What later passes do with the
     collectives a pass inserted (the split all-reduce's halves) is counted under ``inserted`` instead: e.g. plain TP
     with two all-reduces gives ``fused == {"all_reduce_split": 2}`` and ``inserted["fused"] ==
-    {"matmul_reduce_scatter": 2}`` (plus ``"all_gather_matmul"`` where a gathered half fused with the next matmul).
+    {"matmul_reduce_scatter": 2}`` (plus ``"all_gather_matmul"`` where a gathered half fused with the next matmul);
+    an all-reduce kept whole as ``matmul_all_reduce`` whose residual add and RMSNorm are then fused into it counts
+    under ``fused["all_reduce_split"]`` and ``inserted["fused"]["all_reduce_rms_norm"]``.
     A skip is counted per match looked at (an all-gather may count one per matmul reading it).  A compile served
     from inductor's FX graph or AOTAutograd cache runs no pass, so it adds nothing to ``fused`` or ``skipped``;
     ``from_cache`` counts the fused-op calls in the served graphs' code instead.

@@ -140,6 +140,15 @@ def matmul_all_reduce_reference(
     return all_reduce(_partial(a, weight, bias, out_dtype), reduce_op, _group(group_name), "matmul_all_reduce")
 
 
+def rms_norm_reference(h: Tensor, norm_weight: Tensor, eps: float, weight_after_cast: bool) -> Tensor:
+    """RMSNorm of ``h`` over its last dim in fp32, as the two forms models write it: ``weight_after_cast``,
+    ``(h * rsqrt(mean(h^2) + eps)).to(h.dtype) * norm_weight`` (Hugging Face's Llama); otherwise
+    ``(h * rsqrt(mean(h^2) + eps) * norm_weight).to(h.dtype)`` (``F.rms_norm``)."""
+    hf = h.float()
+    x = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(h.dtype) * norm_weight if weight_after_cast else (x * norm_weight).to(h.dtype)
+
+
 def matmul_reduce_scatter_reference(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
     out_dtype: Optional[torch.dtype] = None,
@@ -239,7 +248,7 @@ def _path_settings() -> dict:
 # The fused ops.  They carry no cudagraph_unsafe tag: CUDA graphs capture them like any other op (the per-compile option
 # cuda_graphs, on by default; with it off the backend leaves graphs compiled under CUDA graphs to plain inductor).
 FUSED_OPS = ("fluxinductor::all_gather_matmul", "fluxinductor::matmul_reduce_scatter",
-             "fluxinductor::matmul_all_reduce")
+             "fluxinductor::matmul_all_reduce", "fluxinductor::matmul_all_reduce_rms_norm")
 
 # The ops are defined with torch.library.Library rather than torch.library.custom_op: custom_op's Python wrappers (its
 # autograd layer, the redispatch below it, the backend wrapper, dynamo's disable) cost 20-40 us of host time per call
@@ -383,22 +392,87 @@ def matmul_all_reduce(
     agreement.check("matmul_all_reduce", group, group_name,
                     _matmul_fields(group, a, weight, bias, reduce_op, out_dtype),
                     lambda: _check_matmul_all_reduce(a, weight, bias, reduce_op))
-    world = group.size()
     rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
     a2d = a.reshape(rows, a.shape[-1])
-    path, why = _all_reduce_plan(a, a2d, weight, bias, reduce_op, group_name, out_dtype, world, rows)
+    path, why = _all_reduce_plan(a, a2d, weight, bias, reduce_op, group_name, out_dtype, group.size(), rows)
     if path == "oneshot":
         from fluxinductor.kernels import one_shot
 
         return one_shot.matmul_all_reduce(a2d, weight, bias, reduce_op, group_name, out_dtype,
                                           checked=True).reshape(*a.shape[:-1], weight.shape[1])
+    return _all_reduce_unfused(a, a2d, weight, bias, reduce_op, group_name, out_dtype, group, path, why,
+                               "matmul_all_reduce")
+
+
+def _all_reduce_unfused(a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                        group_name: str, out_dtype: Optional[torch.dtype], group: dist.ProcessGroup, path: str,
+                        why: Optional[str], op: str) -> Tensor:
+    """A reduced matmul's split or sequential path (``path``, ``why`` from :func:`_all_reduce_plan`)."""
     if path == "split":
         part = _split_all_reduce(a2d, weight, bias, reduce_op, group_name, out_dtype, group)
         if part is not None:
             return part.reshape(*a.shape[:-1], weight.shape[1])
     elif why is not None:
-        record_fallback("matmul_all_reduce", why)
+        record_fallback(op, why)
     return matmul_all_reduce_reference(a, weight, bias, reduce_op, group_name, out_dtype)
+
+
+def _check_rms_norm(a: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor) -> None:
+    shape = list(a.shape[:-1]) + [weight.shape[1]]
+    if residual.dim() != len(shape) or any(_known_ne(x, y) for x, y in zip(residual.shape, shape)):
+        raise ValueError(f"residual of shape {tuple(residual.shape)} does not match the output {tuple(shape)}")
+    if residual.dtype != a.dtype or norm_weight.dtype != a.dtype:
+        raise ValueError(f"residual ({residual.dtype}) and norm weight ({norm_weight.dtype}) must be in the input's "
+                         f"dtype {a.dtype}")
+    if norm_weight.dim() != 1 or _known_ne(norm_weight.shape[0], weight.shape[1]):
+        raise ValueError(f"norm weight of shape {tuple(norm_weight.shape)} is not [N={weight.shape[1]}]")
+
+
+@_op("(Tensor a, Tensor weight, Tensor? bias, str reduce_op, str group_name, Tensor residual, Tensor norm_weight, "
+     "float eps, bool weight_after_cast) -> (Tensor, Tensor)")
+def matmul_all_reduce_rms_norm(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, residual: Tensor,
+    norm_weight: Tensor, eps: float, weight_after_cast: bool,
+) -> Tuple[Tensor, Tensor]:
+    """``h = residual + all_reduce(a @ weight + bias, reduce_op)`` and ``rms_norm(h)`` (:func:`rms_norm_reference`):
+    a row-parallel matmul whose all-reduce feeds a residual add and the RMSNorm after it, as a transformer layer's
+    output projection does in plain tensor parallelism (``passes/all_reduce_norm.py``).
+
+    a: [..., K], weight: [K, N], bias: [N] or None, residual: [..., N] and norm_weight: [N], both in a's dtype.
+    Returns (h, normed), both [..., N] in a's dtype.  On the one-shot path the kernel adds the residual and normalizes
+    each row as it reduces it (:func:`fluxinductor.kernels.one_shot.matmul_all_reduce`); on the others,
+    :func:`matmul_all_reduce`'s paths, then the add and the norm.
+    """
+    group = _group(group_name)
+    agreement.check("matmul_all_reduce_rms_norm", group, group_name,
+                    {**_matmul_fields(group, a, weight, bias, reduce_op, None), "residual shape": residual.shape,
+                     "norm weight shape": norm_weight.shape, "eps": eps, "weight_after_cast": weight_after_cast},
+                    lambda: (_check_matmul_all_reduce(a, weight, bias, reduce_op),
+                             _check_rms_norm(a, weight, residual, norm_weight)))
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    a2d = a.reshape(rows, a.shape[-1])
+    path, why = _all_reduce_plan(a, a2d, weight, bias, reduce_op, group_name, None, group.size(), rows)
+    if path == "oneshot":
+        from fluxinductor.kernels import one_shot
+
+        n = weight.shape[1]
+        h, normed = one_shot.matmul_all_reduce(
+            a2d, weight, bias, reduce_op, group_name, checked=True, residual=residual.reshape(rows, n),
+            norm=(norm_weight, eps, weight_after_cast))
+        return h.reshape(residual.shape), normed.reshape(residual.shape)
+    # In place into the reduced result (a new tensor): h keeps its contiguous layout, as the fake promises, whatever
+    # the residual's strides.
+    h = _all_reduce_unfused(a, a2d, weight, bias, reduce_op, group_name, None, group, path, why,
+                            "matmul_all_reduce_rms_norm").add_(residual)
+    return h, rms_norm_reference(h, norm_weight, eps, weight_after_cast).contiguous()
+
+
+@torch.library.register_fake("fluxinductor::matmul_all_reduce_rms_norm")
+def _(a, weight, bias, reduce_op, group_name, residual, norm_weight, eps, weight_after_cast):
+    _check_matmul_all_reduce(a, weight, bias, reduce_op)
+    _check_rms_norm(a, weight, residual, norm_weight)
+    shape = list(a.shape[:-1]) + [weight.shape[1]]
+    return a.new_empty(shape), a.new_empty(shape)
 
 
 def _split_all_reduce(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,

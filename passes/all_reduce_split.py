@@ -559,7 +559,8 @@ def split_all_reduce(graph: Graph, group_allowed: Callable[[str], bool],
             if isinstance(src, _Source):
                 sources[src.wait] = src
                 continue
-            record_fused(PATTERN, f"{ar.name}: {src.why}, matmul_all_reduce: {rewrite_matmul_all_reduce(src.match)}")
+            described = rewrite_matmul_all_reduce(src.match, PATTERN)
+            record_fused(PATTERN, f"{ar.name}: {src.why}, matmul_all_reduce: {described}")
             whole += 1
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or ar.name)

@@ -20,7 +20,8 @@ class FluxPassManager(CustomGraphPass):
 
     0. ``all_reduce_split``: ``all_reduce(matmul)`` into a reduce-scatter and an all-gather placed before the
        next reader that needs the whole tensor (plain tensor parallelism has nothing else to fuse).  Runs first so
-       that the two rewrites below fuse what it makes.
+       that the two rewrites below fuse what it makes.  An all-reduce it keeps whole as one ``matmul_all_reduce``
+       then takes the residual add and RMSNorm after it (``all_reduce_norm``: ``matmul_all_reduce_rms_norm``).
     1. ``all_gather_matmul``: ``all_gather -> mm`` (and the reshape/split/cat forms) into
        ``fluxinductor.all_gather_matmul``.  Runs before the reduce-scatter pass so a gathered tensor feeding
        several matmuls is fused once with all of them.
@@ -85,7 +86,8 @@ class FluxPassManager(CustomGraphPass):
         (``ops._captured_one_shot``), whose replay costs less than c10d's all-reduce's.  Without CUDA graphs the
         all-reduce stays inductor's: in the decode steps of bench_model (2xH200, plain TP, 64 tokens) the op ran
         0.90x inductor's step in default mode, its per-call host cost exceeding the kernel's saving.  Elsewhere (CPU
-        included) the all-reduce stays as it is.
+        included) the all-reduce stays as it is, and so it does on a GPU with no active NVLink (the op's one-shot
+        kernel could never run there, and its sequential path inside captured graphs costs more than inductor's).
         """
         if op == "matmul_all_reduce":
             why = self._whole_all_reduce_reason(device, world, m, n, dtype)
@@ -93,9 +95,10 @@ class FluxPassManager(CustomGraphPass):
                 return why
             try:
                 from fluxinductor import dispatch
-                from fluxinductor.kernels import one_shot
+                from fluxinductor.kernels import one_shot, peers
 
-                return dispatch._local_reason(device.index) or one_shot.static_reason(world, n, dtype)
+                return (dispatch._local_reason(device.index) or one_shot.static_reason(world, n, dtype)
+                        or peers.local_nvlink_reason(device))
             except Exception as e:  # noqa: BLE001 - no answer means no rewrite, never a failed compile
                 return f"one-shot all-reduce unavailable ({type(e).__name__}: {e})"
         if device.type != "cuda" or self.dispatch_mode != "auto":
@@ -161,6 +164,7 @@ class FluxPassManager(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul
+        from fluxinductor.passes.all_reduce_norm import fuse_all_reduce_rms_norm
         from fluxinductor.passes.all_reduce_split import split_all_reduce
         from fluxinductor.passes.matmul_reduce_scatter import fuse_matmul_reduce_scatter
 
@@ -169,6 +173,8 @@ class FluxPassManager(CustomGraphPass):
         if self.split_all_reduce != "off":
             split_all_reduce(graph, self.group_allowed, self.not_worth_fusing,
                              assume_replicated=self.split_all_reduce == "replicated", fuse_sums=self.fuse_matmul_sums)
+            # The matmul_all_reduce ops it kept whole take the residual add and the RMSNorm after them.
+            fuse_all_reduce_rms_norm(graph)
         fuse_all_gather_matmul(graph, self.group_allowed, self.not_worth_fusing)
         fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums,
                                    sum_per_term=self.sum_per_term)

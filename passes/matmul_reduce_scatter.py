@@ -268,12 +268,16 @@ def match_all_reduce(ar: Node, group_allowed: Callable[[str], bool], fuse_sums: 
     return _match_terms(wait, inp, shape, dtype, reduce_op, None, group_name, [ar, wait], fuse_sums)
 
 
-def rewrite_matmul_all_reduce(match: _ReduceScatterMatch) -> str:
+def rewrite_matmul_all_reduce(match: _ReduceScatterMatch, inserted_by: str) -> str:
     """Replace a :func:`match_all_reduce` match with one ``fluxinductor.matmul_all_reduce`` (which runs a fused
-    reduce-scatter and an all-gather where the rows split over the group at run time); returns a description.
+    reduce-scatter and an all-gather where the rows split over the group at run time), marked as inserted by the pass
+    ``inserted_by`` (a later rewrite of it counts under that pass's collective); returns a description.
     Raises :class:`Skip` (the graph untouched) where the op refuses the shapes or a mutation intervenes."""
     graph = match.wait.graph
-    _rewrite(graph, match, m.fake_mode_of(graph))
+    op = _rewrite(graph, match, m.fake_mode_of(graph))
+    while op.target is not torch.ops.fluxinductor.matmul_all_reduce.default:
+        op = op.args[0]  # the views of the op's result back to the all-reduce's shape
+    op.meta[m.INSERTED_BY] = inserted_by
     return (f"{len(match.terms)} matmul(s), reduce_op={match.reduce_op}, bias={match.bias is not None}, "
             f"rows {match.partial_shape[:-1]}")
 
@@ -396,9 +400,10 @@ def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> N
     return out
 
 
-def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool = False) -> None:
+def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool = False) -> Node:
     """Replace ``match`` with one fused op over the concatenated K of its terms, or (``per_term``, a reduce-scatter of
-    a sum) one fused op per term whose results are added: ``rs(a1 @ w1 + a2 @ w2) == rs(a1 @ w1) + rs(a2 @ w2)``."""
+    a sum) one fused op per term whose results are added: ``rs(a1 @ w1 + a2 @ w2) == rs(a1 @ w1) + rs(a2 @ w2)``.
+    Returns the node that now stands for the reduced result."""
     all_reduce = match.scatter_dim is None
     rs = match.between[0]
     # The op reads a, weight and bias at the reduce_scatter instead of at the matmul(s).
@@ -423,12 +428,13 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool
     # count as a second reader and make inductor store the producer's result where it could be fused.
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
     if all_reduce:
-        return  # rewrite_matmul_all_reduce's caller records it
+        return out  # rewrite_matmul_all_reduce's caller records it
     record_fused(PATTERN, f"{len(match.terms)} matmul(s){' as one op each' if split else ''}, "
                           f"scatter_dim={match.scatter_dim}"
                           f"{', rows-first' if planned[0].plan else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"
                           f"{f', reduced in {match.out_dtype}' if match.out_dtype is not None else ''}")
+    return out
 
 
 def check_worth_fusing(not_worth_fusing: Callable[..., Optional[str]], terms: List[_Term], world: int, rows: m.Size,

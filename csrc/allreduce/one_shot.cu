@@ -22,6 +22,28 @@ cudaError_t launch(Params const& params, int blocks, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename T, int World>
+cudaError_t launch_norm(Params const& params, int blocks, cudaStream_t stream) {
+  one_shot_all_reduce_rms_norm_kernel<T, World, kOneShotMaxWorld, kOneShotThreads>
+      <<<blocks, kOneShotThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_norm_world(Params const& params, int blocks, cudaStream_t stream) {
+  switch (params.world) {
+    case 1: return launch_norm<T, 1>(params, blocks, stream);
+    case 2: return launch_norm<T, 2>(params, blocks, stream);
+    case 3: return launch_norm<T, 3>(params, blocks, stream);
+    case 4: return launch_norm<T, 4>(params, blocks, stream);
+    case 5: return launch_norm<T, 5>(params, blocks, stream);
+    case 6: return launch_norm<T, 6>(params, blocks, stream);
+    case 7: return launch_norm<T, 7>(params, blocks, stream);
+    case 8: return launch_norm<T, 8>(params, blocks, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename In, typename Out>
 cudaError_t launch_world(Params const& params, int blocks, cudaStream_t stream) {
   switch (params.world) {
@@ -41,9 +63,9 @@ bool aligned(void const* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 
 }  // namespace
 
-int one_shot_blocks(int64_t rows, int64_t n, int element_size, int max_blocks) {
+int one_shot_blocks(int64_t rows, int64_t n, int element_size, int max_blocks, bool norm) {
   int64_t const vectors = rows * n * element_size / 16;
-  int64_t const wanted = (vectors + kOneShotThreads - 1) / kOneShotThreads;
+  int64_t const wanted = norm ? rows : (vectors + kOneShotThreads - 1) / kOneShotThreads;
   int64_t const cap = max_blocks < 1 ? 1 : (max_blocks > kOneShotMaxBlocks ? kOneShotMaxBlocks : max_blocks);
   return int(wanted < 1 ? 1 : (wanted > cap ? cap : wanted));
 }
@@ -84,6 +106,11 @@ Error one_shot_all_reduce(OneShotArgs const& a, void* stream) {
     return fail("one_shot_all_reduce: slots of %lld bytes for a partial of %lld (a multiple of 16 at least as large)",
                 static_cast<long long>(a.slot_bytes), static_cast<long long>(bytes));
   }
+  bool const norm = a.norm_weight != nullptr;
+  if (norm && (a.out_float || a.normed == nullptr || !aligned(a.normed) || !aligned(a.norm_weight))) {
+    return fail("one_shot_all_reduce: RMSNorm needs normed %p and norm_weight %p 16-byte aligned and out in the "
+                "partials' dtype", a.normed, a.norm_weight);
+  }
   Params p{};
   for (int q = 0; q < a.world; ++q) {
     if (a.buffers[q] == nullptr || !aligned(a.buffers[q]) || a.signals[q] == nullptr) {
@@ -101,6 +128,10 @@ Error one_shot_all_reduce(OneShotArgs const& a, void* stream) {
   p.bias = static_cast<char const*>(a.bias);
   p.residual = static_cast<char const*>(a.residual);
   p.out = static_cast<char*>(a.out);
+  p.norm_weight = static_cast<char const*>(a.norm_weight);
+  p.normed = static_cast<char*>(a.normed);
+  p.eps = a.eps;
+  p.weight_after_cast = a.weight_after_cast;
   p.vectors = a.rows * a.n * element / 16;
   p.n_vectors = a.n * element / 16;
   p.world = a.world;
@@ -111,10 +142,14 @@ Error one_shot_all_reduce(OneShotArgs const& a, void* stream) {
   p.error = a.error;
   p.timeout_ns = a.timeout_ns;
   p.trap_on_timeout = a.trap_on_timeout;
-  int const blocks = a.blocks > 0 ? a.blocks : one_shot_blocks(a.rows, a.n, element, kOneShotMaxBlocks);
+  int const blocks = a.blocks > 0 ? a.blocks : one_shot_blocks(a.rows, a.n, element, kOneShotMaxBlocks, norm);
   auto s = static_cast<cudaStream_t>(stream);
   cudaError_t status;
-  if (a.dtype == 0) {
+  if (norm) {
+    status = a.dtype == 0   ? launch_norm_world<__nv_bfloat16>(p, blocks, s)
+             : a.dtype == 1 ? launch_norm_world<__half>(p, blocks, s)
+                            : launch_norm_world<float>(p, blocks, s);
+  } else if (a.dtype == 0) {
     status = a.out_float ? launch_world<__nv_bfloat16, float>(p, blocks, s)
                          : launch_world<__nv_bfloat16, __nv_bfloat16>(p, blocks, s);
   } else if (a.dtype == 1) {

@@ -62,6 +62,12 @@ struct OneShotArgs {
   void const* bias = nullptr;                 // [n] in dtype, or null
   void const* residual = nullptr;             // [rows, n] in out's dtype, or null
   void* out = nullptr;                        // [rows, n], contiguous
+  // RMSNorm after the reduction (one_shot_all_reduce_rms_norm_kernel), where norm_weight is set: out_float false,
+  // normed [rows, n] and norm_weight [n] in dtype; normed = rms_norm(out) (see the kernel for the two forms).
+  void const* norm_weight = nullptr;
+  void* normed = nullptr;
+  float eps = 1e-5f;
+  bool weight_after_cast = true;
   float out_scale = 1.f;                      // 1/world for avg
   float bias_scale = 1.f;                     // this rank's bias only: world * bias equals the sum of the ranks'
                                               // biases only where every rank holds the same bias (the Python op
@@ -72,8 +78,8 @@ struct OneShotArgs {
   int blocks = 0;                             // the grid (1..kOneShotMaxBlocks; 0: one_shot_blocks's choice)
 };
 
-// The grid a call of `rows` x `n` elements of `element_size` bytes launches with at most max_blocks blocks.
-int one_shot_blocks(int64_t rows, int64_t n, int element_size, int max_blocks);
+// The grid a call of `rows` x `n` elements (with RMSNorm: one block per row, at most max_blocks) of `element_size` bytes launches with at most max_blocks blocks.
+int one_shot_blocks(int64_t rows, int64_t n, int element_size, int max_blocks, bool norm = false);
 
 // Checks the arguments and launches on `stream` (a cudaStream_t); nothing is launched when rows == 0.
 Error one_shot_all_reduce(OneShotArgs const& args, void* stream);

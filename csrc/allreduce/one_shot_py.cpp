@@ -12,7 +12,8 @@ namespace fluxinductor::python {
 void one_shot_all_reduce(int dtype, bool out_float, int64_t rows, int64_t n, int world, int rank,
                          std::vector<int64_t> buffers, int64_t slot_bytes, std::vector<int64_t> signals,
                          int64_t counters, int64_t partial, int64_t bias, int64_t residual, int64_t out, float out_scale, float bias_scale, int64_t error,
-                         int64_t timeout_ns, bool trap_on_timeout, int blocks, int64_t stream) {
+                         int64_t timeout_ns, bool trap_on_timeout, int blocks, int64_t stream,
+                         int64_t norm_weight, int64_t normed, float eps, bool weight_after_cast) {
   namespace ar = fluxinductor::allreduce;
   if (world < 1 || world > ar::kOneShotMaxWorld || buffers.size() != size_t(world) || signals.size() != size_t(world)) {
     throw std::invalid_argument("one_shot_all_reduce: world " + std::to_string(world) + " (at most " +
@@ -42,14 +43,18 @@ void one_shot_all_reduce(int dtype, bool out_float, int64_t rows, int64_t n, int
   args.timeout_ns = timeout_ns;
   args.trap_on_timeout = trap_on_timeout;
   args.blocks = blocks;
+  args.norm_weight = reinterpret_cast<void const*>(norm_weight);
+  args.normed = reinterpret_cast<void*>(normed);
+  args.eps = eps;
+  args.weight_after_cast = weight_after_cast;
   fluxinductor::Error const why = ar::one_shot_all_reduce(args, reinterpret_cast<void*>(stream));
   if (why.failed()) {
     throw std::runtime_error(why.message);
   }
 }
 
-int one_shot_blocks(int64_t rows, int64_t n, int element_size, int max_blocks) {
-  return fluxinductor::allreduce::one_shot_blocks(rows, n, element_size, max_blocks);
+int one_shot_blocks(int64_t rows, int64_t n, int element_size, int max_blocks, bool norm) {
+  return fluxinductor::allreduce::one_shot_blocks(rows, n, element_size, max_blocks, norm);
 }
 
 }  // namespace fluxinductor::python

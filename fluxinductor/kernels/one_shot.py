@@ -105,7 +105,7 @@ class OneShotWorkspace:
         self._signal_handle = None
         self.signal_ptrs: List[int] = []
         self.counters: Optional[Tensor] = None
-        # Per call signature (rows, n, dtype, out_dtype, reduce_op, max_blocks): the partial's view of the partial
+        # Per call signature (rows, n, dtype, out_dtype, reduce_op, max_blocks, norm): the partial's view of the partial
         # buffer and the kernel's arguments that do not change between calls (:func:`matmul_all_reduce`); emptied on
         # growth.
         self.calls: Dict[tuple, tuple] = {}
@@ -161,10 +161,11 @@ class OneShotWorkspace:
         return self.partials[:rows * n * dtype.itemsize].view(dtype).view(rows, n)
 
     def call(self, rows: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype, reduce_op: str,
-             max_blocks: int) -> tuple:
+             max_blocks: int, norm: bool = False) -> tuple:
         """(partial, the kernel's leading arguments up to the bias, out_scale, error address, grid) of a call
-        signature, built once (the buffers must hold it: :meth:`reserve` first)."""
-        key = (rows, n, dtype, out_dtype, reduce_op, max_blocks)
+        signature (``norm``: with RMSNorm, one block per row), built once (the buffers must hold it: :meth:`reserve`
+        first)."""
+        key = (rows, n, dtype, out_dtype, reduce_op, max_blocks, norm)
         found = self.calls.get(key)
         if found is None:
             if not self.ready_for(rows * n * dtype.itemsize):
@@ -175,7 +176,7 @@ class OneShotWorkspace:
                     self.capacity, list(self.signal_ptrs), self.counters.data_ptr(), partial.data_ptr(),
                     0)  # 0: the bias is in the partials
             found = self.calls[key] = (partial, head, 1.0 / self.world if reduce_op == "avg" else 1.0,
-                                       self.error.device, blocks_for(rows, n, dtype, max_blocks))
+                                       self.error.device, blocks_for(rows, n, dtype, max_blocks, norm))
         return found
 
 
@@ -236,6 +237,10 @@ def launch(
     trap_on_timeout: bool = False,
     blocks: int = 0,
     stream: Optional[torch.cuda.Stream] = None,
+    norm_weight: Optional[Tensor] = None,
+    normed: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    weight_after_cast: bool = True,
 ) -> None:
     """Enqueue one rank's kernel: out [rows, n] = out_scale * sum_q partial_q + bias_scale * bias + residual.
 
@@ -244,24 +249,28 @@ def launch(
     use), addresses as mapped on this device, in rank order; ``counters``: this rank's ``ONE_SHOT_COUNTER_WORDS`` int32
     call counters (zeroed before first use).  bias: [n] ``dtype``; residual: [rows, n]
     in out's dtype, contiguous.  ``blocks``: the grid (0: :func:`blocks_for`'s choice; every rank must launch the
-    same).  ``timeout`` in ns (None: FLUXINDUCTOR_TIMEOUT_S)."""
+    same).  ``timeout`` in ns (None: FLUXINDUCTOR_TIMEOUT_S).  With ``norm_weight`` ([n], ``dtype``; out in ``dtype``)
+    the kernel also writes ``normed`` = RMSNorm of out (:func:`fluxinductor.ops.rms_norm_reference`)."""
     stream = stream if stream is not None else torch.cuda.current_stream(out.device)
     _extension().one_shot_all_reduce(  # positional: pybind11's keyword parsing costs microseconds
         DTYPES[dtype], out.dtype != dtype, rows, n, world, rank, list(buffers), slot_bytes, list(signals), counters,
         partial, 0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
         out_scale, bias_scale, error_address, timeout_ns() if timeout is None else timeout, trap_on_timeout,
-        blocks or blocks_for(rows, n, dtype), stream.cuda_stream)
+        blocks or blocks_for(rows, n, dtype, norm=norm_weight is not None), stream.cuda_stream,
+        0 if norm_weight is None else norm_weight.data_ptr(), 0 if normed is None else normed.data_ptr(), eps,
+        weight_after_cast)
 
 
 _blocks: Dict[tuple, int] = {}
 
 
-def blocks_for(rows: int, n: int, dtype: torch.dtype, max_blocks: int = DEFAULT_MAX_BLOCKS) -> int:
-    """The grid of a call: one 512-thread block per 512 16-byte vectors of the output, at most ``max_blocks``."""
-    key = (rows, n, dtype, max_blocks)
+def blocks_for(rows: int, n: int, dtype: torch.dtype, max_blocks: int = DEFAULT_MAX_BLOCKS, norm: bool = False) -> int:
+    """The grid of a call: one 512-thread block per 512 16-byte vectors of the output (``norm``: per row), at most
+    ``max_blocks``."""
+    key = (rows, n, dtype, max_blocks, norm)
     found = _blocks.get(key)
     if found is None:
-        found = _blocks[key] = _extension().one_shot_blocks(rows, n, dtype.itemsize, max_blocks)
+        found = _blocks[key] = _extension().one_shot_blocks(rows, n, dtype.itemsize, max_blocks, norm)
     return found
 
 
@@ -359,7 +368,8 @@ def matmul_all_reduce(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str,
     out_dtype: Optional[torch.dtype] = None, *, residual: Optional[Tensor] = None, out: Optional[Tensor] = None,
     checked: bool = False, max_blocks: int = DEFAULT_MAX_BLOCKS,
-) -> Tensor:
+    norm: Optional[Tuple[Tensor, float, bool]] = None,
+):
     """all_reduce(a2d @ weight + bias, reduce_op) over ``group_name`` (+ ``residual``), through the one-shot kernel.
 
     a2d: [rows, K/world] (this rank's partial operand), weight: [K/world, N], bias: [N] or None (this rank's, added
@@ -367,8 +377,11 @@ def matmul_all_reduce(
     float32 for bf16/fp16 operands: the partials round to the operands' dtype, the sum is fp32, as autocast's
     ``all_reduce(mm(a, w).float())``).  residual: [rows, N] in the result's dtype, added after the reduction.
     ``out`` (tests): a contiguous, 16-byte aligned [rows, N] tensor of the result's dtype to write into.
-    Returns [rows, N].  Every rank must call with the same shapes (the op checks that first); ``checked``: the caller
-    just had :func:`unsupported_reason` return None.  Raises RuntimeError when an earlier call on the group failed.
+    Returns [rows, N].  ``norm`` = (norm_weight [N] in a2d's dtype, eps, weight_after_cast): RMSNorm after the
+    reduction and the residual add, in the same kernel (out_dtype must be a2d's); returns (result, normed), both
+    [rows, N] (:func:`fluxinductor.ops.rms_norm_reference` is what normed means).  Every rank must call with the same
+    shapes (the op checks that first); ``checked``: the caller just had :func:`unsupported_reason` return None.
+    Raises RuntimeError when an earlier call on the group failed.
     """
     reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
     if reason is not None:
@@ -388,7 +401,10 @@ def matmul_all_reduce(
         ws.captured = True  # the buffer's address is now in a graph: a growth keeps it
     elif not ws.ready_for(rows * n * dtype.itemsize):
         ws.reserve(rows * n * dtype.itemsize)
-    partial, head, out_scale, error_address, blocks = ws.call(rows, n, dtype, out_dtype, reduce_op, max_blocks)
+    if norm is not None and out_dtype != dtype:
+        raise ValueError(f"one-shot matmul_all_reduce with RMSNorm writes {dtype}, not {out_dtype}")
+    partial, head, out_scale, error_address, blocks = ws.call(rows, n, dtype, out_dtype, reduce_op, max_blocks,
+                                                              norm is not None)
     if bias is None:
         torch.mm(a2d, weight, out=partial)
     else:  # every rank's own bias in its partial: the sum is the graph's all_reduce(a2d @ weight + bias)
@@ -398,8 +414,17 @@ def matmul_all_reduce(
     elif out.shape != (rows, n) or out.dtype != out_dtype or not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError(f"out {out.dtype}{list(out.shape)} is not a contiguous, 16-byte aligned "
                          f"{out_dtype}{[rows, n]}")
+    normed = norm_tail = None
+    if norm is not None:
+        norm_weight, eps, weight_after_cast = norm
+        if norm_weight.shape != (n,) or norm_weight.dtype != dtype:
+            raise ValueError(f"norm weight {norm_weight.dtype}{list(norm_weight.shape)} is not {dtype}[{n}]")
+        if norm_weight.data_ptr() % 16 or not norm_weight.is_contiguous():
+            norm_weight = norm_weight.contiguous().clone()
+        normed = torch.empty((rows, n), dtype=dtype, device=device)
+        norm_tail = (norm_weight.data_ptr(), normed.data_ptr(), float(eps), bool(weight_after_cast))
     if rows == 0:
-        return out
+        return out if norm is None else (out, normed)
     residual_ptr = 0
     if residual is not None:
         if residual.shape != out.shape or residual.dtype != out_dtype:
@@ -409,8 +434,8 @@ def matmul_all_reduce(
         residual_ptr = residual.data_ptr()
     _extension().one_shot_all_reduce(  # positional: pybind11's keyword parsing costs microseconds
         *head, residual_ptr, out.data_ptr(), out_scale, 1.0, error_address, _timeout_ns(), capturing, blocks,
-        _raw_stream(device.index))
-    return out
+        _raw_stream(device.index), *(norm_tail or ()))
+    return out if norm is None else (out, normed)
 
 
 _timeout_cache: list = [None, 0]

@@ -7,6 +7,7 @@
   poisoned with NaN before each call, the output too, every rank's output bit for bit the same.
 * Calls with no host synchronization between them: each rank's next partial written on its own stream right after
   its kernel, the ranks' streams free to run a call apart, every call's output checked.
+* RMSNorm fused after the reduction (one block per row), both forms, against the fp32 reference of the rounded sum.
 * A peer that never enters the call: the wait times out, the error word is set, the kernel returns.
 * 2 GPUs: tests/gpu/run_one_shot_2rank.py under torchrun (real symmetric memory, CUDA graphs, 1000 calls, timeout).
 
@@ -69,10 +70,12 @@ class _Ranks:
         for b in self.buffers:
             b.view(torch.int8).fill_(-1)  # 0xff bytes: NaN in bf16, fp16 and fp32
 
-    def launch(self, rank, out, *, bias=None, residual=None, reduce_op="sum", timeout=5_000_000_000, partial=None):
+    def launch(self, rank, out, *, bias=None, residual=None, reduce_op="sum", timeout=5_000_000_000, partial=None,
+               norm=None):
         from fluxinductor.kernels import one_shot
 
         partial = self.partials[rank] if partial is None else partial
+        norm_weight, normed, eps, weight_after_cast = norm if norm is not None else (None, None, 1e-5, True)
         with torch.cuda.stream(self.streams[rank]):
             one_shot.launch(dtype=self.dtype, out=out, rows=self.rows, n=self.n, world=self.world, rank=rank,
                             partial=partial.data_ptr(), buffers=[b.data_ptr() for b in self.buffers],
@@ -81,7 +84,8 @@ class _Ranks:
                             out_scale=1.0 / self.world if reduce_op == "avg" else 1.0,
                             bias_scale=float(self.world) if reduce_op == "sum" else 1.0,
                             error_address=self.error.device, timeout=timeout, blocks=BLOCKS,
-                            stream=self.streams[rank])
+                            stream=self.streams[rank], norm_weight=norm_weight, normed=normed, eps=eps,
+                            weight_after_cast=weight_after_cast)
 
 
 _loaded = set()
@@ -192,6 +196,60 @@ def test_calls_without_host_sync(world):
             assert torch.equal(outs[c][r].view(torch.int16), outs[c][0].view(torch.int16)), (c, r)
             err = ((outs[c][r].float() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (c, r, err)
+
+
+@gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weight_after_cast", [True, False])
+def test_rms_norm_n_ranks_one_gpu(world, dtype, weight_after_cast):
+    from fluxinductor import ops
+
+    for rows, n, with_bias in ((1, 8192, False), (6, 4096, True), (70, 1032 if dtype == torch.float32 else 1040, True)):
+        _load_norm(world, dtype)
+        ranks = _Ranks(world, rows, n, dtype)
+        for call in range(2):
+            gen = torch.Generator(device="cuda").manual_seed(10 * call + rows)
+            for p in ranks.partials:
+                p.copy_(torch.randn(rows, n, device="cuda", generator=gen).to(dtype))
+            bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if with_bias else None
+            residual = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
+            norm_weight = (0.5 + torch.rand(n, device="cuda", generator=gen)).to(dtype)
+            ref = sum(p.float() for p in ranks.partials) + residual.float()
+            if bias is not None:
+                ref = ref + world * bias.float()
+            h_ref = ref.to(dtype)
+            normed_ref = ops.rms_norm_reference(h_ref.float(), norm_weight.float(), 1e-5, True)
+            outs = [torch.full((rows, n), float("nan"), dtype=dtype, device="cuda") for _ in range(world)]
+            normeds = [torch.full((rows, n), float("nan"), dtype=dtype, device="cuda") for _ in range(world)]
+            ranks.poison()
+            torch.cuda.synchronize()
+            for r in range(world):
+                ranks.launch(r, outs[r], bias=bias, residual=residual, norm=(norm_weight, normeds[r], 1e-5,
+                                                                             weight_after_cast))
+            torch.cuda.synchronize()
+            assert ranks.error.read() == 0, ranks.error.read()
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            for r in range(world):
+                for got, want in ((outs[r], h_ref.float()), (normeds[r], normed_ref)):
+                    assert not got.isnan().any(), f"rank {r}: unwritten output"
+                    err = ((got.float() - want).norm() / want.norm()).item()
+                    assert err < tol, (rows, n, r, err)
+                assert torch.equal(normeds[r].view(torch.uint8), normeds[0].view(torch.uint8)), r
+        for c in ranks.counters:
+            assert c.tolist() == [2, 0], c.tolist()
+
+
+def _load_norm(world, dtype):
+    """As :func:`_load`, for the RMSNorm kernel's instantiation."""
+    if ("norm", world, dtype) in _loaded:
+        return
+    ranks = _Ranks(world, 1, 64, dtype)
+    out, normed = (torch.empty(1, 64, dtype=dtype, device="cuda") for _ in range(2))
+    ranks.launch(0, out, timeout=50_000_000, norm=(torch.ones(64, dtype=dtype, device="cuda"), normed, 1e-5, True))
+    torch.cuda.synchronize()
+    assert ranks.error.read() == 1, ranks.error.read()
+    _loaded.add(("norm", world, dtype))
 
 
 @gpu

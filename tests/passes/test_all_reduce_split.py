@@ -367,6 +367,15 @@ def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_r
     assert ask(manager, cuda, n=4100, dtype=torch.float32) is None
     assert "takes bf16, fp16 or fp32" in ask(manager, cuda, dtype=torch.float64)
     assert "world size 16" in ask(manager, cuda, world=16)
+    from fluxinductor.kernels import peers
+
+    monkeypatch.setattr(peers, "identity", lambda device: peers.Identity("host", "0000:1b:00.0"))
+    monkeypatch.setattr(peers, "nvml_active_links", lambda bus: (0, "0 active NVLinks"))
+    assert "no active NVLink" in ask(manager, cuda)
+    monkeypatch.setattr(peers, "nvml_active_links", lambda bus: (None, "no NVML"))
+    assert ask(manager, cuda) is None  # NVML cannot tell: the group's run-time check decides
+    monkeypatch.setattr(peers, "nvml_active_links", lambda bus: (18, "18 active NVLinks"))
+    assert ask(manager, cuda) is None
     monkeypatch.setattr(dispatch, "_local_reason", lambda index: "built for sm_90a")
     assert ask(manager, cuda) == "built for sm_90a"
     flux_settings(dispatch="decomposed")

@@ -21,6 +21,10 @@ struct OneShotParams {
   char const* bias;
   char const* residual;
   char* out;
+  char const* norm_weight;  // the RMSNorm kernel's [n] weight (Out)
+  char* normed;             // the RMSNorm kernel's [rows, n] result (Out)
+  float eps;
+  bool weight_after_cast;
   int64_t vectors;  // rows * n / elements per 16-byte vector
   int64_t n_vectors;  // n / elements per vector
   int world, rank, max_world;
@@ -215,6 +219,128 @@ __global__ void __launch_bounds__(Threads) one_shot_all_reduce_kernel(OneShotPar
   if (threadIdx.x == 0) {
     uint32_t const finished = atomicAdd(p.counters + 1, 1u);
     if (finished == gridDim.x - 1) {  // the last block: every block has read counters[0]
+      p.counters[1] = 0;
+      p.counters[0] = epoch;
+    }
+  }
+}
+
+// The one-shot all-reduce followed by RMSNorm, one row per block at a time (so a block holds a whole row's sum of
+// squares), with the same protocol as one_shot_all_reduce_kernel; the push and the sum both take the rows of this
+// block, so the block's signal covers exactly what it reads.  Per row: h = out_scale * sum_q P_q + bias_scale * bias
+// + residual, written to out (rounded to T); then, from the rounded h in fp32, r = rsqrt(mean(h^2) + eps) and
+//   normed = T(T(h * r) * weight)        (weight_after_cast: Hugging Face's Llama)
+//   normed = T(h * r * weight)           (otherwise: F.rms_norm)
+// with every product computed in fp32 and rounded where the graph rounds it.
+template <typename T, int World, int MaxWorld, int Threads>
+__global__ void __launch_bounds__(Threads) one_shot_all_reduce_rms_norm_kernel(OneShotParams<MaxWorld> const p) {
+  constexpr int kElems = 16 / int(sizeof(T));
+  constexpr int kWarps = Threads / 32;
+  __shared__ float warp_sums[kWarps];
+  uint32_t const epoch = *reinterpret_cast<uint32_t const volatile*>(p.counters) + 1u;
+  int64_t const parity_slots = int64_t(epoch & 1u) * World * p.slot_bytes;
+  int64_t const rows = p.vectors / p.n_vectors;
+
+  char* peers[World];
+#pragma unroll
+  for (int q = 0; q < World; ++q) {
+    peers[q] = p.peer_slots[q] + parity_slots;
+  }
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (int64_t v = row * p.n_vectors + threadIdx.x; v < (row + 1) * p.n_vectors; v += Threads) {
+      uint4 const mine = *reinterpret_cast<uint4 const*>(p.partial + v * 16);
+#pragma unroll
+      for (int q = 0; q < World; ++q) {
+        if (q != p.rank) {
+          *reinterpret_cast<uint4*>(peers[q] + v * 16) = mine;
+        }
+      }
+    }
+  }
+  if (detail::one_shot_signal_wait(p, epoch)) {
+    if (p.trap_on_timeout) {
+      __trap();
+    }
+    return;
+  }
+
+  char const* inputs[World];
+#pragma unroll
+  for (int q = 0; q < World; ++q) {
+    inputs[q] = p.own_slots + parity_slots + q * p.slot_bytes;
+  }
+  float const inv_n = 1.f / float(p.n_vectors * kElems);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float squares = 0.f;
+    for (int64_t v = row * p.n_vectors + threadIdx.x; v < (row + 1) * p.n_vectors; v += Threads) {
+      uint4 loaded[World];
+#pragma unroll
+      for (int q = 0; q < World; ++q) {
+        loaded[q] = q == p.rank ? *reinterpret_cast<uint4 const*>(p.partial + v * 16)
+                                : detail::one_shot_load_vector(inputs[q] + v * 16);
+      }
+      float acc[kElems];
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        acc[i] = detail::to_float<T>(reinterpret_cast<T const*>(&loaded[0])[i]);
+      }
+#pragma unroll
+      for (int q = 1; q < World; ++q) {
+        T const* e = reinterpret_cast<T const*>(&loaded[q]);
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+          acc[i] += detail::to_float<T>(e[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        acc[i] *= p.out_scale;
+      }
+      if (p.bias != nullptr) {
+        detail::accumulate<T, kElems>(acc, p.bias + (v % p.n_vectors) * 16, p.bias_scale);
+      }
+      if (p.residual != nullptr) {
+        detail::accumulate<T, kElems>(acc, p.residual + v * 16, 1.f);
+      }
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {  // h as the graph holds it: rounded to T
+        acc[i] = detail::to_float<T>(detail::from_float<T>(acc[i]));
+        squares += acc[i] * acc[i];
+      }
+      detail::store<T, kElems>(p.out + v * 16, acc);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    }
+    if (threadIdx.x % 32 == 0) {
+      warp_sums[threadIdx.x / 32] = squares;
+    }
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      total += warp_sums[w];
+    }
+    float const r = rsqrtf(total * inv_n + p.eps);
+    for (int64_t v = row * p.n_vectors + threadIdx.x; v < (row + 1) * p.n_vectors; v += Threads) {
+      float h[kElems] = {};
+      detail::accumulate<T, kElems>(h, p.out + v * 16, 1.f);  // this thread's own store above
+      float w[kElems] = {};
+      detail::accumulate<T, kElems>(w, p.norm_weight + (v % p.n_vectors) * 16, 1.f);
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        h[i] = p.weight_after_cast ? detail::to_float<T>(detail::from_float<T>(h[i] * r)) * w[i] : h[i] * r * w[i];
+      }
+      detail::store<T, kElems>(p.normed + v * 16, h);
+    }
+    __syncthreads();  // warp_sums is read above before the next row writes it
+  }
+
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t const finished = atomicAdd(p.counters + 1, 1u);
+    if (finished == gridDim.x - 1) {
       p.counters[1] = 0;
       p.counters[0] = epoch;
     }
