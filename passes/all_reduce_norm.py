@@ -294,9 +294,8 @@ def _rewrite(graph: Graph, match: _Match, fake_mode) -> str:
     reduce_op, group_name = _arg(reduced, 3, "reduce_op"), _arg(reduced, 4, "group_name")
     n_shape, h_shape = m.shape_of(reduced, "matmul_all_reduce"), m.shape_of(add, "residual sum")
     reshape_residual = not m.same_shape(m.val(match.residual).shape, n_shape)
-    # The op's results are contiguous as its fake implementation (and so inductor) has them, but its unfused path
-    # computes h = residual + reduced, laid out as the residual is: it gets a contiguous residual.  Its one-shot path
-    # copies a strided residual anyway; in the graph inductor can fold the copy into the residual's producer.
+    # The op's kernel reads a contiguous residual (it copies a strided one on every call); in the graph inductor can
+    # fold that copy into the residual's producer.
     copy_residual = not _known_contiguous(m.val(match.residual))
     reshape_results = not m.same_shape(n_shape, h_shape)
     residual_arg = m.reshape_arg(n_shape) if reshape_residual else None
