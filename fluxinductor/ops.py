@@ -382,7 +382,7 @@ def matmul_all_reduce(
 
     a: [..., K], weight: [K, N], bias: [N] or None (added on every rank, as the graph did); returns [..., N].  It runs
     one of three paths (:func:`_all_reduce_plan`, decided on a call signature's first call and remembered):
-    ``oneshot``, the matmul into this rank's symmetric buffer and the one-shot all-reduce kernel
+    ``oneshot``, the matmul into this rank's partial buffer and the one-shot all-reduce kernel
     (:mod:`fluxinductor.kernels.one_shot`: small outputs on NVLink peers); ``split``, where the rows split over the
     group and :func:`fluxinductor.dispatch.matmul_reduce_scatter` takes the call (a fused kernel or async-TP), that
     fused reduce-scatter and an all-gather of the result; otherwise ``sequential``, the matmul and the all-reduce, the

@@ -8,7 +8,7 @@ projection at TP=2), four contenders:
   mm_nccl_all_reduce    the matmul, then NCCL's all_reduce of its output;
   mm_symm_mem_one_shot  the matmul into a symmetric buffer, then torch.ops.symm_mem.one_shot_all_reduce (where torch
                         has it);
-  fluxinductor_one_shot fluxinductor.kernels.one_shot.matmul_all_reduce: the matmul into this rank's symmetric buffer,
+  fluxinductor_one_shot fluxinductor.kernels.one_shot.matmul_all_reduce: the matmul into this rank's partial buffer,
                         then the one-shot kernel.
 
 Two timings each, medians of ``--rounds`` rounds with the contenders alternated (collective_latency.py's method):

@@ -51,10 +51,10 @@ MAX_WORLD = 8
 # per thread and a decode row (8192 bf16) on 2 blocks.
 DEFAULT_MAX_BLOCKS = 64
 # Under FLUXINDUCTOR_DISPATCH=fused (and under auto until a measurement decides), the one-shot path takes a call whose
-# remote reads, (world - 1) x the output's bytes per rank, are at most this many, and the split path larger ones.  The
-# one-shot kernel moves world / 2 times the bytes of a reduce-scatter + all-gather (every rank reads every peer's whole
-# partial) but pays one kernel and two NVLink round trips (a few us) where NCCL's all-reduce costs ~50-100 us of
-# latency at decode sizes (2xH200).  4 MiB of reads take ~10 us at NVLink's ~400 GB/s, still well below that latency:
+# remote stores, (world - 1) x the output's bytes per rank, are at most this many, and the split path larger ones.  The
+# one-shot kernel moves world / 2 times the bytes of a reduce-scatter + all-gather (every rank pushes its whole partial to
+# every peer) but pays one kernel and one NVLink crossing each way (a few us) where NCCL's all-reduce costs ~50-100 us of
+# latency at decode sizes (2xH200).  4 MiB of stores take ~10 us at NVLink's ~400 GB/s, still well below that latency:
 # at TP=2 every decode output up to 256 x 8192 bf16 (4 MiB) goes one-shot, at TP=8 up to ~0.6 MiB (vLLM's custom
 # all-reduce stops its one-shot at 512 KB on 8 GPUs for the same reason).
 FUSED_MAX_REMOTE_BYTES = 4 << 20
