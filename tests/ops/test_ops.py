@@ -116,6 +116,15 @@ def _all_gather_matmul_case(rank: int, world: int, case) -> Dict[str, object]:
         result["gathered_numel"] = gathered.numel()
     return result
 
+# (case id, a shape per rank, N, bias, reduce_op, weight_after_cast, dtype) of matmul_all_reduce_rms_norm
+MATMUL_ALL_REDUCE_RMS_NORM_CASES = [
+    ("2d_after_cast", (12, 5), 16, False, "sum", True, "fp32"),
+    ("3d_before_cast_bias", (2, 3, 8), 24, True, "sum", False, "fp32"),
+    ("2d_avg_odd_rows", (5, 8), 8, True, "avg", True, "fp32"),
+    ("3d_bf16_after_cast", (2, 4, 16), 32, True, "sum", True, "bf16"),
+    ("3d_bf16_before_cast", (2, 4, 16), 32, False, "sum", False, "bf16"),
+]
+
 
 def _partials(a_shape, n: int, has_bias: bool, seed: int, dtype, world: int):
     """Every rank's partial operand [..., K], weight shard [K, n] and bias [n] (or None): the op adds each rank's."""
@@ -189,6 +198,32 @@ def _matmul_all_reduce_case(rank: int, world: int, case, reduce_scatter_path: bo
     }
 
 
+def _matmul_all_reduce_rms_norm_case(rank: int, world: int, case) -> Dict[str, object]:
+    """The op on this rank's operands against fp32: h = residual + all_reduce(a @ w + b) rounded to the dtype, and
+    RMSNorm of that h in fp32 (the residual and the norm weight the same on every rank, as replicated activations
+    are)."""
+    import torch.distributed as dist
+
+    name, a_shape, n, has_bias, reduce_op, after_cast, dtype_name = case
+    dtype = DTYPES[dtype_name]
+    a_all, w_all, b_all = _partials(a_shape, n, has_bias, _seed_of(name) + 13, dtype, world)
+    residual = _randn(tuple(a_shape[:-1]) + (n,), _seed_of(name) + 300, dtype)
+    norm_weight = (1 + 0.1 * _randn((n,), _seed_of(name) + 301)).to(dtype)
+    h, normed = torch.ops.fluxinductor.matmul_all_reduce_rms_norm(
+        a_all[rank], w_all[rank], b_all[rank], reduce_op, dist.group.WORLD.group_name, residual, norm_weight, 1e-5,
+        after_cast)
+    total = sum(a.float() @ w.float() + (b.float() if b is not None else 0.0) for a, w, b in zip(a_all, w_all, b_all))
+    h_ref = ((total / world if reduce_op == "avg" else total) + residual.float()).to(dtype).float()
+    normed_ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()
+    return {
+        "shapes": (tuple(h.shape), tuple(normed.shape)),
+        "ref_shape": tuple(h_ref.shape),
+        "dtype_ok": h.dtype == dtype and normed.dtype == dtype,
+        "contiguous": h.is_contiguous() and normed.is_contiguous(),
+        "rel_err": max(_rel_err(h, h_ref), _rel_err(normed, normed_ref)) if h.shape == h_ref.shape else float("inf"),
+    }
+
+
 def _expect_error(fn, exc_type, match: str) -> Optional[str]:
     """None if ``fn()`` raised ``exc_type`` whose message contains ``match``; else what happened."""
     try:
@@ -209,6 +244,7 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
     agm = torch.ops.fluxinductor.all_gather_matmul
     mrs = torch.ops.fluxinductor.matmul_reduce_scatter
     mar = torch.ops.fluxinductor.matmul_all_reduce
+    marn = torch.ops.fluxinductor.matmul_all_reduce_rms_norm
 
     def shard():
         # Made inside each check, so under FakeTensorMode it is a fake tensor too.
@@ -227,6 +263,12 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
         "non_dividing_scatter": lambda: mrs(_randn((5, 8), 1), _randn((8, 4), 2), None, "sum", 0, group),
         "mar_mismatched_k": lambda: mar(_randn((4, 8), 1), _randn((6, 5), 2), None, "sum", group),
         "mar_bad_reduce_op": lambda: mar(_randn((4, 8), 1), _randn((8, 4), 2), None, "max", group),
+        "norm_residual_shape": lambda: marn(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", group,
+                                            _randn((4, 5), 3), _randn((4,), 4), 1e-5, True),
+        "norm_weight_shape": lambda: marn(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", group,
+                                          _randn((4, 4), 3), _randn((5,), 4), 1e-5, True),
+        "norm_residual_dtype": lambda: marn(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", group,
+                                            _randn((4, 4), 3, torch.bfloat16), _randn((4,), 4), 1e-5, True),
     }
     expected = {
         "mismatched_k": "does not match",
@@ -240,6 +282,9 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
         "non_dividing_scatter": "does not split",
         "mar_mismatched_k": "cannot multiply",
         "mar_bad_reduce_op": "reduce_op",
+        "norm_residual_shape": "does not match the output",
+        "norm_weight_shape": "norm weight of shape",
+        "norm_residual_dtype": "input's dtype",
     }
     out: Dict[str, Optional[str]] = {}
     for name, fn in checks.items():
@@ -284,6 +329,11 @@ def _opcheck(rank: int, world: int) -> Dict[str, str]:
             torch.ops.fluxinductor.matmul_all_reduce.default,
             (_randn((2, 3, 8), 1), _randn((8, 6), 2), None, "avg", group),
         ),
+        "matmul_all_reduce_rms_norm_3d": (
+            torch.ops.fluxinductor.matmul_all_reduce_rms_norm.default,
+            (_randn((2, 3, 8), 1), _randn((8, 6), 2), _randn((6,), 3), "sum", group, _randn((2, 3, 6), 4),
+             _randn((6,), 5), 1e-5, False),
+        ),
     }
     failures: Dict[str, str] = {}
     for name, (op, args) in samples.items():
@@ -298,7 +348,7 @@ def _ops_job(rank: int, world: int) -> Dict[str, object]:
     import fluxinductor  # noqa: F401  (registers the ops)
 
     torch.manual_seed(0)
-    result: Dict[str, object] = {"agm": {}, "mrs": {}, "mar": {}}
+    result: Dict[str, object] = {"agm": {}, "mrs": {}, "mar": {}, "marn": {}}
     for case in ALL_GATHER_MATMUL_CASES:
         result["agm"][case[0]] = _all_gather_matmul_case(rank, world, case)
     for case in MATMUL_REDUCE_SCATTER_CASES:
@@ -306,6 +356,8 @@ def _ops_job(rank: int, world: int) -> Dict[str, object]:
     for case in MATMUL_ALL_REDUCE_CASES:
         for rs_path in (False, True):
             result["mar"][(case[0], rs_path)] = _matmul_all_reduce_case(rank, world, case, rs_path)
+    for case in MATMUL_ALL_REDUCE_RMS_NORM_CASES:
+        result["marn"][case[0]] = _matmul_all_reduce_rms_norm_case(rank, world, case)
     result["bad"] = _bad_input_checks(rank, world)
     result["opcheck"] = _opcheck(rank, world)
     return result
@@ -368,6 +420,17 @@ def test_matmul_all_reduce_matches_reference(world, case, reduce_scatter_path):
         assert r["took_reduce_scatter"] == (reduce_scatter_path and r["rows_split"]), f"rank {rank}: {r}"
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", MATMUL_ALL_REDUCE_RMS_NORM_CASES, ids=[c[0] for c in MATMUL_ALL_REDUCE_RMS_NORM_CASES])
+def test_matmul_all_reduce_rms_norm_matches_reference(world, case):
+    tol = FP32_TOL if case[-1] == "fp32" else BF16_TOL
+    for rank, per_rank in enumerate(_ops_results(world)):
+        r = per_rank["marn"][case[0]]
+        assert r["shapes"] == (r["ref_shape"], r["ref_shape"]), f"rank {rank}: {r}"
+        assert r["dtype_ok"] and r["contiguous"], f"rank {rank}: {r}"
+        assert r["rel_err"] <= tol, f"rank {rank}: relative error {r['rel_err']:.3g} > {tol}"
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_opcheck(world):
     for rank, per_rank in enumerate(_ops_results(world)):
@@ -386,6 +449,9 @@ BAD_INPUTS = [
     "non_dividing_scatter",
     "mar_mismatched_k",
     "mar_bad_reduce_op",
+    "norm_residual_shape",
+    "norm_weight_shape",
+    "norm_residual_dtype",
 ]
 
 
@@ -401,6 +467,8 @@ def test_bad_inputs_raise_clear_errors(check, path):
     ("all_gather_matmul", lambda w: (torch.randn(4, 8), [w], [None], 0, "no-group", False)),
     ("matmul_reduce_scatter", lambda w: (torch.randn(4, 8), w, None, "sum", 0, "no-group")),
     ("matmul_all_reduce", lambda w: (torch.randn(4, 8), w, None, "sum", "no-group")),
+    ("matmul_all_reduce_rms_norm", lambda w: (torch.randn(4, 8), w, None, "sum", "no-group", torch.randn(4, 6),
+                                              torch.randn(6), 1e-5, True)),
 ])
 def test_ops_refuse_inputs_that_need_grad(op, args):
     """The ops have no autograd formula (the passes insert them into graphs AOTAutograd has already differentiated):
