@@ -86,8 +86,9 @@ class FluxPassManager(CustomGraphPass):
         (``ops._captured_one_shot``), whose replay costs less than c10d's all-reduce's.  Without CUDA graphs the
         all-reduce stays inductor's: in the decode steps of bench_model (2xH200, plain TP, 64 tokens) the op ran
         0.90x inductor's step in default mode, its per-call host cost exceeding the kernel's saving.  Elsewhere (CPU
-        included) the all-reduce stays as it is, and so it does on a GPU with no active NVLink (the op's one-shot
-        kernel could never run there, and its sequential path inside captured graphs costs more than inductor's).
+        included) the all-reduce stays as it is, and so it does on a GPU that NVML finds no NVLink peer for (the op's
+        one-shot kernel could never run there, and its sequential path inside captured graphs costs more than
+        inductor's).
         """
         if op == "matmul_all_reduce":
             why = self._whole_all_reduce_reason(device, world, m, n, dtype)

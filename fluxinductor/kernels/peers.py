@@ -106,41 +106,49 @@ def nvml_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
     return status.value == _NVML_P2P_STATUS_OK, f"NVML NVLink P2P status {status.value}"
 
 
-_NVML_NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
-_NVML_FEATURE_ENABLED = 1     # nvmlEnableState_t
-
-
-def nvml_active_links(bus: str) -> Tuple[Optional[int], str]:
-    """(how many of its NVLinks NVML reports active, detail) for the GPU at PCI bus id ``bus``; (None, why) when NVML
-    cannot answer."""
+def nvml_nvlink_peers(bus: str) -> Tuple[Optional[int], str]:
+    """(how many other GPUs of this host NVML reports as NVLink peers of the GPU at PCI bus id ``bus``, detail), by the
+    P2P status :func:`nvml_nvlink` asks; (None, why) when NVML cannot answer for some pair."""
     lib, why = _load_nvml()
     if lib is None:
         return None, why
-    handle = ctypes.c_void_p()
-    rc = lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus.encode()), ctypes.byref(handle))
+    count = ctypes.c_uint(0)
+    rc = lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    if rc != _NVML_SUCCESS:
+        return None, f"nvmlDeviceGetCount_v2 returned error {rc}"
+    own = ctypes.c_void_p()
+    rc = lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus.encode()), ctypes.byref(own))
     if rc != _NVML_SUCCESS:
         return None, f"NVML does not see the GPU at {bus} (error {rc})"
-    active = 0
-    for link in range(_NVML_NVLINK_MAX_LINKS):
-        state = ctypes.c_int(0)
-        if lib.nvmlDeviceGetNvLinkState(handle, link, ctypes.byref(state)) == _NVML_SUCCESS:
-            active += state.value == _NVML_FEATURE_ENABLED
-    return active, f"{active} active NVLinks"
+    peers = 0
+    for index in range(count.value):
+        other = ctypes.c_void_p()
+        if lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(other)) != _NVML_SUCCESS:
+            return None, f"NVML has no handle for GPU {index}"
+        if other.value == own.value:
+            continue
+        status = ctypes.c_int(-1)
+        rc = lib.nvmlDeviceGetP2PStatus(own, other, _NVML_P2P_CAPS_INDEX_NVLINK, ctypes.byref(status))
+        if rc != _NVML_SUCCESS:
+            return None, f"nvmlDeviceGetP2PStatus({bus}, GPU {index}) returned error {rc}"
+        peers += status.value == _NVML_P2P_STATUS_OK
+    return peers, f"NVLink peers of {bus}: {peers} of {count.value - 1} other GPUs"
 
 
 def local_nvlink_reason(device: torch.device) -> Optional[str]:
     """Why no group of ``device`` could be NVLink peers, known without asking the peers (at compile time): NVML
-    reports no active NVLink on it.  None where it has one, where NVML cannot tell (the group's check on its first call
-    still decides) and under ``FLUXINDUCTOR_ASSUME_NVLINK=1``."""
+    reports no other GPU of this host as its NVLink peer (the P2P status the group's check on its first call asks).
+    None where it has one, where NVML cannot tell (that check still decides) and under
+    ``FLUXINDUCTOR_ASSUME_NVLINK=1``."""
     if assume_nvlink():
         return None
     try:
         bus = identity(device).bus_id
     except Exception:  # noqa: BLE001 - no device properties: the run-time check decides
         return None
-    active, _ = nvml_active_links(bus)
-    if active == 0:
-        return f"cuda:{device.index} ({bus}) has no active NVLink (NVML), so its group cannot run the fused kernels"
+    peers, detail = nvml_nvlink_peers(bus)
+    if peers == 0:
+        return f"cuda:{device.index} has no NVLink peer on this host ({detail}), so its group cannot run the fused kernels"
     return None
 
 

@@ -28,6 +28,18 @@ def test_nvml_finds_each_visible_gpu_by_the_bus_id_cuda_reports():
 
 
 @pytest.mark.gpu
+def test_nvlink_peer_count_agrees_with_the_pair_queries():
+    """The compile-time check (``local_nvlink_reason``) counts what the group's check asks pair by pair: every visible
+    GPU NVLinked to GPU 0 is among the host's NVLink peers NVML counts for it."""
+    bus_ids = [peers.identity(torch.device("cuda", i)).bus_id for i in range(torch.cuda.device_count())]
+    count, detail = peers.nvml_nvlink_peers(bus_ids[0])
+    assert count is not None, detail
+    linked = sum(bool(peers.nvml_nvlink(bus_ids[0], bus)[0]) for bus in bus_ids[1:])
+    assert count >= linked, detail
+    assert (peers.local_nvlink_reason(torch.device("cuda", 0)) is None) == (count > 0)
+
+
+@pytest.mark.gpu
 def test_identity_names_this_host():
     ident = peers.identity(torch.device("cuda", 0))
     import socket

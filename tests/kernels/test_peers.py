@@ -197,3 +197,58 @@ def test_no_check_while_capturing_a_cuda_graph(monkeypatch):
     assert dispatch._peers_reason("ok", device) is None
     assert dispatch._peers_reason("pcie", device) == "no NVLink"
     assert "before an eager call checked" in dispatch._peers_reason("new", device)
+
+
+class _FakeNvml:
+    """NVML's calls that :func:`peers.nvml_nvlink_peers` makes, over a host of GPUs given by bus id, with the pairs
+    joined by NVLink (ctypes arguments written through ``byref(x)._obj``, as the C library writes them)."""
+
+    def __init__(self, buses, linked, failing_pair=None):
+        self.buses, self.linked, self.failing_pair = list(buses), set(linked), failing_pair
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.buses)
+        return 0
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus, handle):
+        if bus.value.decode() not in self.buses:
+            return 6  # NVML_ERROR_NOT_FOUND
+        handle._obj.value = 1000 + self.buses.index(bus.value.decode())
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = 1000 + index
+        return 0
+
+    def nvmlDeviceGetP2PStatus(self, a, b, caps, status):
+        pair = frozenset((a.value - 1000, b.value - 1000))
+        if pair == self.failing_pair:
+            return 3  # NVML_ERROR_NOT_SUPPORTED
+        status._obj.value = 0 if pair in self.linked else 4
+        return 0
+
+
+@pytest.mark.parametrize("linked, expected", [
+    ({frozenset((0, 1)), frozenset((0, 2))}, 2),
+    ({frozenset((1, 2))}, 0),
+    (set(), 0),
+])
+def test_nvlink_peers_counted_from_the_p2p_status(monkeypatch, linked, expected):
+    buses = ["0000:1b:00.0", "0000:2c:00.0", "0000:3d:00.0"]
+    monkeypatch.setattr(peers, "_load_nvml", lambda: (_FakeNvml(buses, linked), None))
+    count, detail = peers.nvml_nvlink_peers(buses[0])
+    assert count == expected, detail
+    assert peers.nvml_nvlink_peers("0000:ff:00.0")[0] is None  # a GPU NVML does not see: no answer
+    monkeypatch.setattr(peers, "_load_nvml", lambda: (_FakeNvml(buses, linked, frozenset((0, 2))), None))
+    assert peers.nvml_nvlink_peers(buses[0])[0] is None  # a pair NVML cannot answer for: no answer
+
+
+def test_local_nvlink_reason_vetoes_only_a_gpu_without_nvlink_peers(monkeypatch, flux_settings):
+    monkeypatch.setattr(peers, "identity", lambda device: peers.Identity("host", "0000:1b:00.0"))
+    cuda = torch.device("cuda", 0)
+    for answer, vetoed in (((0, "none"), True), ((1, "one"), False), ((None, "no NVML"), False)):
+        monkeypatch.setattr(peers, "nvml_nvlink_peers", lambda bus, answer=answer: answer)
+        assert (peers.local_nvlink_reason(cuda) is not None) == vetoed, answer
+    monkeypatch.setattr(peers, "nvml_nvlink_peers", lambda bus: (0, "none"))
+    flux_settings(assume_nvlink=True)
+    assert peers.local_nvlink_reason(cuda) is None

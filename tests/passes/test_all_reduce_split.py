@@ -370,12 +370,16 @@ def test_manager_offers_matmul_all_reduce_only_where_the_one_shot_kernel_could_r
     from fluxinductor.kernels import peers
 
     monkeypatch.setattr(peers, "identity", lambda device: peers.Identity("host", "0000:1b:00.0"))
-    monkeypatch.setattr(peers, "nvml_active_links", lambda bus: (0, "0 active NVLinks"))
-    assert "no active NVLink" in ask(manager, cuda)
-    monkeypatch.setattr(peers, "nvml_active_links", lambda bus: (None, "no NVML"))
+    monkeypatch.setattr(peers, "nvml_nvlink_peers", lambda bus: (0, "NVLink peers: 0 of 7 other GPUs"))
+    assert "no NVLink peer" in ask(manager, cuda)
+    monkeypatch.setattr(peers, "nvml_nvlink_peers", lambda bus: (None, "no NVML"))
     assert ask(manager, cuda) is None  # NVML cannot tell: the group's run-time check decides
-    monkeypatch.setattr(peers, "nvml_active_links", lambda bus: (18, "18 active NVLinks"))
+    monkeypatch.setattr(peers, "nvml_nvlink_peers", lambda bus: (7, "NVLink peers: 7 of 7 other GPUs"))
     assert ask(manager, cuda) is None
+    monkeypatch.setattr(peers, "nvml_nvlink_peers", lambda bus: (0, "NVLink peers: 0 of 7 other GPUs"))
+    flux_settings(dispatch="fused", assume_nvlink=True)
+    assert ask(FluxPassManager(), cuda) is None  # FLUXINDUCTOR_ASSUME_NVLINK=1 skips NVML
+    flux_settings(dispatch="fused")
     monkeypatch.setattr(dispatch, "_local_reason", lambda index: "built for sm_90a")
     assert ask(manager, cuda) == "built for sm_90a"
     flux_settings(dispatch="decomposed")
