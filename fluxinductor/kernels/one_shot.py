@@ -419,8 +419,7 @@ def matmul_all_reduce(
         norm_weight, eps, weight_after_cast = norm
         if norm_weight.shape != (n,) or norm_weight.dtype != dtype:
             raise ValueError(f"norm weight {norm_weight.dtype}{list(norm_weight.shape)} is not {dtype}[{n}]")
-        if norm_weight.data_ptr() % 16 or not norm_weight.is_contiguous():
-            norm_weight = norm_weight.contiguous().clone()
+        norm_weight = _kernel_ready(norm_weight)
         normed = torch.empty((rows, n), dtype=dtype, device=device)
         norm_tail = (norm_weight.data_ptr(), normed.data_ptr(), float(eps), bool(weight_after_cast))
     if rows == 0:
@@ -429,13 +428,17 @@ def matmul_all_reduce(
     if residual is not None:
         if residual.shape != out.shape or residual.dtype != out_dtype:
             raise ValueError(f"residual {residual.dtype}{list(residual.shape)} is not {out_dtype}{list(out.shape)}")
-        if residual.data_ptr() % 16 or not residual.is_contiguous():
-            residual = residual.contiguous().clone()
+        residual = _kernel_ready(residual)
         residual_ptr = residual.data_ptr()
     _extension().one_shot_all_reduce(  # positional: pybind11's keyword parsing costs microseconds
         *head, residual_ptr, out.data_ptr(), out_scale, 1.0, error_address, _timeout_ns(), capturing, blocks,
         _raw_stream(device.index), *(norm_tail or ()))
     return out if norm is None else (out, normed)
+
+
+def _kernel_ready(t: Tensor) -> Tensor:
+    """``t`` where the kernel can read it with 16-byte vectors (contiguous, 16-byte aligned), else such a copy."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 _timeout_cache: list = [None, 0]

@@ -86,6 +86,15 @@ def _load_nvml() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
         return _nvml, _nvml_reason
 
 
+def _nvml_handle(lib: ctypes.CDLL, bus: str) -> Tuple[Optional[ctypes.c_void_p], str]:
+    """(NVML's handle of the GPU at PCI bus id ``bus``, "") or (None, why)."""
+    handle = ctypes.c_void_p()
+    rc = lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus.encode()), ctypes.byref(handle))
+    if rc != _NVML_SUCCESS:
+        return None, f"NVML does not see the GPU at {bus} (error {rc})"
+    return handle, ""
+
+
 def nvml_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
     """(True | False, detail) whether NVML reports NVLink peer access between two GPUs of this host given by PCI
     bus id; (None, why) when NVML cannot answer."""
@@ -94,10 +103,9 @@ def nvml_nvlink(bus_a: str, bus_b: str) -> Tuple[Optional[bool], str]:
         return None, why
     handles = []
     for bus in (bus_a, bus_b):
-        handle = ctypes.c_void_p()
-        rc = lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus.encode()), ctypes.byref(handle))
-        if rc != _NVML_SUCCESS:
-            return None, f"NVML does not see the GPU at {bus} (error {rc})"
+        handle, why = _nvml_handle(lib, bus)
+        if handle is None:
+            return None, why
         handles.append(handle)
     status = ctypes.c_int(-1)
     rc = lib.nvmlDeviceGetP2PStatus(handles[0], handles[1], _NVML_P2P_CAPS_INDEX_NVLINK, ctypes.byref(status))
@@ -116,10 +124,9 @@ def nvml_nvlink_peers(bus: str) -> Tuple[Optional[int], str]:
     rc = lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
     if rc != _NVML_SUCCESS:
         return None, f"nvmlDeviceGetCount_v2 returned error {rc}"
-    own = ctypes.c_void_p()
-    rc = lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus.encode()), ctypes.byref(own))
-    if rc != _NVML_SUCCESS:
-        return None, f"NVML does not see the GPU at {bus} (error {rc})"
+    own, why = _nvml_handle(lib, bus)
+    if own is None:
+        return None, why
     peers = 0
     for index in range(count.value):
         other = ctypes.c_void_p()
