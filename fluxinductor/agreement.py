@@ -43,6 +43,8 @@ from fluxinductor.log import logger
 _agreed: set = set()
 _MAX_AGREED = 4096
 _unchecked_under_capture: set = set()
+# Changes with every :func:`forget`: what is keyed by it (the dispatcher's replays) was agreed on before.
+generation = 0
 
 
 class RanksDisagreeError(ValueError):
@@ -84,8 +86,10 @@ def peer_failure(op: str, group: dist.ProcessGroup, group_name: str, what: str, 
 
 def forget() -> None:
     """Forget the agreed signatures (tests)."""
+    global generation
     _agreed.clear()
     _unchecked_under_capture.clear()
+    generation += 1
 
 
 def check(op: str, group: dist.ProcessGroup, group_name: str, fields: Dict[str, object],

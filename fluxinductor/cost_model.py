@@ -322,6 +322,11 @@ def _mtime(path: str) -> Optional[int]:
         return None
 
 
+def generation() -> int:
+    """How many times :func:`clear_cache` ran (what is keyed by the tables' versions)."""
+    return _generation
+
+
 def clear_cache() -> None:
     """Forget every loaded table (they are also re-read whenever their file's mtime changes)."""
     global _generation

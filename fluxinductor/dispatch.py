@@ -30,6 +30,7 @@ non-unit dim (e.g. ``[1, S, H]`` sharded on S) and one copy otherwise.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -287,10 +288,11 @@ _MAX_PLANS = 4096
 
 def clear_plans() -> None:
     """Forget the remembered decisions (tests that replace the dispatcher's pieces between calls), the all-reduce
-    op's (``ops.matmul_all_reduce``) included."""
+    op's (``ops.matmul_all_reduce``) and the replays included."""
     from fluxinductor import ops
 
     _plans.clear()
+    _replays.clear()
     ops.clear_plans()
 
 
@@ -313,6 +315,55 @@ def _remember(key: Optional[tuple], plan: tuple) -> tuple:
     return plan
 
 
+# ---------------------------------------------------------------------------------------------------
+# Replays: a signature whose plan runs a fused kernel on one node, called again.
+# ---------------------------------------------------------------------------------------------------
+
+# The layers above a kernel (the op's agreement fields, the plan's key, the kernel module's per-signature checks and
+# launch choices) cost most of a fused call's host time, and the host time of a step's first fused call is time its GPU
+# waits (the step's first GEMM cannot start before it).  So once a signature's plan ran a fused kernel, its later calls
+# go from the op straight to what the kernel module prepared for it (``prepare_*``: the per-call work only, epochs,
+# outputs, pointers).  The replay's key (:func:`replay_key`) holds what the op's agreement and the plan read: every
+# operand's shape, strides, dtype, device and 16-byte alignment, the op's other arguments, and the generations of the
+# settings, of the agreement and of the cost model's tables.  An entry serves for ``REPLAY_S`` seconds; the call after
+# takes the full path once (the plan's key asks the table's version again, as every call did before replays) and
+# renews it.  Calls under CUDA graph capture have no replay.
+_replays: Dict[tuple, Tuple[float, Callable]] = {}
+REPLAY_S = 1.0
+
+
+def replay_key(op: str, group_name: str, args: tuple, operands: tuple) -> Optional[tuple]:
+    """The key of a call's replay: ``args`` the op's arguments that are not tensors, ``operands`` its tensors (or
+    None) in a fixed order; None under CUDA graph capture."""
+    if symm.capturing():
+        return None
+    from fluxinductor import agreement, cost_model
+
+    return (op, group_name, args, settings.generation(), agreement.generation, cost_model.generation(),
+            tuple(map(_operand_key, operands)))
+
+
+def replay(key: Optional[tuple]) -> Optional[Callable]:
+    """The replay remembered under ``key`` (:func:`replay_key`), or None."""
+    if key is None:
+        return None
+    found = _replays.get(key)
+    if found is None or found[0] < _clock():
+        return None
+    return found[1]
+
+
+def _remember_replay(key: Optional[tuple], run: Callable) -> None:
+    if key is not None:
+        if len(_replays) >= _MAX_PLANS:
+            _replays.clear()
+        _replays[key] = (_clock() + REPLAY_S, run)
+
+
+def _clock() -> float:
+    return time.monotonic()
+
+
 def _kernels_for(op: str, operand: Tensor):
     """The kernel module that may run ``op`` on ``operand``, or None after recording why not."""
     if not operand.is_cuda:
@@ -331,7 +382,10 @@ def all_gather_matmul(
     gather_dim: int,
     group_name: str,
     return_gathered: bool,
+    replay_as: Optional[tuple] = None,
 ) -> Optional[Tuple[List[Tensor], Tensor]]:
+    """The fused path of ``ops.all_gather_matmul``, or None (the caller decomposes).  ``replay_as``: the call's
+    :func:`replay_key`, under which a fused kernel's later calls are remembered."""
     op = "all_gather_matmul"
     dispatch_mode = mode()
     if dispatch_mode == "decomposed":
@@ -365,12 +419,32 @@ def all_gather_matmul(
         record_fallback(op, why)
         return None
     else:
-        outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
-                                                          checked=True)
+        run = kernels.prepare_all_gather_matmul(shard2d, weights, biases, group_name, return_gathered) \
+            if replay_as is not None else None
+        if run is None:
+            outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
+                                                              checked=True)
+        else:
+            outputs2d, gathered2d = run(shard2d, weights, biases)
+            _remember_replay(replay_as, _all_gather_matmul_replay(run, world * shard.shape[gather_dim], rest,
+                                                                  gather_dim, return_gathered))
     lead = world * shard.shape[gather_dim]
     outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
     gathered = _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
     return outputs, gathered
+
+
+def _all_gather_matmul_replay(run: Callable, lead: int, rest: Tuple[int, ...], gather_dim: int,
+                              return_gathered: bool) -> Callable:
+    """:func:`all_gather_matmul`'s fused path for the later calls of a signature: ``run`` prepared by the kernel
+    module, between the operand's move to rows-first and the results' move back."""
+
+    def replay(shard: Tensor, weights: List[Tensor], biases: List[Optional[Tensor]]) -> Tuple[List[Tensor], Tensor]:
+        outputs2d, gathered2d = run(_rows_first(shard, gather_dim), weights, biases)
+        outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
+        return outputs, _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
+
+    return replay
 
 
 def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2d: Tensor, weights: List[Tensor],
@@ -423,8 +497,10 @@ _TRANSPORTS = {"fused": "store", "fused_copy": "copy", "fused_split": "split"}
 
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None, replay_as: Optional[tuple] = None,
 ) -> Optional[Tensor]:
+    """The fused path of ``ops.matmul_reduce_scatter``, or None (the caller decomposes).  ``replay_as``: the call's
+    :func:`replay_key`, under which a fused kernel's later calls are remembered."""
     op = "matmul_reduce_scatter"
     dispatch_mode = mode()
     if dispatch_mode == "decomposed":
@@ -464,10 +540,28 @@ def matmul_reduce_scatter(
     if path != "fused":
         record_fallback(op, why)
         return None
-    out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
-                                          transport=transport, split_config_choice=split_config,
-                                          **({} if out_dtype is None else {"out_dtype": out_dtype}))
+    extra = {} if out_dtype is None else {"out_dtype": out_dtype}
+    run = kernels.prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, transport=transport,
+                                                split_config_choice=split_config, **extra) \
+        if replay_as is not None else None
+    if run is None:
+        out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
+                                              transport=transport, split_config_choice=split_config, **extra)
+    else:
+        out2d = run(a2d, weight, bias)
+        _remember_replay(replay_as, _matmul_reduce_scatter_replay(run, a.shape[scatter_dim] // world, rest,
+                                                                  scatter_dim))
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
+
+
+def _matmul_reduce_scatter_replay(run: Callable, lead: int, rest: Tuple[int, ...], scatter_dim: int) -> Callable:
+    """:func:`matmul_reduce_scatter`'s fused path for the later calls of a signature (see
+    :func:`_all_gather_matmul_replay`)."""
+
+    def replay(a: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        return _restore(run(_rows_first(a, scatter_dim), weight, bias), lead, rest, scatter_dim)
+
+    return replay
 
 
 def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor,

@@ -308,6 +308,11 @@ def all_gather_matmul(
     biases[i]: [N_i] or None.  outputs[i]: [..., world * S, ..., N_i].  The second result is the
     gathered ``A`` when ``return_gathered``, else an empty tensor.
     """
+    key = dispatch.replay_key("all_gather_matmul", group_name, (gather_dim, return_gathered, len(weights)),
+                              (shard, *weights, *biases))
+    replay = dispatch.replay(key)
+    if replay is not None:  # a signature this group agreed on and the dispatcher ran fused
+        return replay(shard, weights, biases)
     group = _group(group_name)
     agreement.check("all_gather_matmul", group, group_name, {
         "world": group.size(), "shard shape": shard.shape, "dtype": shard.dtype, "device": shard.device.type,
@@ -319,7 +324,7 @@ def all_gather_matmul(
             _layout(shard), tuple(_layout(w) for w in weights), tuple(_layout(b) for b in biases)),
         **_path_settings(),
     }, lambda: _check_all_gather_matmul(shard, weights, biases, gather_dim))
-    fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered)
+    fused = dispatch.all_gather_matmul(shard, weights, biases, gather_dim, group_name, return_gathered, key)
     if fused is not None:
         return fused
     outputs, gathered = all_gather_matmul_reference(shard, weights, biases, gather_dim, group_name)
@@ -351,11 +356,16 @@ def matmul_reduce_scatter(
     reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype first).
     Returns [...] with ``scatter_dim`` divided by world.
     """
+    key = dispatch.replay_key("matmul_reduce_scatter", group_name, (reduce_op, scatter_dim, out_dtype),
+                              (a, weight, bias))
+    replay = dispatch.replay(key)
+    if replay is not None:  # a signature this group agreed on and the dispatcher ran fused
+        return replay(a, weight, bias)
     group = _group(group_name)
     agreement.check("matmul_reduce_scatter", group, group_name, {
         **_matmul_fields(group, a, weight, bias, reduce_op, out_dtype), "scatter_dim": _dim_or_raw(scatter_dim, a),
     }, lambda: _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group.size()))
-    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
+    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype, key)
     if fused is not None:
         return fused
     return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)

@@ -316,6 +316,11 @@ def _changed() -> None:
     _generation += 1
 
 
+def generation() -> int:
+    """A number that changes whenever :data:`current` or :data:`tuning` does (caches keyed by the settings)."""
+    return _generation
+
+
 def reload() -> Settings:
     """Read the environment again, as at import: :data:`current` from it, :data:`tuning` back to its defaults.
     Raises :class:`SettingsError` on a bad value (then nothing changes)."""

@@ -330,85 +330,139 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     ws = symm.workspace(group_name, device)
     push = use_push(shard2d, weights)
     _check_layout_agrees(ws, shard2d, push)
+    if push:
+        return _PushCall(ws, shard2d, weights, biases, return_gathered)(shard2d, weights, biases)
     rank, world = ws.rank, ws.world
     shard_rows, k = shard2d.shape
     m = world * shard_rows
     dtype = shard2d.dtype
-    # Only the widest GEMM overlaps the transfer: any other GEMM on the stream starts after it, when every row has
-    # arrived, so it runs on cuBLAS (which tiles a narrow N, the K/V projections', across more SMs: 46 against 84 us
-    # for 4096x8192x512 on an H200) and reads the complete gathered A.
+    # As in _PushCall, only the widest GEMM overlaps the transfer; the others run on cuBLAS over the gathered A.
     widest = max(range(len(weights)), key=lambda i: weights[i].shape[1])
     rest = [i for i in range(len(weights)) if i != widest]
-    fused_weight, fused_bias = weights[widest], biases[widest]
     ws.reserve(m * k * shard2d.element_size())
     epoch = ws.next_epoch()
     parity = epoch & 1
     chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
-
     main = torch.cuda.current_stream(device)
     buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]
-    if not push:
-        buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
+    buffer[rank * shard_rows:(rank + 1) * shard_rows].copy_(shard2d)
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     flags = ws.flags[parity]
     side = ws.side_stream
-    k_chunks = use_k_chunks(m, fused_weight.shape[1], loader.extension().ag_device_sm_count(),
+    k_chunks = use_k_chunks(m, weights[widest].shape[1], loader.extension().ag_device_sm_count(),
                             shard2d.numel() * shard2d.element_size())
-    # The barrier: every peer done with the buffer this call writes into (pushing: the peer reached the previous call;
-    # pulling: this call, so every slot is written).  Once calls were captured, a peer's replay may have read either
-    # buffer since the previous eager call: every peer must reach this one.
-    need = ws.previous_epoch() if push and not ws.captured else epoch
-    out = shard2d.new_empty((m, fused_weight.shape[1]))
-    if push:
-        gemm = gemm_args(buffer, fused_weight, fused_bias, out, stream=main, flags=flags, epoch=epoch, rank=rank,
-                         world=world, shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks,
-                         a_local=shard2d, capturing=False)
-        peer_buffers, peer_flags = ws.peer_addresses(parity, m, k, dtype)
-        push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
-                  rank, ws.epoch_word, [gemm], ws.push_events(), main, side, chunks, k_chunks)
-        # The buffer never holds this rank's rows (no peer writes there): the side stream copies them, after the
-        # push, into the gathered A (or, for the other GEMMs, into the buffer) while the GEMM runs; the peers' rows
-        # are copied out once the GEMM has waited for them.
-        a_full = gathered if gathered.numel() else buffer if rest else None
-        # Raw copy-engine copies (no stream switch, no slicing: host time on every call).  Rows are contiguous.
-        ext = loader.extension()
-        row_bytes = k * shard2d.element_size()
-        lo, hi = rank * shard_rows * row_bytes, (rank + 1) * shard_rows * row_bytes
-        if a_full is not None:
-            ext.ag_memcpy_async(a_full.data_ptr() + lo, shard2d.data_ptr(), hi - lo, side.cuda_stream)
-        if gathered.numel():
-            if lo:
-                ext.ag_memcpy_async(gathered.data_ptr(), buffer.data_ptr(), lo, main.cuda_stream)
-            if hi < m * row_bytes:
-                ext.ag_memcpy_async(gathered.data_ptr() + hi, buffer.data_ptr() + hi, m * row_bytes - hi,
-                                    main.cuda_stream)
-        main.wait_stream(side)
+    out = shard2d.new_empty((m, weights[widest].shape[1]))
+    if k_chunks > 1:
+        # One wave: the peers' tiles wait for the first column block from the start, so the pull's start is the
+        # critical path, and the side stream follows the arrival through an event (a stream wait on the passed
+        # word started the pull later: docs/design_ag_gemm.md).
+        ws.arrive(epoch, epoch, main)
+        side.wait_stream(main)
     else:
-        if k_chunks > 1:
-            # One wave: the peers' tiles wait for the first column block from the start, so the pull's start is the
-            # critical path, and the side stream follows the arrival through an event (a stream wait on the passed
-            # word started the pull later: docs/design_ag_gemm.md).
-            ws.arrive(epoch, need, main)
-            side.wait_stream(main)
-        else:
-            # Off the GEMM's path: the side stream waits for the arrival, the GEMM is its programmatic dependent.
-            side.wait_stream(main)
-            ws.arrive(epoch, need, main)
-            ws.wait_passed(epoch, side)
-        peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
-        pull_shards(buffer, peers, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
-        launch_gemm(buffer, fused_weight, fused_bias, out, flags=flags, epoch=epoch, rank=rank, world=world,
-                    shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
-                    pdl=k_chunks == 1, capturing=False)
-        a_full = buffer  # complete once the GEMM has waited for every chunk
+        # Off the GEMM's path: the side stream waits for the arrival, the GEMM is its programmatic dependent.
+        side.wait_stream(main)
+        ws.arrive(epoch, epoch, main)
+        ws.wait_passed(epoch, side)
+    peers = [ws.view(parity, q, m, k, dtype) if q != rank else buffer for q in range(world)]
+    pull_shards(buffer, peers, rank, shard_rows, flags, epoch, side, chunks, gathered, k_chunks)
+    launch_gemm(buffer, weights[widest], biases[widest], out, flags=flags, epoch=epoch, rank=rank, world=world,
+                shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks, stream=main,
+                pdl=k_chunks == 1, capturing=False)
     outputs: List[Optional[Tensor]] = [None] * len(weights)
     outputs[widest] = out
-    for i in rest:
-        outputs[i] = (torch.mm(a_full, weights[i]) if biases[i] is None else
-                      torch.addmm(biases[i], a_full, weights[i]))
-    if not push:  # (pushing, main already follows side: nothing was enqueued on side since)
-        main.wait_stream(side)
+    for i in rest:  # complete once the GEMM has waited for every chunk
+        outputs[i] = (torch.mm(buffer, weights[i]) if biases[i] is None else
+                      torch.addmm(biases[i], buffer, weights[i]))
+    main.wait_stream(side)
     return outputs, gathered if return_gathered else shard2d.new_empty(0)
+
+
+def prepare_all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                              group_name: str, return_gathered: bool):
+    """For a call that :func:`unsupported_reason` accepts and that pushes, outside CUDA graph capture, on 2 or more
+    ranks: a function ``run(shard2d, weights, biases)`` that runs it as :func:`all_gather_matmul` does, and any later
+    call of its signature (operands of the same shapes, strides, dtypes and 16-byte alignment; the dispatcher's
+    replays) with the per-call work only.  None otherwise: the caller runs :func:`all_gather_matmul`.  Collective on
+    a new layout (:func:`_check_layout_agrees`)."""
+    if symm.capturing() or _group_size(group_name) == 1 or not use_push(shard2d, weights):
+        return None
+    check_errors(shard2d.device)
+    ws = symm.workspace(group_name, shard2d.device)
+    _check_layout_agrees(ws, shard2d, True)
+    return _PushCall(ws, shard2d, weights, biases, return_gathered)
+
+
+class _PushCall:
+    """An eager push call's signature, worked out once (module docstring, steps 1-4); calling it enqueues one call of
+    the signature: an error left by an earlier call is raised first, then the per-call work (the epoch, the outputs,
+    the pointers) and the launches.  The buffers' growth and addresses are looked up per call (another signature may
+    grow them)."""
+
+    def __init__(self, ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],
+                 biases: Sequence[Optional[Tensor]], return_gathered: bool):
+        self.ws = ws
+        self.device = shard2d.device
+        self.index = shard2d.device.index
+        self.shard_rows, self.k = shard2d.shape
+        self.m = ws.world * self.shard_rows
+        self.dtype = shard2d.dtype
+        self.row_bytes = self.k * shard2d.element_size()
+        self.nbytes = self.m * self.row_bytes
+        self.return_gathered = return_gathered
+        # Only the widest GEMM overlaps the transfer: any other GEMM on the stream starts after it, when every row
+        # has arrived, so it runs on cuBLAS (which tiles a narrow N, the K/V projections', across more SMs: 46
+        # against 84 us for 4096x8192x512 on an H200) and reads the complete gathered A.
+        self.widest = max(range(len(weights)), key=lambda i: weights[i].shape[1])
+        self.rest = [i for i in range(len(weights)) if i != self.widest]
+        self.n = weights[self.widest].shape[1]
+        self.chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
+        self.k_chunks = use_k_chunks(self.m, self.n, loader.extension().ag_device_sm_count(), self.nbytes // ws.world)
+
+    def __call__(self, shard2d: Tensor, weights: Sequence[Tensor],
+                 biases: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], Tensor]:
+        if symm.read_error(self.index):
+            check_errors(self.device)
+        ws = self.ws
+        ws.reserve(self.nbytes)
+        m, k, dtype, rank = self.m, self.k, self.dtype, ws.rank
+        epoch = ws.next_epoch()
+        parity = epoch & 1
+        main = torch.cuda.current_stream(self.device)
+        buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]; its own rows stay unwritten
+        # The barrier: every peer done with the buffer this call writes into (the peer reached the previous call).
+        # Once calls were captured, a peer's replay may have read either buffer since the previous eager call: every
+        # peer must reach this one.
+        need = ws.previous_epoch() if not ws.captured else epoch
+        out = shard2d.new_empty((m, self.n))
+        gemm = gemm_args(buffer, weights[self.widest], biases[self.widest], out, stream=main, flags=ws.flags[parity],
+                         epoch=epoch, rank=rank, world=ws.world, shard_rows=self.shard_rows,
+                         chunks_per_rank=self.chunks, k_chunks=self.k_chunks, a_local=shard2d, capturing=False)
+        peer_buffers, peer_flags = ws.peer_addresses(parity, m, k, dtype)
+        side = ws.side_stream
+        push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
+                  rank, ws.epoch_word, [gemm], ws.push_events(), main, side, self.chunks, self.k_chunks)
+        # The side stream copies this rank's rows, after the push, into the gathered A (or, for the other GEMMs, into
+        # the buffer) while the GEMM runs; the peers' rows are copied out once the GEMM has waited for them.
+        gathered = shard2d.new_empty((m, k)) if self.return_gathered else None
+        a_full = gathered if gathered is not None else buffer if self.rest else None
+        # Raw copy-engine copies (no stream switch, no slicing: host time on every call).  Rows are contiguous.
+        ext = loader.extension()
+        lo, hi = rank * self.shard_rows * self.row_bytes, (rank + 1) * self.shard_rows * self.row_bytes
+        if a_full is not None:
+            ext.ag_memcpy_async(a_full.data_ptr() + lo, shard2d.data_ptr(), hi - lo, side.cuda_stream)
+        if gathered is not None:
+            if lo:
+                ext.ag_memcpy_async(gathered.data_ptr(), buffer.data_ptr(), lo, main.cuda_stream)
+            if hi < self.nbytes:
+                ext.ag_memcpy_async(gathered.data_ptr() + hi, buffer.data_ptr() + hi, self.nbytes - hi,
+                                    main.cuda_stream)
+        main.wait_stream(side)
+        outputs: List[Optional[Tensor]] = [None] * len(weights)
+        outputs[self.widest] = out
+        for i in self.rest:
+            outputs[i] = (torch.mm(a_full, weights[i]) if biases[i] is None else
+                          torch.addmm(biases[i], a_full, weights[i]))
+        return outputs, gathered if gathered is not None else shard2d.new_empty(0)
 
 
 def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],

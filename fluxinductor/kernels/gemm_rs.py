@@ -269,53 +269,92 @@ def matmul_reduce_scatter(
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
     state = _state(group_name, a2d.device)
     state.raise_if_error()
+    if state.world > 1 and not _symm.capturing():
+        return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
+                          out)(a2d, weight, bias, out)
+    # One rank, or under capture, where unsupported_reason (ours, or the caller's: checked) found the call
+    # capturable: the stores transport.
     a2d, bias = _prepare(a2d, bias)
     m, k = a2d.shape
     n = weight.shape[1]
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
-    # Under capture unsupported_reason (ours, or the caller's: checked) found the call capturable: stores only.
-    capturing = world > 1 and _symm.capturing()
-    mode = push_mode(transport) if world > 1 and not capturing else "store"
-    if mode == "split":
-        reason = split_reason(world, weight, bias, out)
-        if reason is not None:
-            log.note_once(f"matmul_reduce_scatter runs the copy transport instead of split: {reason}")
-            mode = "copy"
-    copy = state.copy_workspace() if mode != "store" else None
-    config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
-    transport_sig = f"{mode}{config or ''}/{bands()}" if copy is not None else "store"
-    if out.dtype != a2d.dtype:
-        transport_sig += f"/{out.dtype}"
-    sig = signature(m, n, k, world, a2d.dtype, transport_sig)
+    capturing = world > 1
+    sig = signature(m, n, k, world, a2d.dtype, "store" if out.dtype == a2d.dtype else f"store/{out.dtype}")
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
-    if not capturing:
-        state.agree(sig)
-        state.reserve(nbytes)
-    launch(
-        a2d,
-        weight,
-        bias,
-        out,
-        m=m,
-        world=world,
-        rank=state.rank,
-        buffers=state.buffer_ptrs,
-        epoch=CAPTURE_EPOCH if capturing else state.next_epoch() if world > 1 else 0,
-        sig=sig,
-        error_address=state.error.device,
-        out_scale=(1.0 / world) if reduce_op == "avg" else 1.0,
-        copy=copy,
-        split=mode == "split",
-        split_config=config,
-        capture=capturing,
-    )
+    launch(a2d, weight, bias, out, m=m, world=world, rank=state.rank, buffers=state.buffer_ptrs,
+           epoch=CAPTURE_EPOCH if capturing else 0, sig=sig, error_address=state.error.device,
+           out_scale=(1.0 / world) if reduce_op == "avg" else 1.0, capture=capturing)
     if capturing:
         # Every peer's flags of this call were read by the own tiles' epilogue; clear them for the next replay (a peer
         # sets them again only after the next call's handshake, which this rank enters after this).
         state.buffer[flags_offset:data_offset].zero_()
     return out
+
+
+def prepare_matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                                  group_name: str, *, transport: str = "store",
+                                  split_config_choice: Optional[int] = None,
+                                  out_dtype: Optional[torch.dtype] = None):
+    """For a call that :func:`unsupported_reason` accepts, outside CUDA graph capture, on 2 or more ranks: a function
+    ``run(a2d, weight, bias)`` that runs it as :func:`matmul_reduce_scatter` does, and any later call of its signature
+    (operands of the same shapes, strides, dtypes and 16-byte alignment; the dispatcher's replays) with the per-call
+    work only.  None otherwise: the caller runs :func:`matmul_reduce_scatter`."""
+    if _symm.capturing():
+        return None
+    state = _state(group_name, a2d.device)
+    if state.world < 2:
+        return None
+    return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype)
+
+
+class _EagerCall:
+    """An eager call's signature on 2 or more ranks, worked out once: its transport (module docstring), the split
+    configuration, the handshake's signature, the buffer it needs.  Calling it runs one call of the signature: the
+    group's error and agreement are checked (the group's state is looked up per call: :func:`reset` replaces it), the
+    buffer grown if another signature has not, then the launch."""
+
+    def __init__(self, state: _GroupState, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
+                 transport: str, split_config_choice: Optional[int], out_dtype: Optional[torch.dtype],
+                 out: Optional[Tensor] = None):
+        a2d, bias = _prepare(a2d, bias)
+        self.group_name, self.device = state.group_name, a2d.device
+        self.m, k = a2d.shape
+        n = weight.shape[1]
+        world = state.world
+        self.out_dtype = out_dtype or a2d.dtype
+        self.out_shape = (self.m // world, n)
+        self.out_scale = (1.0 / world) if reduce_op == "avg" else 1.0
+        mode = push_mode(transport)
+        if mode == "split":
+            reason = split_reason(world, weight, bias, out) or (
+                f"the split transport writes {a2d.dtype}, not {self.out_dtype}" if self.out_dtype != a2d.dtype
+                else None)
+            if reason is not None:
+                log.note_once(f"matmul_reduce_scatter runs the copy transport instead of split: {reason}")
+                mode = "copy"
+        self.mode = mode
+        self.config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
+        transport_sig = f"{mode}{self.config or ''}/{bands()}" if mode != "store" else "store"
+        if self.out_dtype != a2d.dtype:
+            transport_sig += f"/{self.out_dtype}"
+        self.sig = signature(self.m, n, k, world, a2d.dtype, transport_sig)
+        self.nbytes = buffer_layout(self.m, n, world, a2d.dtype)[2]
+
+    def __call__(self, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+        state = _state(self.group_name, self.device)
+        state.raise_if_error()
+        a2d, bias = _prepare(a2d, bias)
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        state.agree(self.sig)
+        state.reserve(self.nbytes)
+        launch(a2d, weight, bias, out, m=self.m, world=state.world, rank=state.rank, buffers=state.buffer_ptrs,
+               epoch=state.next_epoch(), sig=self.sig, error_address=state.error.device, out_scale=self.out_scale,
+               copy=state.copy_workspace() if self.mode != "store" else None, split=self.mode == "split",
+               split_config=self.config)
+        return out
 
 
 _gemm_only_errors: Dict[int, ErrorWord] = {}

@@ -19,6 +19,7 @@ On GPUs the same holds with device memory and the symmetric workspaces: tests/gp
 from __future__ import annotations
 
 import functools
+import gc
 import random
 import types
 from typing import Dict, List
@@ -34,8 +35,9 @@ DIMS = ((8, 4), (16, 24), (24, 8))  # (K, N)
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 CALLS = 2500
 CHECK_EVERY = 10
-# tracemalloc starts after HEAP_START random calls and is first sampled after HEAP_FROM: in between, Python's free lists
-# (tuples, dicts) fill with blocks it counts as live, tens of KiB once, then no more.
+# tracemalloc starts after HEAP_START random calls and is first sampled after HEAP_FROM.  Each sample follows a full
+# garbage collection, which also empties Python's free lists (tuples, dicts): tracemalloc counts their blocks as live,
+# and how full they are depends on how many objects of each size a call frees at once, not on any leak.
 HEAP_START = 200
 HEAP_FROM = 1000
 HEAP_EVERY = 250
@@ -129,6 +131,7 @@ def _job(rank: int, world: int) -> Dict[str, object]:
             if i + 1 == HEAP_START:
                 tracemalloc.start()
             if i + 1 >= HEAP_FROM and (i + 1 - HEAP_FROM) % HEAP_EVERY == 0:
+                gc.collect()
                 series.append({"call": i + 1, "heap": tracemalloc.get_traced_memory()[0],
                                "agreed": len(agreement._agreed), "plans": len(dispatch._plans),
                                "all_reduce_plans": len(ops_module._all_reduce_plans)})
