@@ -20,7 +20,9 @@ A fused kernel runs only for a group whose GPUs share a host and NVLink (:mod:`f
 once per group); other groups always take the decomposition.
 
 A call's decision (fused or not, which transport, the reason for a fallback) is made on the first call of its
-signature and remembered (:data:`_plans`); later calls of that signature repeat it without asking again.
+signature and remembered (:data:`_plans`); later calls of that signature repeat it without asking again.  Where it ran a
+fused kernel, the op's later calls of the signature skip this module's and the op's own per-call work (the replays,
+:data:`_replays`).
 
 The kernels take 2-D operands with the collective on dim 0.  Other layouts are brought to that form
 here: the gathered (or scattered) dim moves to the front, which is a free view when it is the leading
@@ -36,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fluxinductor import settings
+from fluxinductor import agreement, cost_model, settings
 from fluxinductor.kernels import loader, symm
 from fluxinductor.log import record_fallback
 
@@ -135,8 +137,6 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
     call's operands (``run_path(path)`` returns a zero-argument callable), the call is measured instead, once per
     signature and agreed by every rank (:mod:`fluxinductor.calibration`): first the device's rates, and if the roofline
     with them still leaves a fused path in the running, every candidate on the call itself."""
-    from fluxinductor import cost_model
-
     name = _device_name(device.index)
     paths = overlapped_paths(op, fused_eligible, split_eligible)
     decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
@@ -160,18 +160,12 @@ def split_all_reduce_veto(a: Tensor, weight: Tensor, world: int) -> Optional[str
     Only under ``auto`` dispatch on a GPU; the other modes do as they are told."""
     if mode() != "auto" or a.device.type != "cuda":
         return None
-    from fluxinductor import cost_model
-
     rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
     return cost_model.split_all_reduce_veto(_device_name(a.device.index), world, rows, a.shape[-1] * world,
                                             weight.shape[1], a.dtype, overlapped_paths("matmul_reduce_scatter"))
 
 
 def _split_config_choice(device: torch.device, world: int, m: int, k: int, n: int, dtype) -> Optional[int]:
-    try:
-        from fluxinductor import cost_model
-    except ImportError:
-        return None
     return cost_model.split_config(_device_name(device.index), world, m, k, n, dtype)
 
 
@@ -302,8 +296,6 @@ def _operand_key(t: Optional[Tensor]) -> Optional[tuple]:
 
 def _auto_key(device: torch.device, world: int) -> tuple:
     """What an ``auto`` decision depends on beyond the call: whether async-TP is offered, and the table's version."""
-    from fluxinductor import cost_model
-
     return settings.tuning.asynctp, cost_model.table_version(_device_name(device.index), world)
 
 
@@ -337,8 +329,6 @@ def replay_key(op: str, group_name: str, args: tuple, operands: tuple) -> Option
     None) in a fixed order; None under CUDA graph capture."""
     if symm.capturing():
         return None
-    from fluxinductor import agreement, cost_model
-
     return (op, group_name, args, settings.generation(), agreement.generation, cost_model.generation(),
             tuple(map(_operand_key, operands)))
 

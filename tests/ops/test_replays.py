@@ -88,6 +88,7 @@ def counted(flux_settings, monkeypatch, group_name):
     monkeypatch.setattr(dispatch, "_cost_model_says", says)
     monkeypatch.setattr(dispatch, "_device_name", lambda index: "a device with no tuning table")
     monkeypatch.setattr(agreement, "check", counting_check)
+    monkeypatch.setattr(dispatch, "_clock", lambda: 100.0)  # a replay lasts REPLAY_S: no test waits that long here
     flux_settings(dispatch="auto", asynctp=False)
     return counts
 
