@@ -280,7 +280,7 @@ def matmul_reduce_scatter(
     world = state.world
     if out is None:
         out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
-    capturing = world > 1
+    capturing = world > 1  # here: 2 or more ranks only under capture
     sig = signature(m, n, k, world, a2d.dtype, "store" if out.dtype == a2d.dtype else f"store/{out.dtype}")
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
     launch(a2d, weight, bias, out, m=m, world=world, rank=state.rank, buffers=state.buffer_ptrs,
@@ -318,7 +318,8 @@ class _EagerCall:
     def __init__(self, state: _GroupState, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                  transport: str, split_config_choice: Optional[int], out_dtype: Optional[torch.dtype],
                  out: Optional[Tensor] = None):
-        a2d, bias = _prepare(a2d, bias)
+        if bias is not None:
+            bias = bias.to(a2d.dtype).contiguous()  # as _prepare gives it to the launch
         self.group_name, self.device = state.group_name, a2d.device
         self.m, k = a2d.shape
         n = weight.shape[1]
