@@ -268,10 +268,10 @@ def matmul_reduce_scatter(
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
     state = _state(group_name, a2d.device)
-    state.raise_if_error()
-    if state.world > 1 and not _symm.capturing():
+    if state.world > 1 and not _symm.capturing():  # (the call raises an earlier call's error first)
         return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
                           out)(a2d, weight, bias, out)
+    state.raise_if_error()
     # One rank, or under capture, where unsupported_reason (ours, or the caller's: checked) found the call
     # capturable: the stores transport.
     a2d, bias = _prepare(a2d, bias)
