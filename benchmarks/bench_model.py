@@ -312,15 +312,25 @@ def build_contenders(ctx: Ctx, model_name: str, cfg: dict, args, modes: List[str
     return out
 
 
+PROFILE_LEAD, PROFILE_STEPS = 6, 2  # steps run back to back before the profiled ones; steps profiled
+
+
 def profile_step(ctx: Ctx, cont: Contender, x: torch.Tensor, grad, top: int) -> List[dict]:
-    """One more step under torch.profiler: this rank's ``top`` GPU kernels by total device time (name, calls, us)."""
+    """Profile the steady state: ``PROFILE_LEAD`` steps back to back, then the same again under torch.profiler,
+    with no synchronization between steps, so the GPU never idles and runs at the clocks a training loop holds (a
+    lone step after an idle GPU runs faster than the timed ones).  Returns this rank's ``top`` GPU kernels by total
+    device time over the profiled steps (name, calls, us)."""
     from torch.profiler import ProfilerActivity, profile
 
-    ctx.before_step(cont.model, x)
     ctx.barrier()
     ctx.sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(PROFILE_LEAD):
+        ctx.before_step(cont.model, x)
         _step(cont.fn, x, grad)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            ctx.before_step(cont.model, x)
+            _step(cont.fn, x, grad)
         ctx.sync()
     if ctx.profile_trace:
         prof.export_chrome_trace(f"{ctx.profile_trace}_{ctx.profile_seq}_rank{ctx.rank}.json")
@@ -812,7 +822,7 @@ def build_args(argv=None) -> argparse.Namespace:
                         "hidden-host figure)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after the rounds, profile one more step per mode and record each rank's N costliest GPU "
+                   help="after the rounds, profile two steps per mode in the steady state (after six back to back) and record each rank's N costliest GPU "
                         "kernels (JSON profile_top; printed under the table)")
     p.add_argument("--profile-trace", default=None, metavar="PREFIX",
                    help="with --profile: also write each profiled step's Chrome trace to PREFIX_<i>_rank<r>.json")
