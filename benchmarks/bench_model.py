@@ -71,10 +71,13 @@ the step: host time shows where it is not covered by GPU work, as a training or 
 skew leaving the barrier, a few microseconds, is in it for every mode alike).  A step's time is the maximum over
 ranks; ``ms`` is the median over all steps of all rounds, with ``spread`` (min, p10, p90, max, n) and
 ``round_median_ms`` (one median per round).  Beside it, never instead of it, ``hidden_host_ms``: in the same
-rounds, after the exposed steps, ``--iters`` more steps with the host hidden (``torch.cuda._sleep(--sleep-cycles)``
-before the start event, so the host enqueues the step while the GPU sleeps and the events measure device time;
-``hidden_host_enqueue_ms`` with the measured sleep shows a step whose enqueue outlasts the sleep; ``--sleep-cycles
-0``: no hidden-host figure).  On CPU: ``time.perf_counter`` around the step after a barrier (host exposed; no
+rounds, after the exposed steps, ``--iters`` more steps with the host hidden (``torch.cuda._sleep`` before the start
+event, so the host enqueues the step while the GPU sleeps and the events measure device time).  A sleep of so many
+cycles is shorter under load than on the idle GPU, so each contender's sleep is sized to outlast its round's slowest
+host-exposed enqueue by half again at the fastest clock its sleeps ran at (``--sleep-cycles`` at least); each
+step's sleep is measured, ``hidden_host_sleep_ms`` is their median and ``hidden_host_covered`` the share of steps
+whose sleep outlasted their enqueue (the first round's may not: the idle GPU's clock is its first guess;
+``--sleep-cycles 0``: no hidden-host figure).  On CPU: ``time.perf_counter`` around the step after a barrier (host exposed; no
 hidden-host figure).
 
 G.  Per (model, phase), from the host-exposed medians: ``G = (T_inductor - T_mode) / (T_inductor - T_nocomm)``,
@@ -182,6 +185,7 @@ class Ctx(RunContext):
         self.round_warmup = args.round_warmup
         # The hidden-host figure: CUDA only, off with --sleep-cycles 0.
         self.hidden = self.is_cuda and self.sleep_cycles > 0
+        self.sleep_ms: Optional[float] = None  # --sleep-cycles on the idle GPU, measured at the start
         self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
         self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
         if args.dynamic:
@@ -272,6 +276,7 @@ class Contender:
         self.notes: List[str] = []
         fn, self.make_context, self.census = mode_setup(mode, model, ctx, self.notes)
         self.fn = _under_autocast(fn, ctx.device.type, ctx.autocast) if ctx.autocast is not None else fn
+        self.sleep_rate = 0.0  # the fastest clock its hidden-host sleeps ran at, cycles per ms
         self.reset_phase()
 
     def reset_phase(self) -> None:
@@ -279,6 +284,7 @@ class Contender:
         self.host: List[List[float]] = []
         self.hidden: List[List[float]] = []
         self.hidden_host: List[List[float]] = []
+        self.sleeps: List[List[float]] = []
         self.fallbacks: dict = {}
         self.compiles = 0
         self.profile_top: Optional[List[dict]] = None
@@ -438,6 +444,16 @@ def first_call(ctx: Ctx, cont: Contender, phase: str, x: torch.Tensor, grad, ref
     return record, snap
 
 
+def hidden_sleep_cycles(ctx: Ctx, cont: Contender, host_ms: float) -> int:
+    """The GPU sleep, in cycles, before each of ``cont``'s host-hidden steps: ``--sleep-cycles`` or enough to outlast
+    ``host_ms`` (this round's slowest host-exposed enqueue) by half again at the fastest clock ``cont``'s sleeps have
+    run at (cycles per ms; before any, the rate measured on the idle GPU at the start, which runs slower, so the first
+    round may sleep too little: each step's sleep and enqueue are recorded, ``hidden_host_covered`` counts the steps
+    whose sleep outlasted their enqueue)."""
+    rate = cont.sleep_rate or (ctx.sleep_cycles / ctx.sleep_ms if ctx.sleep_ms else 0.0)
+    return max(ctx.sleep_cycles, int(1.5 * host_ms * rate))
+
+
 def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str]:
     """One round of ``cont``: ``ctx.round_warmup`` untimed steps, ``ctx.iters`` host-exposed steps, then (CUDA, sleep
     on) ``ctx.iters`` host-hidden steps, appended to the contender's lists.  Returns this rank's error, if any."""
@@ -453,9 +469,12 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
             times, host = time_iterations(ctx, step, ctx.round_warmup, ctx.iters, sleep_cycles=None,
                                           before_iter=before)
             hidden = hidden_host = None
+            sleeps: List[float] = []
             if ctx.hidden:
-                hidden, hidden_host = time_iterations(ctx, step, 0, ctx.iters, sleep_cycles=ctx.sleep_cycles,
-                                                      before_iter=before)
+                cycles = hidden_sleep_cycles(ctx, cont, max(host))
+                hidden, hidden_host = time_iterations(ctx, step, 0, ctx.iters, sleep_cycles=cycles,
+                                                      before_iter=before, sleeps=sleeps)
+                cont.sleep_rate = max([cont.sleep_rate] + [cycles / ms for ms in sleeps if ms > 0])
     except Exception as e:  # noqa: BLE001
         if not ctx.context_ok():
             raise ContextBroken(f"{cont.mode} broke the CUDA context while timed: {ctx.broken}") from e
@@ -467,6 +486,7 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
     if hidden is not None:
         cont.hidden.append(hidden)
         cont.hidden_host.append(hidden_host)
+        cont.sleeps.append(sleeps)
     if cont.is_flux:
         _add_counts(cont.fallbacks, rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"])
     cont.compiles += _compiled_graphs() - graphs0
@@ -477,6 +497,7 @@ def summarize(ctx: Ctx, cont: Contender, record: dict) -> None:
     """Gather every rank's round times of ``cont`` into ``record``: host-exposed ``ms`` (median over all steps of
     each step's maximum over ranks), its ``spread`` and ``round_median_ms``, and the hidden-host figures."""
     local = {"exposed": cont.exposed, "host": cont.host, "hidden": cont.hidden, "hidden_host": cont.hidden_host,
+             "sleeps": cont.sleeps,
              "fallbacks": cont.fallbacks, "compiles": cont.compiles, "profile_top": cont.profile_top}
     everyone = ctx.gather(local)
     if not everyone[0]["exposed"]:
@@ -501,6 +522,11 @@ def summarize(ctx: Ctx, cont: Contender, record: dict) -> None:
         record["hidden_host_iter_ms"] = [[t for rnd in r["hidden"] for t in rnd] for r in everyone]
         record["hidden_host_enqueue_ms"] = [statistics.median(t for rnd in r["hidden_host"] for t in rnd)
                                             for r in everyone]
+        pairs = [(s, h) for r in everyone for srnd, hrnd in zip(r["sleeps"], r["hidden_host"])
+                 for s, h in zip(srnd, hrnd)]
+        if pairs:
+            record["hidden_host_sleep_ms"] = statistics.median(s for s, _ in pairs)
+            record["hidden_host_covered"] = sum(s > h for s, h in pairs) / len(pairs)
     if everyone[0]["profile_top"] is not None:
         record["profile_top"] = [r["profile_top"] for r in everyone]
     if cont.is_flux:
@@ -818,8 +844,8 @@ def build_args(argv=None) -> argparse.Namespace:
                         "the host hidden on cuda")
     p.add_argument("--quick", action="store_true", help="fewer rounds and iterations")
     p.add_argument("--sleep-cycles", type=int, default=2_000_000,
-                   help="torch.cuda._sleep cycles before each start event of the hidden-host steps (0 = no "
-                        "hidden-host figure)")
+                   help="the least torch.cuda._sleep cycles before each start event of the hidden-host steps, "
+                        "more where the host's enqueue needs them (0 = no hidden-host figure)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the rounds, profile two steps per mode in the steady state (after six back to back) and record each rank's N costliest GPU "
@@ -908,7 +934,7 @@ def main(argv=None) -> int:
     timing = ("cuda_events: per step, gradients dropped, dist.barrier + cuda.synchronize, then CUDA events around "
               "the step (host exposed); a step = max over ranks; median over all rounds") if ctx.is_cuda else \
         "perf_counter around each step after dist.barrier (host exposed); a step = max over ranks; median over all rounds"
-    sleep_ms = measure_sleep_ms(ctx) if ctx.hidden else None
+    sleep_ms = ctx.sleep_ms = measure_sleep_ms(ctx) if ctx.hidden else None
     data = {
         "schema": "fluxinductor.bench_model/2",
         "complete": False,

@@ -262,7 +262,8 @@ def exit_now(rc: int) -> None:
 
 def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iters: int,
                     sleep_cycles: Optional[int] = None, before_start: Optional[Callable[[], None]] = None,
-                    before_iter: Optional[Callable[[], None]] = None) -> Tuple[List[float], List[float]]:
+                    before_iter: Optional[Callable[[], None]] = None,
+                    sleeps: Optional[List[float]] = None) -> Tuple[List[float], List[float]]:
     """(device ms, host ms) of each of ``iters`` calls of ``fn`` after ``warmup`` warm-ups; ``dist.barrier`` and
     ``cuda.synchronize`` before every call.
 
@@ -270,11 +271,14 @@ def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iter
     enqueues it, so the events measure device time and host launch cost stays out; ``before_start`` runs between
     the sleep and the start event (bench_ops aligns the ranks' start there).  Host ms: the time the host took to
     enqueue the call.  On CPU both are ``time.perf_counter`` around the call.  ``before_iter`` runs before the
-    barrier (bench_model drops gradients there)."""
+    barrier (bench_model drops gradients there).  ``sleeps`` (CUDA, with a sleep): gets each timed call's sleep in
+    ms, measured by an event before it: a sleep of so many cycles lasts longer on an idle GPU's clock than under load,
+    and the host is hidden only where the sleep outlasts the enqueue."""
     times: List[float] = []
     host: List[float] = []
     if ctx.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before_sleep = torch.cuda.Event(enable_timing=True)
     for i in range(warmup + iters):
         if before_iter is not None:
             before_iter()
@@ -282,6 +286,7 @@ def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iter
         ctx.sync()
         if ctx.is_cuda:
             if sleep_cycles is not None:
+                before_sleep.record()
                 torch.cuda._sleep(sleep_cycles)
             if before_start is not None:
                 before_start()
@@ -292,6 +297,8 @@ def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iter
             end.record()
             end.synchronize()
             t = start.elapsed_time(end)
+            if sleeps is not None and sleep_cycles is not None and i >= warmup:
+                sleeps.append(before_sleep.elapsed_time(start))
         else:
             h0 = time.perf_counter()
             fn()

@@ -303,3 +303,40 @@ def test_bench_model_cli_rejects_tokens_without_llama(tmp_path):
         proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "x"), *args],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and "--tokens" in proc.stderr, (extra, proc.stderr[-500:])
+
+
+def _bench_model_module():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_model_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hidden_host_sleep_outlasts_the_enqueue():
+    """The hidden-host sleep is sized from the host's enqueue at the fastest clock seen, never below --sleep-cycles,
+    and the record says how many steps it covered."""
+    from types import SimpleNamespace
+
+    bm = _bench_model_module()
+    ctx = SimpleNamespace(sleep_cycles=1000, sleep_ms=2.0)  # the idle GPU: 500 cycles per ms
+    cont = SimpleNamespace(sleep_rate=0.0)
+    assert bm.hidden_sleep_cycles(ctx, cont, 0.1) == 1000  # a short enqueue: the floor
+    assert bm.hidden_sleep_cycles(ctx, cont, 4.0) == int(1.5 * 4.0 * 500)  # the idle rate before any sleep ran
+    cont.sleep_rate = 2000.0  # a sleep ran faster under load
+    assert bm.hidden_sleep_cycles(ctx, cont, 4.0) == int(1.5 * 4.0 * 2000)
+    ctx.sleep_ms = None
+    cont.sleep_rate = 0.0
+    assert bm.hidden_sleep_cycles(ctx, cont, 4.0) == 1000  # no rate known: the floor
+
+    local = {"exposed": [[2.0, 3.0]], "host": [[1.0, 1.0]], "hidden": [[1.5, 1.6]], "hidden_host": [[0.5, 0.9]],
+             "sleeps": [[0.8, 0.7]], "fallbacks": {}, "compiles": 0, "profile_top": None}
+    ctx = SimpleNamespace(gather=lambda d: [local, local])
+    cont = SimpleNamespace(exposed=local["exposed"], host=local["host"], hidden=local["hidden"],
+                           hidden_host=local["hidden_host"], sleeps=local["sleeps"], fallbacks={}, compiles=0,
+                           profile_top=None, is_flux=False)
+    record = {}
+    bm.summarize(ctx, cont, record)
+    assert record["hidden_host_sleep_ms"] == statistics.median([0.8, 0.7, 0.8, 0.7])
+    assert record["hidden_host_covered"] == 0.5  # 0.8 > 0.5 covered, 0.7 < 0.9 not, on both ranks
+    assert record["hidden_host_ms"] == statistics.median([1.5, 1.6])
