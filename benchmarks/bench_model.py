@@ -73,11 +73,13 @@ ranks; ``ms`` is the median over all steps of all rounds, with ``spread`` (min, 
 ``round_median_ms`` (one median per round).  Beside it, never instead of it, ``hidden_host_ms``: in the same
 rounds, after the exposed steps, ``--iters`` more steps with the host hidden (``torch.cuda._sleep`` before the start
 event, so the host enqueues the step while the GPU sleeps and the events measure device time).  A sleep of so many
-cycles is shorter under load than on the idle GPU, so each contender's sleep is sized to outlast its round's slowest
-host-exposed enqueue by half again at the fastest clock its sleeps ran at (``--sleep-cycles`` at least); each
-step's sleep is measured, ``hidden_host_sleep_ms`` is their median and ``hidden_host_covered`` the share of steps
-whose sleep outlasted their enqueue (the first round's may not: the idle GPU's clock is its first guess;
-``--sleep-cycles 0``: no hidden-host figure).  On CPU: ``time.perf_counter`` around the step after a barrier (host exposed; no
+cycles is shorter under load than on the idle GPU, so the sleep is sized to outlast the slowest host-exposed
+enqueue by half again at the fastest clock a sleep ran at (``--sleep-cycles`` at least), the same for every contender
+once each has run a round (a sleep also lets the clock recover from the power cap), and a one-element all-reduce
+behind it starts the step on every rank together (GPUs whose clocks differ end the same sleep apart).  Each step's
+sleep is measured, ``hidden_host_sleep_ms`` is their median and ``hidden_host_covered`` the share of steps whose
+sleep outlasted their enqueue (the first steps' may not: the idle GPU's clock is the first guess; ``--sleep-cycles
+0``: no hidden-host figure).  On CPU: ``time.perf_counter`` around the step after a barrier (host exposed; no
 hidden-host figure).
 
 G.  Per (model, phase), from the host-exposed medians: ``G = (T_inductor - T_mode) / (T_inductor - T_nocomm)``,
@@ -186,6 +188,9 @@ class Ctx(RunContext):
         # The hidden-host figure: CUDA only, off with --sleep-cycles 0.
         self.hidden = self.is_cuda and self.sleep_cycles > 0
         self.sleep_ms: Optional[float] = None  # --sleep-cycles on the idle GPU, measured at the start
+        self.sleep_rate = 0.0  # the fastest clock a hidden-host sleep has run at, cycles per ms
+        self.hidden_cycles = 0  # this phase's hidden-host sleep so far (hidden_sleep_cycles)
+        self.align_token = torch.zeros(1, device=self.device) if self.hidden else None
         self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
         self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
         if args.dynamic:
@@ -276,7 +281,6 @@ class Contender:
         self.notes: List[str] = []
         fn, self.make_context, self.census = mode_setup(mode, model, ctx, self.notes)
         self.fn = _under_autocast(fn, ctx.device.type, ctx.autocast) if ctx.autocast is not None else fn
-        self.sleep_rate = 0.0  # the fastest clock its hidden-host sleeps ran at, cycles per ms
         self.reset_phase()
 
     def reset_phase(self) -> None:
@@ -444,14 +448,23 @@ def first_call(ctx: Ctx, cont: Contender, phase: str, x: torch.Tensor, grad, ref
     return record, snap
 
 
-def hidden_sleep_cycles(ctx: Ctx, cont: Contender, host_ms: float) -> int:
-    """The GPU sleep, in cycles, before each of ``cont``'s host-hidden steps: ``--sleep-cycles`` or enough to outlast
-    ``host_ms`` (this round's slowest host-exposed enqueue) by half again at the fastest clock ``cont``'s sleeps have
-    run at (cycles per ms; before any, the rate measured on the idle GPU at the start, which runs slower, so the first
-    round may sleep too little: each step's sleep and enqueue are recorded, ``hidden_host_covered`` counts the steps
-    whose sleep outlasted their enqueue)."""
-    rate = cont.sleep_rate or (ctx.sleep_cycles / ctx.sleep_ms if ctx.sleep_ms else 0.0)
-    return max(ctx.sleep_cycles, int(1.5 * host_ms * rate))
+def hidden_sleep_cycles(ctx: Ctx, host_ms: float) -> int:
+    """The GPU sleep, in cycles, before each host-hidden step: enough to outlast ``host_ms`` (this round's slowest
+    host-exposed enqueue) by half again at the fastest clock a sleep has run at (cycles per ms; before any, the rate
+    measured on the idle GPU at the start, which runs slower, so the first steps may sleep too little: each step's
+    sleep and enqueue are recorded, ``hidden_host_covered`` counts the steps whose sleep outlasted their enqueue),
+    ``--sleep-cycles`` at least.  It only grows within a phase, so from the round in which every contender has run
+    they all sleep alike: a sleep also lets the GPU's clock recover from its power cap."""
+    rate = ctx.sleep_rate or (ctx.sleep_cycles / ctx.sleep_ms if ctx.sleep_ms else 0.0)
+    ctx.hidden_cycles = max(ctx.hidden_cycles, ctx.sleep_cycles, int(1.5 * host_ms * rate))
+    return ctx.hidden_cycles
+
+
+def align_ranks(ctx: Ctx) -> None:
+    """A one-element all-reduce behind the sleep: every rank's start event waits for the slowest rank's sleep (a
+    sleep of so many cycles lasts longer on a GPU whose clock is lower), so the step starts together everywhere."""
+    if ctx.world > 1:
+        dist.all_reduce(ctx.align_token)
 
 
 def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str]:
@@ -471,10 +484,11 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
             hidden = hidden_host = None
             sleeps: List[float] = []
             if ctx.hidden:
-                cycles = hidden_sleep_cycles(ctx, cont, max(host))
+                cycles = hidden_sleep_cycles(ctx, max(host))
                 hidden, hidden_host = time_iterations(ctx, step, 0, ctx.iters, sleep_cycles=cycles,
-                                                      before_iter=before, sleeps=sleeps)
-                cont.sleep_rate = max([cont.sleep_rate] + [cycles / ms for ms in sleeps if ms > 0])
+                                                      before_start=lambda: align_ranks(ctx), before_iter=before,
+                                                      sleeps=sleeps)
+                ctx.sleep_rate = max([ctx.sleep_rate] + [cycles / ms for ms in sleeps if ms > 0])
     except Exception as e:  # noqa: BLE001
         if not ctx.context_ok():
             raise ContextBroken(f"{cont.mode} broke the CUDA context while timed: {ctx.broken}") from e
@@ -542,6 +556,7 @@ def run_phase(ctx: Ctx, conts: Dict[str, object], model_name: str, phase: str, m
     """Compile and check every mode for ``phase``, then time them in rotating rounds; results into ``data``."""
     records: Dict[str, dict] = {}
     ref = None
+    ctx.hidden_cycles = 0
     for mode in ("eager",) + tuple(m for m in RUN_ORDER if m in modes and m != "eager"):
         cont = conts.get(mode)
         if isinstance(cont, str):  # its model could not be built

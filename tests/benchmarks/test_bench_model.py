@@ -319,15 +319,14 @@ def test_hidden_host_sleep_outlasts_the_enqueue():
     from types import SimpleNamespace
 
     bm = _bench_model_module()
-    ctx = SimpleNamespace(sleep_cycles=1000, sleep_ms=2.0)  # the idle GPU: 500 cycles per ms
-    cont = SimpleNamespace(sleep_rate=0.0)
-    assert bm.hidden_sleep_cycles(ctx, cont, 0.1) == 1000  # a short enqueue: the floor
-    assert bm.hidden_sleep_cycles(ctx, cont, 4.0) == int(1.5 * 4.0 * 500)  # the idle rate before any sleep ran
-    cont.sleep_rate = 2000.0  # a sleep ran faster under load
-    assert bm.hidden_sleep_cycles(ctx, cont, 4.0) == int(1.5 * 4.0 * 2000)
-    ctx.sleep_ms = None
-    cont.sleep_rate = 0.0
-    assert bm.hidden_sleep_cycles(ctx, cont, 4.0) == 1000  # no rate known: the floor
+    ctx = SimpleNamespace(sleep_cycles=1000, sleep_ms=2.0, sleep_rate=0.0, hidden_cycles=0)  # idle: 500 per ms
+    assert bm.hidden_sleep_cycles(ctx, 0.1) == 1000  # a short enqueue: the floor
+    assert bm.hidden_sleep_cycles(ctx, 4.0) == int(1.5 * 4.0 * 500)  # the idle rate before any sleep ran
+    assert bm.hidden_sleep_cycles(ctx, 1.0) == int(1.5 * 4.0 * 500)  # never shorter within a phase
+    ctx.sleep_rate = 2000.0  # a sleep ran faster under load
+    assert bm.hidden_sleep_cycles(ctx, 4.0) == int(1.5 * 4.0 * 2000)
+    ctx = SimpleNamespace(sleep_cycles=1000, sleep_ms=None, sleep_rate=0.0, hidden_cycles=0)
+    assert bm.hidden_sleep_cycles(ctx, 4.0) == 1000  # no rate known: the floor
 
     local = {"exposed": [[2.0, 3.0]], "host": [[1.0, 1.0]], "hidden": [[1.5, 1.6]], "hidden_host": [[0.5, 0.9]],
              "sleeps": [[0.8, 0.7]], "fallbacks": {}, "compiles": 0, "profile_top": None}
