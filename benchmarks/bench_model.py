@@ -77,7 +77,7 @@ cycles is shorter under load than on the idle GPU, so the sleep is sized to outl
 enqueue by half again at the fastest clock a sleep ran at (``--sleep-cycles`` at least), the same for every contender
 once each has run a round (a sleep also lets the clock recover from the power cap), and a one-element all-reduce
 behind it starts the step on every rank together (GPUs whose clocks differ end the same sleep apart).  Each step's
-sleep is measured, ``hidden_host_sleep_ms`` is their median and ``hidden_host_covered`` the share of steps whose
+sleep (with the alignment) is measured, ``hidden_host_sleep_ms`` is their median and ``hidden_host_covered`` the share of steps whose
 sleep outlasted their enqueue (the first steps' may not: the idle GPU's clock is the first guess; ``--sleep-cycles
 0``: no hidden-host figure).  On CPU: ``time.perf_counter`` around the step after a barrier (host exposed; no
 hidden-host figure).
@@ -863,8 +863,8 @@ def build_args(argv=None) -> argparse.Namespace:
                         "more where the host's enqueue needs them (0 = no hidden-host figure)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after the rounds, profile two steps per mode in the steady state (after six back to back) and record each rank's N costliest GPU "
-                        "kernels (JSON profile_top; printed under the table)")
+                   help="after the rounds, profile two steps per mode in the steady state (after six back to back) "
+                        "and record each rank's N costliest GPU kernels (JSON profile_top; printed under the table)")
     p.add_argument("--profile-trace", default=None, metavar="PREFIX",
                    help="with --profile: also write each profiled step's Chrome trace to PREFIX_<i>_rank<r>.json")
     p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout, seconds")

@@ -271,9 +271,9 @@ def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iter
     enqueues it, so the events measure device time and host launch cost stays out; ``before_start`` runs between
     the sleep and the start event (bench_ops aligns the ranks' start there).  Host ms: the time the host took to
     enqueue the call.  On CPU both are ``time.perf_counter`` around the call.  ``before_iter`` runs before the
-    barrier (bench_model drops gradients there).  ``sleeps`` (CUDA, with a sleep): gets each timed call's sleep in
-    ms, measured by an event before it: a sleep of so many cycles lasts longer on an idle GPU's clock than under load,
-    and the host is hidden only where the sleep outlasts the enqueue."""
+    barrier (bench_model drops gradients there).  ``sleeps`` (CUDA, with a sleep): gets each timed call's time in ms
+    from before the sleep to the start event (``before_start``'s work included): a sleep of so many cycles lasts
+    longer on an idle GPU's clock than under load, and the host is hidden only where this outlasts the enqueue."""
     times: List[float] = []
     host: List[float] = []
     if ctx.is_cuda:
