@@ -125,6 +125,7 @@ from harness import (
     RunContext,
     add_tuning_argument,
     agree,
+    align_ranks,
     apply_tuning,
     cell,
     environment,
@@ -460,13 +461,6 @@ def hidden_sleep_cycles(ctx: Ctx, host_ms: float) -> int:
     return ctx.hidden_cycles
 
 
-def align_ranks(ctx: Ctx) -> None:
-    """A one-element all-reduce behind the sleep: every rank's start event waits for the slowest rank's sleep (a
-    sleep of so many cycles lasts longer on a GPU whose clock is lower), so the step starts together everywhere."""
-    if ctx.world > 1:
-        dist.all_reduce(ctx.align_token)
-
-
 def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str]:
     """One round of ``cont``: ``ctx.round_warmup`` untimed steps, ``ctx.iters`` host-exposed steps, then (CUDA, sleep
     on) ``ctx.iters`` host-hidden steps, appended to the contender's lists.  Returns this rank's error, if any."""
@@ -485,9 +479,9 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
             sleeps: List[float] = []
             if ctx.hidden:
                 cycles = hidden_sleep_cycles(ctx, max(host))
+                align = (lambda: align_ranks(ctx.align_token)) if ctx.world > 1 else None
                 hidden, hidden_host = time_iterations(ctx, step, 0, ctx.iters, sleep_cycles=cycles,
-                                                      before_start=lambda: align_ranks(ctx), before_iter=before,
-                                                      sleeps=sleeps)
+                                                      before_start=align, before_iter=before, sleeps=sleeps)
                 ctx.sleep_rate = max([ctx.sleep_rate] + [cycles / ms for ms in sleeps if ms > 0])
     except Exception as e:  # noqa: BLE001
         if not ctx.context_ok():

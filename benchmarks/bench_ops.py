@@ -78,6 +78,7 @@ from harness import (
     RunContext,
     add_tuning_argument,
     agree,
+    align_ranks,
     apply_tuning,
     cell,
     environment,
@@ -164,11 +165,8 @@ def time_calls(ctx: Ctx, fn: Callable[[], object], warmup: Optional[int] = None,
     sleep_cycles = 2_000_000 if ctx.is_cuda and ctx.hide_host else None
     align = None
     if ctx.is_cuda and ctx.align_start:
-        # A one-element all-reduce behind the sleep: every GPU's start event waits for the slowest rank, so the
-        # host's skew between ranks leaving the barrier is not timed (it lands on whichever rank starts first once
-        # the op synchronizes the ranks).
         def align():
-            dist.all_reduce(ctx.align_token, group=ctx.group)
+            align_ranks(ctx.align_token, ctx.group)
 
     return time_iterations(ctx, fn, warmup, iters, sleep_cycles=sleep_cycles, before_start=align)[0]
 

@@ -260,6 +260,14 @@ def exit_now(rc: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
+def align_ranks(token: torch.Tensor, group=None) -> None:
+    """A one-element all-reduce of ``token`` behind a GPU sleep (``time_iterations``' ``before_start``): every rank's
+    start event waits for the slowest rank, so neither the host's skew leaving the barrier nor the ranks' different
+    sleeps (a sleep of so many cycles lasts longer on a GPU whose clock is lower) is timed; it would land on whichever
+    rank started first once the work synchronizes the ranks."""
+    dist.all_reduce(token, group=group)
+
+
 def time_iterations(ctx: RunContext, fn: Callable[[], object], warmup: int, iters: int,
                     sleep_cycles: Optional[int] = None, before_start: Optional[Callable[[], None]] = None,
                     before_iter: Optional[Callable[[], None]] = None,
