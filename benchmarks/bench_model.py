@@ -193,6 +193,7 @@ class Ctx(RunContext):
         self.hidden_cycles = 0  # this phase's hidden-host sleep so far (hidden_sleep_cycles)
         self.align_token = torch.zeros(1, device=self.device) if self.hidden else None
         self.profile, self.profile_trace, self.profile_seq = args.profile, args.profile_trace, 0
+        self.profile_exposed = args.profile_exposed
         self.compile_kwargs = {} if args.compile_mode is None else {"mode": args.compile_mode}
         if args.dynamic:
             self.compile_kwargs["dynamic"] = True
@@ -329,19 +330,25 @@ PROFILE_LEAD, PROFILE_STEPS = 6, 2  # steps run back to back before the profiled
 def profile_step(ctx: Ctx, cont: Contender, x: torch.Tensor, grad, top: int) -> List[dict]:
     """Profile the steady state: ``PROFILE_LEAD`` steps back to back, then the same again under torch.profiler,
     with no synchronization between steps, so the GPU never idles and runs at the clocks a training loop holds (a
-    lone step after an idle GPU runs faster than the timed ones).  Returns this rank's ``top`` GPU kernels by total
-    device time over the profiled steps (name, calls, us)."""
+    lone step after an idle GPU runs faster than the timed ones).  With ``--profile-exposed``, the steps are the timed
+    host-exposed ones instead (a barrier and a synchronization before each): the trace's runtime calls then show
+    where the GPU waited for the host.  Returns this rank's ``top`` GPU kernels by total device time over the
+    profiled steps (name, calls, us)."""
     from torch.profiler import ProfilerActivity, profile
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            if ctx.profile_exposed:
+                ctx.barrier()
+                ctx.sync()
+            ctx.before_step(cont.model, x)
+            _step(cont.fn, x, grad)
 
     ctx.barrier()
     ctx.sync()
-    for _ in range(PROFILE_LEAD):
-        ctx.before_step(cont.model, x)
-        _step(cont.fn, x, grad)
+    steps(PROFILE_LEAD)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILE_STEPS):
-            ctx.before_step(cont.model, x)
-            _step(cont.fn, x, grad)
+        steps(PROFILE_STEPS)
         ctx.sync()
     if ctx.profile_trace:
         prof.export_chrome_trace(f"{ctx.profile_trace}_{ctx.profile_seq}_rank{ctx.rank}.json")
@@ -859,6 +866,9 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the rounds, profile two steps per mode in the steady state (after six back to back) "
                         "and record each rank's N costliest GPU kernels (JSON profile_top; printed under the table)")
+    p.add_argument("--profile-exposed", action="store_true",
+                   help="with --profile: profile host-exposed steps (a barrier and a synchronization before each, as "
+                        "the timed steps) instead of steps back to back")
     p.add_argument("--profile-trace", default=None, metavar="PREFIX",
                    help="with --profile: also write each profiled step's Chrome trace to PREFIX_<i>_rank<r>.json")
     p.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout, seconds")

@@ -54,13 +54,15 @@ void export_ag_gemm(py::module_& m) {
         py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"), py::arg("reset") = false);
   m.def("ag_push_call", &api::ag_push_call,
         "one eager push call of the AG+GEMM (ag_gemm.h push_call) enqueued whole: the side stream's fork, the "
-        "arrival, the push with its flags, the GEMMs (`gemms`: ag_gemm_run's arguments before the stream, one tuple "
-        "per GEMM) and the join",
+        "arrival, the push with its flags, the shard into `local_rows` (0: none), the GEMMs (`gemms`: ag_gemm_run's "
+        "arguments before the stream, one tuple per GEMM), the peers' rows of `buffer` into `gathered` (0: none) and "
+        "the join",
         py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
         py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("shard"), py::arg("shard_rows"),
-        py::arg("k"), py::arg("element_size"), py::arg("peer_buffers"), py::arg("peer_flags"), py::arg("epoch_word"),
-        py::arg("chunks_per_rank"), py::arg("k_chunks"), py::arg("k_tile"), py::arg("gemms"), py::arg("fork_event"),
-        py::arg("join_event"), py::arg("main_stream"), py::arg("side_stream"));
+        py::arg("k"), py::arg("element_size"), py::arg("peer_buffers"), py::arg("peer_flags"),
+        py::arg("chunks_per_rank"), py::arg("k_chunks"), py::arg("k_tile"), py::arg("gemms"), py::arg("local_rows"),
+        py::arg("gathered"), py::arg("buffer"), py::arg("fork_event"), py::arg("join_event"), py::arg("main_stream"),
+        py::arg("side_stream"));
   m.def("ag_create_event", &api::ag_create_event,
         "a cudaEvent_t (timing off) on the current device, as an integer; never destroyed");
   m.def("ag_memcpy_async", &api::ag_memcpy_async, "cudaMemcpyAsync device-to-device (copy engine) on `stream`",
@@ -90,7 +92,7 @@ void export_gemm_rs(py::module_& m) {
         py::arg("lda"), py::arg("b"), py::arg("ldb"), py::arg("b_k_major"), py::arg("bias"), py::arg("out"),
         py::arg("ldo"), py::arg("out_scale"), py::arg("buffers"), py::arg("flags_offset"), py::arg("data_offset"),
         py::arg("epoch"), py::arg("signature"), py::arg("error"), py::arg("timeout_ns"), py::arg("sm_count"),
-        py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("epoch_word"), py::arg("bands"),
+        py::arg("stream"), py::arg("outbox"), py::arg("counters"), py::arg("bands"),
         py::arg("copy_stream"), py::arg("split"), py::arg("bias_scaled"), py::arg("split_pdl"),
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
         py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,

@@ -1,4 +1,4 @@
-"""Host cost of the pieces an AG+GEMM call is made of (torchrun, any world size, CUDA), without a profiler.
+"""Host cost of the pieces an AG+GEMM call is made of (and of a whole GEMM+RS call) (torchrun, any world size, CUDA), without a profiler.
 
 ``host_overhead.py`` times whole calls and, with ``--profile``, attributes them under cProfile, which inflates
 every Python call.  This times each layer and each stream operation on its own, the GPU kept busy by a sleep
@@ -88,6 +88,10 @@ def main(argv=None) -> int:
     word = torch.zeros(64, dtype=torch.int32, device=device)
     ext = symm.extension()
     op = torch.ops.fluxinductor.all_gather_matmul
+    # The GEMM+RS of the same sizes: a [M, K / world] @ [K / world, N], reduce-scattered over M.
+    rs_op = torch.ops.fluxinductor.matmul_reduce_scatter
+    a_rs = torch.randn(m, k // world, device=device, dtype=dtype, generator=gen)
+    w_rs = (torch.randn(n, k // world, device=device, dtype=dtype, generator=gen) / k**0.5).t()
 
     collective = {
         "op (torch.ops, FLUXINDUCTOR_DISPATCH=fused)": lambda: op(shard, [weight], [None], 1, group_name, False),
@@ -98,6 +102,9 @@ def main(argv=None) -> int:
         "nccl_seq (funcol all_gather, torch.matmul)": lambda: torch.matmul(
             funcol.all_gather_tensor(shard, 1, group_name), weight),
         "op again (order effects)": lambda: op(shard, [weight], [None], 1, group_name, False),
+        "GEMM+RS op (torch.ops, FLUXINDUCTOR_DISPATCH=fused)": lambda: rs_op(a_rs, w_rs, None, "sum", 0, group_name),
+        "GEMM+RS nccl_seq (torch.matmul, funcol reduce_scatter)": lambda: funcol.wait_tensor(
+            funcol.reduce_scatter_tensor(torch.matmul(a_rs, w_rs), "sum", 0, group_name)),
     }
     local = {
         "launch_gemm (plain GEMM, no flags)": lambda: ag_gemm.launch_gemm(a_full, weight, None, out),

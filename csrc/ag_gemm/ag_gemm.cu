@@ -157,9 +157,12 @@ Error push_call_unsupported(PushCallParams const& p) {
     return make_error("push_call: " + std::to_string(p.gemm_count) + " GEMMs (1 to " +
                       std::to_string(kMaxPushGemms) + ")");
   }
-  if (!p.shard || p.shard_rows < 1 || p.k < 1 || p.element_size < 1 || !p.epoch_word || !p.arrival.passed ||
+  if (!p.shard || p.shard_rows < 1 || p.k < 1 || p.element_size < 1 || !p.arrival.passed ||
       p.chunks_per_rank < 1 || p.k_chunks < 1 || p.k_tile < 1 || !p.fork_event || !p.join_event) {
     return make_error("push_call: a missing pointer, event or count");
+  }
+  if (p.gathered && !p.buffer) {
+    return make_error("push_call: the gathered A needs this rank's buffer");
   }
   for (int q = 0; q < world; ++q) {
     if (q != p.arrival.rank && (!p.peer_buffers[q] || !p.peer_flags[q])) {
@@ -191,9 +194,6 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     return why;
   }
 
-  if ((why = stream_write_value32(p.epoch_word, epoch, side)).failed()) {
-    return why;
-  }
   int64_t const row_bytes = p.k * p.element_size;
   auto const* shard = static_cast<char const*>(p.shard);
   for (int step = 1; step < world; ++step) {
@@ -208,7 +208,7 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
                                              (c1 - c0) * p.element_size, p.shard_rows, side)).failed()) {
           return why;
         }
-        if ((why = memcpy_async(p.peer_flags[peer] + rank * p.k_chunks + c, p.epoch_word, 4, side)).failed()) {
+        if ((why = stream_write_value32(p.peer_flags[peer] + rank * p.k_chunks + c, epoch, side)).failed()) {
           return why;
         }
       }
@@ -221,16 +221,32 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
                                              (end - start) * row_bytes, side)).failed()) {
         return why;
       }
-      if ((why = memcpy_async(p.peer_flags[peer] + rank * p.chunks_per_rank + c, p.epoch_word, 4, side)).failed()) {
+      if ((why = stream_write_value32(p.peer_flags[peer] + rank * p.chunks_per_rank + c, epoch, side)).failed()) {
         return why;
       }
     }
+  }
+
+  int64_t const shard_bytes = p.shard_rows * row_bytes;
+  if (p.local_rows && (why = memcpy_async(p.local_rows, shard, shard_bytes, side)).failed()) {
+    return why;
   }
 
   for (int i = 0; i < p.gemm_count; ++i) {
     AllGatherGemmParams gemm = p.gemms[i];
     gemm.pdl = pdl && i == 0;
     if ((why = all_gather_gemm(gemm, main)).failed()) {
+      return why;
+    }
+  }
+  if (p.gathered) {  // rows [0, rank * shard_rows) and [(rank + 1) * shard_rows, world * shard_rows)
+    int64_t const lo = rank * shard_bytes, hi = (rank + 1) * shard_bytes, total = world * shard_bytes;
+    auto* gathered = static_cast<char*>(p.gathered);
+    auto const* buffer = static_cast<char const*>(p.buffer);
+    if (lo > 0 && (why = memcpy_async(gathered, buffer, lo, main)).failed()) {
+      return why;
+    }
+    if (hi < total && (why = memcpy_async(gathered + hi, buffer + hi, total - hi, main)).failed()) {
       return why;
     }
   }

@@ -119,12 +119,14 @@ Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 //     epoch; the first GEMM is the arrival's programmatic dependent;
 //   k_chunks > 1 (one-wave problems, whose push start is the critical path): the arrival on `main`, then `side`
 //     follows `main` (fork_event), no programmatic launch;
-// then on `side`: the epoch into epoch_word, and for peer q = rank - 1, rank - 2, ... the shard into rows
-// [rank * shard_rows, (rank + 1) * shard_rows) of peer_buffers[q] (row stride k), chunk by chunk (row chunks:
-// ceil(shard_rows / chunks_per_rank) rows each, flag rank * chunks_per_rank + c; column blocks with k_chunks > 1:
-// ceil(ceil(k / k_tile) / k_chunks) K tiles each, flag rank * k_chunks + c), each chunk's bytes then a copy of
-// epoch_word into peer_flags[q][flag]; on `main` the GEMMs (gemms[i].pdl is set here); last `main` follows `side`
-// (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
+// then on `side`: for peer q = rank - 1, rank - 2, ... the shard into rows [rank * shard_rows, (rank + 1) *
+// shard_rows) of peer_buffers[q] (row stride k), chunk by chunk (row chunks: ceil(shard_rows / chunks_per_rank) rows
+// each, flag rank * chunks_per_rank + c; column blocks with k_chunks > 1: ceil(ceil(k / k_tile) / k_chunks) K tiles
+// each, flag rank * k_chunks + c), each chunk's bytes then the epoch written into peer_flags[q][flag] (a stream write,
+// whose memory barrier orders it after the bytes); then, if `local_rows`, the shard into it.  On `main` the GEMMs
+// (gemms[i].pdl is set here), then, if `gathered`, the peers' rows of `buffer` (this rank's, [world * shard_rows, k])
+// into the same rows of `gathered` (every GEMM has waited for them); last `main` follows `side` (join_event).  The
+// events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
 constexpr int kMaxPushGemms = 8;
 struct PushCallParams {
   ArrivalParams arrival;                           // epoch, need, rank, world: the call's
@@ -132,10 +134,12 @@ struct PushCallParams {
   int64_t shard_rows = 0, k = 0, element_size = 2;
   void* peer_buffers[kMaxArrivalWorld] = {};       // [q]: rank q's gathered buffer, [world * shard_rows, k], mapped
   uint32_t* peer_flags[kMaxArrivalWorld] = {};     // [q]: rank q's flags of this call's parity, mapped
-  uint32_t* epoch_word = nullptr;                  // this device
   int chunks_per_rank = 1, k_chunks = 1, k_tile = 64;
   AllGatherGemmParams gemms[kMaxPushGemms];
   int gemm_count = 0;
+  void* local_rows = nullptr;                      // [shard_rows, k] on this device, or null
+  void* gathered = nullptr;                        // [world * shard_rows, k] on this device, or null
+  const void* buffer = nullptr;                    // this rank's buffer, [world * shard_rows, k] (with `gathered`)
   void* fork_event = nullptr;
   void* join_event = nullptr;
 };

@@ -119,9 +119,9 @@ void ag_arrive_and_wait(const std::vector<int64_t>& peer_arrivals, int64_t arriv
 void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch,
                   uint32_t need, int rank, long long timeout_ns, int64_t error_word, int64_t shard, int64_t shard_rows,
                   int64_t k, int element_size, const std::vector<int64_t>& peer_buffers,
-                  const std::vector<int64_t>& peer_flags, int64_t epoch_word, int chunks_per_rank, int k_chunks,
-                  int k_tile, const std::vector<py::tuple>& gemms, int64_t fork_event, int64_t join_event,
-                  int64_t main_stream, int64_t side_stream) {
+                  const std::vector<int64_t>& peer_flags, int chunks_per_rank, int k_chunks, int k_tile,
+                  const std::vector<py::tuple>& gemms, int64_t local_rows, int64_t gathered, int64_t buffer,
+                  int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream) {
   int const world = int(peer_arrivals.size());
   if (world < 1 || world > ag_gemm::kMaxArrivalWorld || peer_buffers.size() != peer_arrivals.size() ||
       peer_flags.size() != peer_arrivals.size()) {
@@ -139,7 +139,6 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
   }
   p.shard = reinterpret_cast<const void*>(shard);
   p.shard_rows = shard_rows; p.k = k; p.element_size = element_size;
-  p.epoch_word = reinterpret_cast<uint32_t*>(epoch_word);
   p.chunks_per_rank = chunks_per_rank; p.k_chunks = k_chunks; p.k_tile = k_tile;
   for (size_t i = 0; i < gemms.size(); ++i) {
     py::tuple const& g = gemms[i];
@@ -157,6 +156,9 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
         g[29].cast<int64_t>(), g[30].cast<int64_t>(), g[31].cast<bool>(), g[32].cast<bool>());
   }
   p.gemm_count = int(gemms.size());
+  p.local_rows = reinterpret_cast<void*>(local_rows);
+  p.gathered = reinterpret_cast<void*>(gathered);
+  p.buffer = reinterpret_cast<const void*>(buffer);
   p.fork_event = reinterpret_cast<void*>(fork_event);
   p.join_event = reinterpret_cast<void*>(join_event);
   check_ok(ag_gemm::push_call(p, reinterpret_cast<void*>(main_stream), reinterpret_cast<void*>(side_stream)));

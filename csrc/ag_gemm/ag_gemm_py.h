@@ -34,13 +34,13 @@ void ag_arrive_and_wait(const std::vector<int64_t>& peer_arrivals, int64_t arriv
                         uint32_t need, int rank, long long timeout_ns, int64_t error_word, int64_t stream, bool reset);
 
 // One eager push call enqueued whole (ag_gemm.h push_call); `gemms`: one tuple of ag_gemm_run's 33 arguments before
-// the stream per GEMM.
+// the stream per GEMM; `local_rows`, `gathered`, `buffer`: addresses, 0 for none.
 void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch,
                   uint32_t need, int rank, long long timeout_ns, int64_t error_word, int64_t shard, int64_t shard_rows,
                   int64_t k, int element_size, const std::vector<int64_t>& peer_buffers,
-                  const std::vector<int64_t>& peer_flags, int64_t epoch_word, int chunks_per_rank, int k_chunks,
-                  int k_tile, const std::vector<pybind11::tuple>& gemms, int64_t fork_event, int64_t join_event,
-                  int64_t main_stream, int64_t side_stream);
+                  const std::vector<int64_t>& peer_flags, int chunks_per_rank, int k_chunks, int k_tile,
+                  const std::vector<pybind11::tuple>& gemms, int64_t local_rows, int64_t gathered, int64_t buffer,
+                  int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream);
 
 // Stream operations (csrc/common/stream_ops.h).
 void ag_stream_write_value32(int64_t address, uint32_t value, int64_t stream);

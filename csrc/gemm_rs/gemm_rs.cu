@@ -19,6 +19,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "fluxinductor/gemm_rs/kernel.cuh"
+#include "fluxinductor/common/cutlass_launch.cuh"
 #include "fluxinductor/common/stream_memops.h"
 #include "gemm_rs/split.h"
 
@@ -136,8 +137,8 @@ cudaError_t join_events(JoinEvents** out) {
 }
 
 // One band on the copy stream: wait until `count` tiles of it are stored, copy `height` rows of `width` bytes
-// (row pitch `pitch` on both sides) into the peer's slot, then raise the peer's flag by copying the epoch word
-// (stream order: after the band's bytes).
+// (row pitch `pitch` on both sides) into the peer's slot, then write the epoch into the peer's flag (a stream write,
+// whose memory barrier orders it after the band's bytes).
 int send_band(GemmRsArgs const& args, uint32_t* counter, uint32_t count, char* dst, char const* src, size_t pitch,
               size_t width, size_t height, char* peer_flag) {
   auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
@@ -148,18 +149,19 @@ int send_band(GemmRsArgs const& args, uint32_t* counter, uint32_t count, char* d
   cudaError_t status = height == 1 ? cudaMemcpyAsync(dst, src, width, cudaMemcpyDeviceToDevice, copy_stream)
                                    : cudaMemcpy2DAsync(dst, pitch, src, pitch, width, height,
                                                        cudaMemcpyDeviceToDevice, copy_stream);
-  if (status == cudaSuccess) {
-    status = cudaMemcpyAsync(peer_flag, args.epoch_word, sizeof(uint32_t), cudaMemcpyDeviceToDevice, copy_stream);
-  }
   if (status != cudaSuccess) {
     return fail(std::string("GEMM+RS band copy failed: ") + cudaGetErrorString(status));
+  }
+  result = stream_write(copy_stream, reinterpret_cast<uint32_t*>(peer_flag), args.epoch);
+  if (result != CUDA_SUCCESS) {
+    return fail("cuStreamWriteValue32 (a band's flag) failed with CUresult " + std::to_string(int(result)));
   }
   return 0;
 }
 
 // Enqueues on the copy stream, for each peer in the kernel's segment order and each band of its segment:
 // wait for the band's tile count, copy the band from the outbox into the peer's slot for this rank, then raise
-// the peer's flag of (this rank, band) by copying the epoch word (stream order: after the band's bytes).
+// the peer's flag of (this rank, band) to the epoch (send_band).
 // flags_per_src: the flag region's stride per source rank (the default kernel's tiles per segment).
 int enqueue_band_copies(GemmRsArgs const& args, int tile_m, int tiles_m, int tiles_n, Bands bands,
                         size_t element_bytes, int64_t flags_per_src) {
@@ -208,7 +210,7 @@ int launch_hello(GemmRsArgs const& args, cudaStream_t stream) {
 }
 
 // Counters start at zero; the copy stream starts after the handshake (every peer finished its previous call, so
-// its slots are free) and first writes the epoch word its flag copies read.
+// its slots are free).
 int start_copy_stream(GemmRsArgs const& args, Bands bands, cudaStream_t stream, JoinEvents** join) {
   auto copy_stream = static_cast<cudaStream_t>(args.copy_stream);
   cudaError_t prep = cudaMemsetAsync(args.counters, 0, sizeof(uint32_t) * args.world * bands.count, stream);
@@ -217,10 +219,6 @@ int start_copy_stream(GemmRsArgs const& args, Bands bands, cudaStream_t stream, 
   if (prep == cudaSuccess) prep = cudaStreamWaitEvent(copy_stream, (*join)->start, 0);
   if (prep != cudaSuccess) {
     return fail(std::string("GEMM+RS copy-engine setup failed: ") + cudaGetErrorString(prep));
-  }
-  CUresult result = stream_write(copy_stream, args.epoch_word, args.epoch);
-  if (result != CUDA_SUCCESS) {
-    return fail("cuStreamWriteValue32 (epoch word) failed with CUresult " + std::to_string(int(result)));
   }
   return 0;
 }
@@ -309,8 +307,7 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
       hw_info,
       scheduler};
 
-  Gemm gemm;
-  cutlass::Status status = gemm.can_implement(arguments);
+  cutlass::Status status = Gemm::can_implement(arguments);
   if (status != cutlass::Status::kSuccess) {
     return fail(std::string("CUTLASS cannot implement this GEMM+RS problem: ") + cutlassGetStatusString(status));
   }
@@ -331,18 +328,13 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
     }
   }
 
-  status = gemm.initialize(arguments, nullptr, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return fail(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
-  }
   // With the stores transport the GEMM directly follows the handshake on the stream: launched as its programmatic
   // dependent, its mainloop runs while the handshake waits for the peers (the epilogue waits for the handshake).  Not
   // in copy-engine mode, which puts the counters' reset and the copy stream's event between the two.
-  status = gemm.run(stream, nullptr, args.world > 1 && !copy_engine);
-  if (status != cutlass::Status::kSuccess) {
-    cudaError_t launch = cudaGetLastError();
-    return fail(std::string("GEMM+RS launch failed: ") + cutlassGetStatusString(status) + " / " +
-                cudaGetErrorString(launch));
+  cudaError_t const launched =
+      launch_gemm_kernel<Gemm>(arguments, hw_info.device_id, stream, args.world > 1 && !copy_engine);
+  if (launched != cudaSuccess) {
+    return fail(std::string("GEMM+RS launch failed: ") + cudaGetErrorString(launched));
   }
   if (copy_engine) {
     if (int rc = enqueue_band_copies(args, Config::kTileM, epi.tiles_m, epi.tiles_n, bands, sizeof(Element),
@@ -485,7 +477,7 @@ void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args
 
 // The split transport's copy stream, one ring step: per band in order, wait for its tile count, copy the block
 // (2-D, copy engine) from outbox segment `step` into slot `step` of rank `to`, then raise that rank's flag of
-// (step, band) by copying the epoch word.
+// (step, band) to the epoch (send_band).
 int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_rs_split::SplitTiling tiling,
                          int segment_rows, int step, int to, size_t element_bytes, int64_t flags_per_src) {
   size_t const pitch = size_t(args.n) * element_bytes;
@@ -683,13 +675,13 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
       return fail("epoch must be >= 1");
     }
     if (args.outbox != nullptr &&
-        (args.counters == nullptr || args.epoch_word == nullptr || args.copy_stream == nullptr ||
+        (args.counters == nullptr || args.copy_stream == nullptr ||
          args.copy_stream == stream_ptr)) {
-      return fail("copy-engine mode needs counters, an epoch word and a copy stream other than the kernel's");
+      return fail("copy-engine mode needs counters and a copy stream other than the kernel's");
     }
     if (args.capture && (args.outbox != nullptr || args.split)) {
-      return fail("a captured call runs the stores transport only (the copy stream's counters and epoch word are "
-                  "per-call host state)");
+      return fail("a captured call runs the stores transport only (the copy stream's counters are per-call host "
+                  "state)");
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)

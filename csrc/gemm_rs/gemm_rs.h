@@ -10,7 +10,7 @@
 // per band to rank - 1; the last computes this rank's rows and adds rank + 1's partial sum of them as C.
 // Copy-engine mode (GemmRsArgs::outbox set): peer tiles are stored in a local outbox instead and counted per
 // band of tile rows; a copy stream waits for each band's count (cuStreamWaitValue32), copies the band into the
-// owner's slot (cudaMemcpyAsync: copy engine, no SMs) and then sets the owner's flag of (this rank, band).
+// owner's slot (cudaMemcpyAsync: copy engine, no SMs) and then writes the owner's flag of (this rank, band).
 #pragma once
 
 #include <cstdint>
@@ -67,7 +67,6 @@ struct GemmRsArgs {
   // Copy-engine mode (world > 1 and outbox != null):
   void* outbox = nullptr;         // [world][m/world][n] elements on this rank's device (own segment unused)
   uint32_t* counters = nullptr;   // [world * kGemmRsMaxBands] on this rank's device
-  uint32_t* epoch_word = nullptr; // one word on this rank's device: the source of the flag copies
   int bands = 4;                  // bands per segment wanted (1..kGemmRsMaxBands; fewer when M is small)
   void* copy_stream = nullptr;    // cudaStream_t the copies run on (not `stream`)
   // Split transport (copy-engine resources above, K-major weight): one GEMM per segment with CUTLASS's own epilogue,

@@ -392,11 +392,17 @@ def prepare_all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases
     return _PushCall(ws, shard2d, weights, biases, return_gathered)
 
 
+def _raw_stream(index: int) -> int:
+    """The current stream of device ``index`` as a cudaStream_t (an integer), without building a Stream object."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 class _PushCall:
     """An eager push call's signature, worked out once (module docstring, steps 1-4); calling it enqueues one call of
     the signature: an error left by an earlier call is raised first, then the per-call work (the epoch, the outputs,
-    the pointers) and the launches.  The buffers' growth and addresses are looked up per call (another signature may
-    grow them)."""
+    the pointers) and one host call into the extension (:func:`push_call`).  The buffers' growth and addresses are
+    looked up per call (another signature may grow them); the GEMM's launch arguments are worked out on the first call
+    and only their per-call fields filled in afterwards (:data:`_PER_CALL_FIELDS`)."""
 
     def __init__(self, ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],
                  biases: Sequence[Optional[Tensor]], return_gathered: bool):
@@ -417,6 +423,34 @@ class _PushCall:
         self.n = weights[self.widest].shape[1]
         self.chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
         self.k_chunks = use_k_chunks(self.m, self.n, loader.extension().ag_device_sm_count(), self.nbytes // ws.world)
+        self.local_offset = ws.rank * self.shard_rows * self.row_bytes  # this rank's rows in the gathered A
+        self.tail_split = settings.tuning.ag_tail_split
+        self._gemm: Optional[list] = None  # gemm_args of the first call
+        self._streams: Dict[int, torch.cuda.Stream] = {}
+
+    def _main_stream(self) -> Tuple[int, torch.cuda.Stream]:
+        """The current stream: its handle, and its Stream object (kept per handle: building one costs microseconds)."""
+        handle = _raw_stream(self.index)
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = torch.cuda.current_stream(self.device)
+        return handle, stream
+
+    def _gemm_args(self, buffer: int, weight: Tensor, bias: Optional[Tensor], out: Tensor, flags: int, epoch: int,
+                   shard2d: Tensor, main: torch.cuda.Stream) -> list:
+        gemm = self._gemm
+        if gemm is None:
+            view = self.ws.view(0, self.ws.rank, self.m, self.k, self.dtype)
+            gemm = self._gemm = list(gemm_args(
+                view, weight, bias, out, stream=main, flags=self.ws.flags[0], epoch=epoch, rank=self.ws.rank,
+                world=self.ws.world, shard_rows=self.shard_rows, chunks_per_rank=self.chunks, k_chunks=self.k_chunks,
+                a_local=shard2d, capturing=False))
+        gemm = gemm.copy()
+        gemm[1], gemm[5], gemm[9], gemm[10], gemm[12], gemm[13], gemm[29] = (
+            buffer, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), flags, epoch,
+            shard2d.data_ptr())
+        gemm[24:29] = tail_split_args(self.device, main, 0, self.tail_split)
+        return gemm
 
     def __call__(self, shard2d: Tensor, weights: Sequence[Tensor],
                  biases: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], Tensor]:
@@ -427,36 +461,24 @@ class _PushCall:
         m, k, dtype, rank = self.m, self.k, self.dtype, ws.rank
         epoch = ws.next_epoch()
         parity = epoch & 1
-        main = torch.cuda.current_stream(self.device)
-        buffer = ws.view(parity, rank, m, k, dtype)  # this rank's gathered A: [M, K]; its own rows stay unwritten
+        main_handle, main = self._main_stream()
         # The barrier: every peer done with the buffer this call writes into (the peer reached the previous call).
         # Once calls were captured, a peer's replay may have read either buffer since the previous eager call: every
         # peer must reach this one.
         need = ws.previous_epoch() if not ws.captured else epoch
+        peer_buffers, peer_flags = ws.peer_addresses(parity, m, k, dtype)  # this rank's buffer: its rows stay unwritten
         out = shard2d.new_empty((m, self.n))
-        gemm = gemm_args(buffer, weights[self.widest], biases[self.widest], out, stream=main, flags=ws.flags[parity],
-                         epoch=epoch, rank=rank, world=ws.world, shard_rows=self.shard_rows,
-                         chunks_per_rank=self.chunks, k_chunks=self.k_chunks, a_local=shard2d, capturing=False)
-        peer_buffers, peer_flags = ws.peer_addresses(parity, m, k, dtype)
-        side = ws.side_stream
-        push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
-                  rank, ws.epoch_word, [gemm], ws.push_events(), main, side, self.chunks, self.k_chunks)
-        # The side stream copies this rank's rows, after the push, into the gathered A (or, for the other GEMMs, into
-        # the buffer) while the GEMM runs; the peers' rows are copied out once the GEMM has waited for them.
+        gemm = self._gemm_args(peer_buffers[rank], weights[self.widest], biases[self.widest], out,
+                               ws.flags[parity].data_ptr(), epoch, shard2d, main)
+        # This rank's rows go, after the push, into the gathered A (or, for the other GEMMs, into the buffer) while the
+        # GEMM runs; the peers' rows are copied out of the buffer once the GEMM has waited for them (push_call).
         gathered = shard2d.new_empty((m, k)) if self.return_gathered else None
-        a_full = gathered if gathered is not None else buffer if self.rest else None
-        # Raw copy-engine copies (no stream switch, no slicing: host time on every call).  Rows are contiguous.
-        ext = loader.extension()
-        lo, hi = rank * self.shard_rows * self.row_bytes, (rank + 1) * self.shard_rows * self.row_bytes
-        if a_full is not None:
-            ext.ag_memcpy_async(a_full.data_ptr() + lo, shard2d.data_ptr(), hi - lo, side.cuda_stream)
-        if gathered is not None:
-            if lo:
-                ext.ag_memcpy_async(gathered.data_ptr(), buffer.data_ptr(), lo, main.cuda_stream)
-            if hi < self.nbytes:
-                ext.ag_memcpy_async(gathered.data_ptr() + hi, buffer.data_ptr() + hi, self.nbytes - hi,
-                                    main.cuda_stream)
-        main.wait_stream(side)
+        buffer = ws.view(parity, rank, m, k, dtype) if self.rest and gathered is None else None
+        a_full = gathered if gathered is not None else buffer
+        push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
+                  rank, [tuple(gemm)], ws.push_events(), main_handle, ws.side_stream.cuda_stream, self.chunks,
+                  self.k_chunks, local_rows=0 if a_full is None else a_full.data_ptr() + self.local_offset,
+                  gathered=0 if gathered is None else gathered.data_ptr())
         outputs: List[Optional[Tensor]] = [None] * len(weights)
         outputs[self.widest] = out
         for i in self.rest:
@@ -481,7 +503,7 @@ def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequen
     outputs = [shard2d.new_empty((m, w.shape[1])) for w in weights]
     gathered = shard2d.new_empty((m, k)) if return_gathered else shard2d.new_empty(0)
     captured_push_call(shard2d, weights, biases, outputs, gathered, peers,
-                       [ws.peer_flags(symm.CAPTURE_ROW, q) for q in range(world)], ws.capture_epoch_word,
+                       [ws.peer_flags(symm.CAPTURE_ROW, q) for q in range(world)],
                        arrive=ws.arrive_captured, rank=rank, chunks=chunks, k_chunks=k_chunks,
                        main=torch.cuda.current_stream(shard2d.device), side=ws.side_stream)
     return outputs, gathered
@@ -489,7 +511,7 @@ def _captured_call(ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequen
 
 def captured_push_call(shard: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
                        outputs: Sequence[Tensor], gathered: Tensor, peer_buffers: Sequence[Tensor],
-                       peer_flags: Sequence[Tensor], epoch_word: Tensor, *, arrive, rank: int, chunks: int,
+                       peer_flags: Sequence[Tensor], *, arrive, rank: int, chunks: int,
                        k_chunks: int, main: torch.cuda.Stream, side: torch.cuda.Stream, sm_count: int = 0,
                        timeout_s: Optional[float] = None) -> None:
     """Enqueue one push call that every replay of a CUDA graph can repeat as it is: it carries no per-call epoch.
@@ -508,7 +530,7 @@ def captured_push_call(shard: Tensor, weights: Sequence[Tensor], biases: Sequenc
     flags = peer_flags[rank]
     arrive(main)
     side.wait_stream(main)
-    push_shards(shard, peer_buffers, peer_flags, rank, epoch, epoch_word, side, chunks, k_chunks)
+    push_shards(shard, peer_buffers, peer_flags, rank, epoch, side, chunks, k_chunks)
     with torch.cuda.stream(main):
         for weight, bias, out in zip(weights, biases, outputs):
             launch_gemm(peer_buffers[rank], weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world,

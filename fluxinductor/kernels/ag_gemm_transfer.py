@@ -100,22 +100,21 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
                                          stream.cuda_stream)
 
 
-def _push_flag(peer_flags: Tensor, index: int, epoch_word: Tensor, stream: torch.cuda.Stream) -> None:
-    """Enqueue on ``stream``: copy the epoch word into peer_flags[index] (copy engine; after the chunk's bytes)."""
-    loader.extension().ag_memcpy_async(peer_flags.data_ptr() + 4 * index, epoch_word.data_ptr(), 4, stream.cuda_stream)
+def _push_flag(peer_flags: Tensor, index: int, epoch: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: write ``epoch`` into peer_flags[index] (a stream write: its memory barrier orders it after
+    the chunk's bytes, copied before it on ``stream``)."""
+    loader.extension().ag_stream_write_value32(peer_flags.data_ptr() + 4 * index, epoch, stream.cuda_stream)
 
 
 def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Sequence[Tensor], rank: int, epoch: int,
-                epoch_word: Tensor, stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None,
-                k_chunks: int = 1) -> None:
+                stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None, k_chunks: int = 1) -> None:
     """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
     every peer's buffer, raising the peer's flag of each chunk to ``epoch`` after its bytes.
 
     peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
     used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
     other shards).  Row chunk c sets flags[rank * chunks_per_rank + c]; with ``k_chunks`` > 1 the shard moves in
-    column blocks instead (2-D copies), block c setting flags[rank * k_chunks + c].  ``epoch_word``: one int32 on
-    this device, written here and copied into the flags.
+    column blocks instead (2-D copies), block c setting flags[rank * k_chunks + c].
     """
     ext = loader.extension()
     chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
@@ -123,7 +122,6 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
     world = len(peer_buffers)
     element = shard.element_size()
     row_bytes = k * element
-    ext.ag_stream_write_value32(epoch_word.data_ptr(), epoch, stream.cuda_stream)
     for step in range(1, world):
         peer = (rank - step) % world
         dst = peer_buffers[peer]
@@ -135,35 +133,38 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
                 if c1 > c0:
                     ext.ag_memcpy2d_async(base + c0 * element, shard.data_ptr() + c0 * element, row_bytes,
                                           (c1 - c0) * element, shard_rows, stream.cuda_stream)
-                _push_flag(peer_flags[peer], rank * k_chunks + c, epoch_word, stream)
+                _push_flag(peer_flags[peer], rank * k_chunks + c, epoch, stream)
             continue
         for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
             if end > start:
                 ext.ag_memcpy_async(base + start * row_bytes, shard.data_ptr() + start * row_bytes,
                                     (end - start) * row_bytes, stream.cuda_stream)
-            _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch_word, stream)
+            _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch, stream)
 
 
 def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
-              arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, epoch_word: Tensor,
-              gemms: Sequence[tuple], events: Tuple[int, int], main: torch.cuda.Stream, side: torch.cuda.Stream,
-              chunks_per_rank: int, k_chunks: int, timeout_s: Optional[float] = None) -> None:
+              arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, gemms: Sequence[tuple],
+              events: Tuple[int, int], main: int, side: int, chunks_per_rank: int, k_chunks: int,
+              local_rows: int = 0, gathered: int = 0, timeout_s: Optional[float] = None) -> None:
     """Enqueue one eager push call with one host call (csrc/ag_gemm/ag_gemm.h push_call): what :func:`all_gather_matmul`
     otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
-    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, the GEMMs on ``main``
-    (``gemms``: :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), ``main``
-    follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.
+    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, then the shard into
+    address ``local_rows`` (0: none) on ``side``; the GEMMs on ``main`` (``gemms``: :func:`gemm_args` of each, the first
+    launched as the arrival's programmatic dependent), then the peers' rows of this rank's buffer into the same rows of
+    the gathered A at address ``gathered`` (0: none), and ``main`` follows ``side``; with ``k_chunks`` > 1 the arrival
+    comes first and no GEMM is a programmatic dependent.
 
     peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
     parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
-    two events of :func:`symm.push_events`.  Entries for q == rank are not used."""
+    two events of :func:`symm.push_events`; ``main``, ``side``: the streams (cudaStream_t as integers).  Entries for
+    q == rank are not used."""
     _, error_device = symm.error_word(shard.device.index)
     timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
     loader.extension().ag_push_call(  # positional, in the binding's order
         peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
         shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
-        epoch_word.data_ptr(), chunks_per_rank, k_chunks, _K_TILE, gemms, events[0], events[1], main.cuda_stream,
-        side.cuda_stream)
+        chunks_per_rank, k_chunks, _K_TILE, gemms, local_rows, gathered, peer_buffers[rank] if gathered else 0,
+        events[0], events[1], main, side)
 
 
 def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:

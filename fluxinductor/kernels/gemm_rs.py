@@ -114,12 +114,12 @@ def launch(
     flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
     stream = stream if stream is not None else torch.cuda.current_stream(a.device)
     if world > 1 and copy is not None:
-        transfer = (copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(),
-                    copy.epoch_word.data_ptr(), bands(), copy.stream.cuda_stream)
+        transfer = (copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(), bands(),
+                    copy.stream.cuda_stream)
     elif world == 1 and split:
-        transfer = (split_source.data_ptr(), 0, 0, 1, 0)
+        transfer = (split_source.data_ptr(), 0, 1, 0)
     else:
-        transfer = (0, 0, 0, 0, 0)
+        transfer = (0, 0, 0, 0)
         split = False
     bias_scaled = bias
     if split and bias is not None and out_scale != 1.0:

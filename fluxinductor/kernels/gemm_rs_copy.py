@@ -22,14 +22,13 @@ def bands() -> int:
 
 
 class CopyEngineWorkspace:
-    """One rank's copy-engine resources: the outbox (grown to the next power of two bytes), the band counters,
-    the epoch word the flag copies read, and the copy stream."""
+    """One rank's copy-engine resources: the outbox (grown to the next power of two bytes), the band counters and
+    the copy stream."""
 
     def __init__(self, device: torch.device, world: int):
         self.device = device
         count = world * _extension().GEMM_RS_MAX_BANDS
         self.counters = _symm.persistent(lambda: torch.zeros(count, dtype=torch.int32, device=device), device)
-        self.epoch_word = _symm.persistent(lambda: torch.zeros(1, dtype=torch.int32, device=device), device)
         self.stream = torch.cuda.Stream(device)
         self.outbox: Optional[Tensor] = None
 

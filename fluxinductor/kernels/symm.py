@@ -195,8 +195,6 @@ class SymmetricWorkspace:
         # set to the call's epoch by ``arrive`` once the peers have reached the call it needs; the side stream waits
         # for it before writing into a peer
         self.passed = _word(device)
-        # the call's epoch on this device, written by the side stream, the source of the flag copies into peers
-        self.epoch_word = _word(device)
         self.epoch = 0
         self._previous_epoch = 0
         self.side_stream = torch.cuda.Stream(device=device)
@@ -205,13 +203,12 @@ class SymmetricWorkspace:
         self._addresses: Dict[tuple, Tuple[List[int], List[int]]] = {}
         self._push_events: Optional[Tuple[int, int]] = None
         # Captured calls (see the module docstring): their arrival words (after the eager ones; their flags are row
-        # CAPTURE_ROW of the flag allocation), passed word and the word their flag copies read.
+        # CAPTURE_ROW of the flag allocation) and passed word.
         self.captured = False
         self.retired: list = []  # buffers a captured graph may still use
         self.capture_arrivals: Optional[torch.Tensor] = None
         self._peer_capture_arrivals: List[int] = []
         self.capture_passed = _word(device)
-        self.capture_epoch_word = _word(device)
 
     def next_epoch(self) -> int:
         """The next call's epoch: 32-bit, never 0 (the flags' initial value).  The kernels compare epochs by their

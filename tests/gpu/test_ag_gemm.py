@@ -199,7 +199,6 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     _load_kernels(t)
     device, shards, weights, biases, buffers, flags = t.device, t.shards, t.weights, t.biases, t.buffers, t.flags
     outputs, gathered, main, side, sm_count = t.outputs, t.gathered, t.main, t.side, t.sm_count
-    epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
     for f in flags:  # what this buffer parity's flags hold from two calls ago: must not read as this call's
         f.fill_(_as_int32(previous - 1 if previous > 1 else 0xFFFFFFFF))
     # The call's arrival, as all_gather_matmul runs it: arrivals[r][q] is rank r's word for peer q; every rank has
@@ -219,18 +218,19 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
                                        rank=r, world=world, shard_rows=shard_rows, chunks_per_rank=chunks,
                                        k_chunks=k_chunks, sm_count=sm_count, timeout_s=timeout_s, a_local=shards[r],
                                        capturing=False) for i, (w, b) in enumerate(zip(weights, biases))]
+            # The gathered A from the same call: this rank's rows from the shard (side stream), the peers' rows from the
+            # buffer once the GEMMs waited for them (main).
+            own_rows = gathered[r].data_ptr() + r * shard_rows * k * gathered[r].element_size()
             ag_gemm.push_call(shards[r], [x.data_ptr() for x in buffers], [f.data_ptr() for f in flags],
                               [arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch,
-                              previous, r, epoch_words[r], gemms, events[r], main[r], side[r], chunks, k_chunks,
-                              timeout_s)
-            with torch.cuda.stream(main[r]):
-                ag_gemm.assemble_gathered(gathered[r], buffers[r], shards[r], r)
+                              previous, r, gemms, events[r], main[r].cuda_stream, side[r].cuda_stream, chunks,
+                              k_chunks, local_rows=own_rows, gathered=gathered[r].data_ptr(), timeout_s=timeout_s)
             continue
         symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, previous, r,
                     main[r])
         symm.wait_passed(passed[r], epoch, side[r])
         if r != skip_from:  # a rank that never delivers pushes nothing, so its chunks' flags are never set
-            ag_gemm.push_shards(shards[r], buffers, flags, r, epoch, epoch_words[r], side[r], chunks, k_chunks)
+            ag_gemm.push_shards(shards[r], buffers, flags, r, epoch, side[r], chunks, k_chunks)
         with torch.cuda.stream(main[r]):
             for i, (w, b) in enumerate(zip(weights, biases)):
                 ag_gemm.launch_gemm(buffers[r], w, b, outputs[r][i], flags=flags[r], epoch=epoch, rank=r, world=world,
@@ -560,7 +560,6 @@ def test_captured_calls_replay_on_one_gpu(world, shard_rows, k, k_chunks, chunks
     symm.clear_error(0)
     arrivals = torch.zeros((world, world), dtype=torch.int32, device=device)  # [r, q]: rank r's word, written by q
     passed = torch.zeros(world, dtype=torch.int32, device=device)
-    epoch_words = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
     graphs = []
     for r in range(world):
         def arrive(stream, r=r):
@@ -570,7 +569,7 @@ def test_captured_calls_replay_on_one_gpu(world, shard_rows, k, k_chunks, chunks
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=t.main[r]):
             ag_gemm.captured_push_call(t.shards[r], t.weights, t.biases, t.outputs[r], t.gathered[r], t.buffers,
-                                       t.flags, epoch_words[r], arrive=arrive, rank=r, chunks=chunks,
+                                       t.flags, arrive=arrive, rank=r, chunks=chunks,
                                        k_chunks=k_chunks, main=t.main[r], side=t.side[r], sm_count=t.sm_count,
                                        timeout_s=5.0)
         graphs.append(graph)

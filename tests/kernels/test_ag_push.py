@@ -52,18 +52,16 @@ class _Stream:
 @pytest.mark.parametrize("k_chunks", [1, 3])
 def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
     """Rank 1 of 3: its shard goes to rank 0 first (whose walk reaches rank 1's rows next), then rank 2, each chunk
-    (row chunks, or column blocks) into rows [S, 2S) of that peer's buffer, each followed by a copy of the epoch word
-    into that peer's flag of (rank 1, chunk)."""
+    (row chunks, or column blocks) into rows [S, 2S) of that peer's buffer, each followed by a stream write of the
+    epoch into that peer's flag of (rank 1, chunk)."""
     recorder = _Recorder()
     monkeypatch.setattr(loader, "extension", lambda: recorder)
     world, rank, rows, k, chunks = 3, 1, 6, 128, 2
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
     buffers = [torch.empty(world * rows, k, dtype=torch.bfloat16) for _ in range(world)]
     flags = [torch.zeros(world * 16, dtype=torch.int32) for _ in range(world)]
-    epoch_word = torch.zeros(1, dtype=torch.int32)
-    ag_gemm.push_shards(shard, buffers, flags, rank, 7, epoch_word, _Stream(), chunks, k_chunks)
+    ag_gemm.push_shards(shard, buffers, flags, rank, 7, _Stream(), chunks, k_chunks)
 
-    assert recorder.ops[0] == ("write", epoch_word.data_ptr(), 7)
     row_bytes = k * 2
     expected = []
     for peer in (0, 2):
@@ -73,14 +71,13 @@ def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
                 if c1 > c0:
                     expected.append(("copy2d", base + 2 * c0, shard.data_ptr() + 2 * c0, row_bytes, 2 * (c1 - c0),
                                      rows))
-                expected.append(("copy", flags[peer].data_ptr() + 4 * (rank * k_chunks + c), epoch_word.data_ptr(),
-                                 4))
+                expected.append(("write", flags[peer].data_ptr() + 4 * (rank * k_chunks + c), 7))
         else:
             for c, (start, end) in enumerate(ag_gemm.chunk_bounds(rows, chunks)):
                 expected.append(("copy", base + start * row_bytes, shard.data_ptr() + start * row_bytes,
                                  (end - start) * row_bytes))
-                expected.append(("copy", flags[peer].data_ptr() + 4 * (rank * chunks + c), epoch_word.data_ptr(), 4))
-    assert recorder.ops[1:] == expected
+                expected.append(("write", flags[peer].data_ptr() + 4 * (rank * chunks + c), 7))
+    assert recorder.ops == expected
 
 
 def test_push_refuses_a_padded_peer_buffer(monkeypatch):
@@ -88,8 +85,7 @@ def test_push_refuses_a_padded_peer_buffer(monkeypatch):
     shard = torch.randn(4, 64, dtype=torch.bfloat16)
     padded = torch.empty(8, 72, dtype=torch.bfloat16)[:, :64]
     with pytest.raises(ValueError, match="row stride"):
-        ag_gemm.push_shards(shard, [padded, padded], [torch.zeros(32, dtype=torch.int32)] * 2, 0, 1,
-                            torch.zeros(1, dtype=torch.int32), _Stream())
+        ag_gemm.push_shards(shard, [padded, padded], [torch.zeros(32, dtype=torch.int32)] * 2, 0, 1, _Stream())
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])
@@ -121,7 +117,6 @@ class _Workspace:
         self.side_stream = _OrderedStream("side", log)
         self.buffers = [torch.full((world * rows, k), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
         self.flags = torch.zeros(2, world * 16, dtype=torch.int32)
-        self.epoch_word = torch.zeros(1, dtype=torch.int32)
         self.captured = False  # no call of this workspace was captured in a CUDA graph
 
     def reserve(self, nbytes):
@@ -225,8 +220,8 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
     the previous call's (what a push needs; this call's once a call of the workspace was captured, as a peer's replay
     may have read either buffer since), the chunking (row chunks, or column blocks on one-wave problems) and the
     widest weight's GEMM, reading this rank's rows from the shard, not launched as a dependent by its arguments
-    (push_call decides that).  After it, the side stream copies this rank's rows into the gathered A (or, for the
-    other weights' GEMMs, into the buffer) and main copies the peers' rows out of the buffer."""
+    (push_call decides that).  The same call copies this rank's rows into the gathered A (or, for the other weights'
+    GEMMs, into the buffer) and the peers' rows out of the buffer into the gathered A."""
     log = []
     world, rank, rows, k = 2, 1, 4, 64
     ws = _Workspace(log, rank, world, rows, k)
@@ -234,42 +229,48 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
     main = _OrderedStream("main", log)
 
     ws.side_stream.cuda_stream = 1
-    streams = {0: "main", 1: "side"}
 
     class _Ext:
         def ag_device_sm_count(self):
             return 132
 
-        def ag_memcpy_async(self, dst, src, nbytes, stream):  # CPU tensors stand in for device memory
-            log.append(("copy", streams[stream], nbytes))
-            ctypes.memmove(dst, src, nbytes)
-
     calls = []
+    shard_bytes = rows * k * 2
+
+    def push_call(*args, local_rows, gathered):  # what the call's copies do, on CPU tensors
+        calls.append((args, local_rows, gathered))
+        shard, buffers = args[0], args[1]
+        if local_rows:
+            ctypes.memmove(local_rows, shard.data_ptr(), shard_bytes)
+        if gathered:  # rank 1 of 2: the peer's rows come first
+            ctypes.memmove(gathered, buffers[rank], rank * shard_bytes)
+
     monkeypatch.setattr(symm, "workspace", lambda group, device: ws)
     monkeypatch.setattr(loader, "extension", lambda: _Ext())
     monkeypatch.setattr(symm, "error_word", lambda index: (0, 77))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(ag_gemm, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
     monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: True)
     monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4 if one_wave else 1)
     monkeypatch.setattr(ag_gemm, "tail_split_args", lambda *a: (0, 0, 0, 1, 1))
     monkeypatch.setattr(ag_gemm, "_choose_launch", lambda a, w, shard_rows, sm, variant, group: (True, k, 0, 8))
-    monkeypatch.setattr(ag_gemm, "push_call", lambda *a, **kw: calls.append(a))
+    monkeypatch.setattr(ag_gemm, "push_call", push_call)
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
     weights = [_weight(k, 16), _weight(k, 24)]
     outputs, gathered = ag_gemm.all_gather_matmul(shard, weights, [None, None], "g", return_gathered, checked=True)
 
-    assert len(calls) == 1
-    shard_bytes = rows * k * 2
-    peers = [("copy", "main", shard_bytes)] if return_gathered else []  # rank 1 of 2: the peer's rows come first
-    assert log == [("copy", "side", shard_bytes)] + peers + [("wait_stream", "main", "side")]
-    (c_shard, buffers, flags, arrival_words, arrivals, passed, epoch, need, c_rank, epoch_word, gemms, events, c_main,
-     c_side, chunks, k_chunks) = calls[0]
+    assert len(calls) == 1 and log == []  # nothing enqueued beside the one call
+    ((c_shard, buffers, flags, arrival_words, arrivals, passed, epoch, need, c_rank, gemms, events, c_main, c_side,
+      chunks, k_chunks), local_rows, c_gathered) = calls[0]
     assert c_shard is shard and c_rank == rank and (epoch, need) == (5, 5 if captured else 4)
     assert (buffers, flags) == ws.peer_addresses(1, world * rows, k, shard.dtype)  # epoch 5: parity 1
     assert arrival_words == ws.peer_arrival_words() and arrivals is ws.arrivals and passed is ws.passed
-    assert epoch_word is ws.epoch_word and events == (11, 12) and (c_main, c_side) == (main, ws.side_stream)
+    assert events == (11, 12) and (c_main, c_side) == (0, 1)  # the streams' handles
+    a_full = gathered if return_gathered else ws.buffers[rank]  # this rank's rows go into the buffer for the narrow GEMM
+    assert local_rows == a_full.data_ptr() + rank * shard_bytes
+    assert c_gathered == (gathered.data_ptr() if return_gathered else 0)
     assert (chunks, k_chunks) == (min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK), 4 if one_wave else 1)
     assert len(gemms) == 1
     for gemm, weight, out in zip(gemms, weights[1:], outputs[1:]):
@@ -292,8 +293,8 @@ def _push_call_args(world=2, **changes):
     gemm = (0,) * 33
     args = dict(peer_arrivals=[8] * world, arrivals=8, passed=8, epoch=3, need=2, rank=0, timeout_ns=10**9,
                 error_word=0, shard=16, shard_rows=128, k=64, element_size=2, peer_buffers=[16] * world,
-                peer_flags=[16] * world, epoch_word=8, chunks_per_rank=2, k_chunks=1, k_tile=64, gemms=[gemm],
-                fork_event=8, join_event=8, main_stream=0, side_stream=0)
+                peer_flags=[16] * world, chunks_per_rank=2, k_chunks=1, k_tile=64, gemms=[gemm], local_rows=0,
+                gathered=0, buffer=0, fork_event=8, join_event=8, main_stream=0, side_stream=0)
     args.update(changes)
     return list(args.values())
 
@@ -308,6 +309,7 @@ def _push_call_args(world=2, **changes):
     (dict(shard=0), RuntimeError, "missing pointer"),
     (dict(k_chunks=0), RuntimeError, "missing pointer, event or count"),
     (dict(peer_flags=[16, 0]), RuntimeError, "no buffer or flags for peer 1"),
+    (dict(gathered=16), RuntimeError, "gathered A needs this rank's buffer"),
 ])
 def test_push_call_refuses_bad_arguments(changes, error, match):
     """The one-call push checks its arguments before it enqueues anything (no GPU needed to reach the checks)."""

@@ -10,6 +10,7 @@
 #include "ag_gemm/ag_gemm.h"
 #include "cutlass/cutlass.h"
 #include "fluxinductor/ag_gemm/kernel.cuh"
+#include "fluxinductor/common/cutlass_launch.cuh"
 
 namespace fluxinductor::ag_gemm {
 
@@ -83,21 +84,15 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
   arguments.scheduler.schedule = schedule;
 
-  Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) {
+  if (Gemm::can_implement(arguments) != cutlass::Status::kSuccess) {
     return make_error("CUTLASS cannot implement this problem (alignment or size)");
   }
   if (Gemm::get_workspace_size(arguments) != 0) {
     return make_error("unexpected CUTLASS workspace requirement");
   }
-  cutlass::Status status = gemm.initialize(arguments, nullptr, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return make_error(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(status));
-  }
-  status = gemm.run(stream, nullptr, p.pdl);
-  if (status != cutlass::Status::kSuccess) {
-    return make_error(std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status) + " (" +
-                      cudaGetErrorString(cudaGetLastError()) + ")");
+  cudaError_t const launched = launch_gemm_kernel<Gemm>(arguments, hw_info.device_id, stream, p.pdl);
+  if (launched != cudaSuccess) {
+    return make_error(std::string("CUTLASS launch failed: ") + cudaGetErrorString(launched));
   }
   return {};
 }

@@ -24,6 +24,7 @@
 #include "cutlass/cutlass.h"
 #include "ag_gemm/ag_gemm.h"
 #include "fluxinductor/ag_gemm/kernel.cuh"
+#include "fluxinductor/common/cutlass_launch.cuh"
 #include "gemm_rs/split.h"
 
 namespace fluxinductor::gemm_rs_split {
@@ -255,8 +256,7 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
   arguments.scheduler.schedule = schedule;
 
-  Gemm gemm;
-  cutlass::Status status = gemm.can_implement(arguments);
+  cutlass::Status status = Gemm::can_implement(arguments);
   if (status != cutlass::Status::kSuccess) {
     *error_message = std::string("CUTLASS cannot implement this split GEMM+RS problem: ") +
                      cutlassGetStatusString(status);
@@ -266,13 +266,9 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
     *error_message = "split GEMM+RS kernel unexpectedly needs a workspace";
     return -1;
   }
-  status = gemm.initialize(arguments, nullptr, stream);
-  if (status == cutlass::Status::kSuccess) {
-    status = gemm.run(stream, nullptr, p.pdl);
-  }
-  if (status != cutlass::Status::kSuccess) {
-    *error_message = std::string("split GEMM+RS launch failed: ") + cutlassGetStatusString(status) + " / " +
-                     cudaGetErrorString(cudaGetLastError());
+  cudaError_t const launched = launch_gemm_kernel<Gemm>(arguments, arguments.hw_info.device_id, stream, p.pdl);
+  if (launched != cudaSuccess) {
+    *error_message = std::string("split GEMM+RS launch failed: ") + cudaGetErrorString(launched);
     return -1;
   }
   return 0;
