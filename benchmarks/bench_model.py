@@ -137,7 +137,7 @@ from harness import (
 )
 from model_modes import DEFAULT_MODES, FLUX_DISPATCH, GAIN_MODES, MODES, RUN_ORDER, compare, mode_setup, snapshot
 from models import (CONFIGS, MODELS, NOCOMM_METHOD, build_model, build_nocomm, input_shape, nocomm_approximation,
-                    tokens_shape)
+                    solo_mesh, tokens_shape)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -175,6 +175,7 @@ class Ctx(RunContext):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.solo_mesh = solo_mesh(self.device.type)  # nocomm's: this rank alone
         self.group_name = self.mesh.get_group().group_name
         self.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if self.is_cuda else torch.float32)
         # --autocast: fp32 weights and inputs, each step under torch.autocast in this dtype (mixed-precision training)
@@ -304,7 +305,8 @@ def build_contenders(ctx: Ctx, model_name: str, cfg: dict, args, modes: List[str
         local = {"error": None}
         try:
             if mode == "nocomm":
-                model = build_nocomm(model_name, cfg, ctx.world, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp)
+                model = build_nocomm(model_name, cfg, ctx.world, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp,
+                                     ctx.solo_mesh)
             else:
                 model = build_model(model_name, cfg, ctx.mesh, ctx.device, ctx.dtype, args.mlp_shard_dim, args.tp)
             cont = Contender(mode, model, ctx)

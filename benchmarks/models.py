@@ -148,6 +148,18 @@ def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.d
     """The model on ``device`` in ``dtype``, parallelized over ``mesh`` (same weights on every rank).  ``tp``:
     "sequence" (sequence parallel: the tokens sharded between layers) or "plain" (replicated activations, each
     row-parallel output all-reduced)."""
+    torch.manual_seed(1234)
+    with torch.device(device):
+        if name == "mlp":
+            model = MLP(cfg["hidden"], cfg["ffn"]).to(dtype)
+        else:
+            model = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
+                            kv_heads=cfg["kv_heads"], seq=cfg["seq"]).to(dtype)
+    return _parallelize(model, name, mesh, shard_dim, tp)
+
+
+def _parallelize(model: nn.Module, name: str, mesh, shard_dim: int, tp: str) -> nn.Module:
+    """``model`` (an MLP or a Decoder) parallelized over ``mesh`` with the benchmark's tensor-parallel plan."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -157,19 +169,14 @@ def build_model(name: str, cfg: dict, mesh, device: torch.device, dtype: torch.d
         parallelize_module,
     )
 
-    torch.manual_seed(1234)
-    with torch.device(device):
-        if name == "mlp":
-            model = MLP(cfg["hidden"], cfg["ffn"]).to(dtype)
-            if tp == "plain":
-                return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-            plan = {
-                "up": ColwiseParallel(input_layouts=Shard(shard_dim)),  # all-gather the tokens, x @ up
-                "down": RowwiseParallel(output_layouts=Shard(shard_dim)),  # h @ down, reduce-scatter the tokens
-            }
-            return parallelize_module(model, mesh, plan)
-        model = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
-                        kv_heads=cfg["kv_heads"], seq=cfg["seq"]).to(dtype)
+    if name == "mlp":
+        if tp == "plain":
+            return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        plan = {
+            "up": ColwiseParallel(input_layouts=Shard(shard_dim)),  # all-gather the tokens, x @ up
+            "down": RowwiseParallel(output_layouts=Shard(shard_dim)),  # h @ down, reduce-scatter the tokens
+        }
+        return parallelize_module(model, mesh, plan)
     if tp == "plain":
         for layer in model.layers:
             parallelize_module(layer, mesh, {
@@ -276,9 +283,11 @@ class LocalReplica(nn.Module):
 
 
 NOCOMM_METHOD = (
-    "one rank's share of the work as plain modules on its own GPU, no collective: column-parallel linears with "
-    "out_features / world (Q/K/V: heads / world query and KV heads), row-parallel linears with in_features / world, "
-    "sequence-parallel norms on this rank's rows, attention over this rank's heads; compiled with inductor")
+    "one rank's share of the work on its own GPU, no collective: column-parallel linears with out_features / world "
+    "(Q/K/V: heads / world query and KV heads), row-parallel linears with in_features / world, sequence-parallel "
+    "norms on this rank's rows, attention over this rank's heads; parallelized with the tensor-parallel model's plan "
+    "over a mesh of this rank alone, so a step pays the same DTensor host work (parameters and activations wrapped "
+    "and unwrapped, their guards) while every redistribution is a no-op; compiled with inductor")
 
 
 def nocomm_approximation(name: str, tp: str) -> str:
@@ -293,12 +302,23 @@ def nocomm_approximation(name: str, tp: str) -> str:
             + "GEMM, attention, norm and elementwise work per rank: as in the tensor-parallel model")
 
 
+def solo_mesh(device_type: str):
+    """A device mesh of this rank alone (collective: every rank of the default group calls it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group, _ = dist.new_subgroups(group_size=1)
+    return DeviceMesh.from_group(group, device_type)
+
+
 def build_nocomm(name: str, cfg: dict, world: int, device: torch.device, dtype: torch.dtype, shard_dim: int,
-                 tp: str = "sequence") -> nn.Module:
+                 tp: str = "sequence", mesh=None) -> nn.Module:
     """The per-rank work of ``build_model(name, cfg, ...)`` over ``world`` ranks with every collective removed
     (:data:`NOCOMM_METHOD`, :func:`nocomm_approximation`); it takes the input of :func:`input_shape` and returns a
-    tensor of the tensor-parallel model's local output shape.  Raises ValueError where a rank's share is not a whole
-    number of heads, columns or rows (no exact replica).  Its weights are random (numerics are not compared)."""
+    tensor of the tensor-parallel model's local output shape.  ``mesh``: a mesh of this rank alone
+    (:func:`solo_mesh`), over which the replica is parallelized with the tensor-parallel plan (the same DTensor
+    wrapping, every redistribution a no-op); None: plain modules.  Raises ValueError where a rank's share is not a
+    whole number of heads, columns or rows (no exact replica).  Its weights are random (numerics are not compared)."""
     need = {"ffn": cfg["ffn"]}
     if name == "llama2":
         need.update(heads=cfg["heads"], kv_heads=cfg["kv_heads"])
@@ -309,16 +329,22 @@ def build_nocomm(name: str, cfg: dict, world: int, device: torch.device, dtype: 
     uneven = {k: v for k, v in need.items() if v % world}
     if uneven:
         raise ValueError(f"no exact per-rank replica: {uneven} not divisible by world {world}")
+    if mesh is not None and mesh.size() != 1:
+        raise ValueError(f"the replica's mesh must hold this rank alone, not {mesh.size()} ranks")
     torch.manual_seed(4321)
     with torch.device(device):
         if name == "mlp":
             inner = MLP(cfg["hidden"], cfg["ffn"] // world).to(dtype)
-            if tp == "sequence":
-                _gather_input(inner.up, shard_dim, world)
-                _scatter_output(inner.down, shard_dim, world)
-            return LocalReplica(inner)
-        inner = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
-                        kv_heads=cfg["kv_heads"], seq=cfg["seq"], shards=world).to(dtype)
+        else:
+            inner = Decoder(cfg["layers"], hidden=cfg["hidden"], ffn=cfg["ffn"], heads=cfg["heads"],
+                            kv_heads=cfg["kv_heads"], seq=cfg["seq"], shards=world).to(dtype)
+    if mesh is not None:  # the plan's hooks first: the stand-ins below see what the plan made of the activations
+        _parallelize(inner, name, mesh, shard_dim, tp)
+    if name == "mlp":
+        if tp == "sequence":
+            _gather_input(inner.up, shard_dim, world)
+            _scatter_output(inner.down, shard_dim, world)
+        return LocalReplica(inner)
     if tp == "sequence":
         for layer in inner.layers:
             _gather_input(layer.attention, 1, world)
