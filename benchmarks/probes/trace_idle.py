@@ -2,7 +2,7 @@
 
 Reads Chrome traces that ``bench_model.py --profile N --profile-trace PREFIX`` wrote (CUDA activity: kernels, copies
 and the runtime calls that launched them).  Steps are split at the host's synchronizations (``cudaDeviceSynchronize``:
-``--profile-exposed`` synchronizes before every step).  Per step, on the compute stream (the stream with the most
+``--profile-exposed`` synchronizes before every step; what was launched before the first one is left out).  Per step, on the compute stream (the stream with the most
 kernel time): the span from its first kernel's start to its last one's end; busy time; idle time the host caused (a
 gap before a kernel whose launch call ended after the kernel before it had finished: the GPU had nothing queued);
 other idle time; and the time of the kernels that wait for peers (the AG+GEMM's arrival, the GEMM+RS handshake,
@@ -52,7 +52,10 @@ def steps_of(path: str) -> List[Dict[str, float]]:
     for k in sorted(kernels, key=lambda e: e["ts"]):
         by_step.setdefault(step_index(k), []).append(k)
     out = []
-    for index in sorted(by_step):
+    # With a synchronization before every step, kernels launched before the first one belong to a step the profile
+    # caught only the end of.
+    first = 1 if len(syncs) >= 2 else 0
+    for index in sorted(i for i in by_step if i >= first):
         ks = by_step[index]
         main = [k for k in ks if k["args"]["stream"] == compute]
         if not main or not any(k.get("cat") == "kernel" for k in main):
