@@ -5,8 +5,8 @@ and the runtime calls that launched them).  Steps are split at the host's synchr
 ``--profile-exposed`` synchronizes before every step; what was launched before the first one is left out).  Per step, on the compute stream (the stream with the most
 kernel time): the span from its first kernel's start to its last one's end; busy time; idle time the host caused (a
 gap before a kernel whose launch call ended after the kernel before it had finished: the GPU had nothing queued);
-other idle time; and the time of the kernels that wait for peers (the AG+GEMM's arrival, the GEMM+RS handshake,
-NCCL's kernels).
+other idle time; the time of the kernels that wait for peers (the AG+GEMM's arrival, the GEMM+RS handshake, NCCL's
+kernels); and the busy time by kind of kernel (:data:`KINDS`).
 
     python benchmarks/probes/trace_idle.py TRACE.json [TRACE.json ...] [--json out.json]
 """
@@ -19,6 +19,18 @@ import statistics
 from typing import Dict, List
 
 WAIT_KERNELS = ("arrive_and_wait", "gemm_rs_hello", "nccl")
+# Kinds of compute-stream work, by name (first match): the peer waits, inductor's triton kernels (whose names can
+# mention attention), the fused ops' CUTLASS GEMMs, cuBLAS, attention, copies.
+KINDS = (("peer_wait", WAIT_KERNELS), ("triton", ("triton",)), ("cutlass", ("cutlass", "GemmUniversal")),
+         ("cublas", ("nvjet", "gemm", "Gemm")), ("attention", ("sdpa", "flash", "attention")),
+         ("copy", ("Memcpy", "Memset")))
+
+
+def kind_of(name: str) -> str:
+    for kind, marks in KINDS:
+        if any(m in name for m in marks):
+            return kind
+    return "other"
 
 
 def _events(path: str) -> List[dict]:
@@ -74,8 +86,11 @@ def steps_of(path: str) -> List[Dict[str, float]]:
             busy += k["dur"]
             previous_end = max(previous_end or 0.0, k["ts"] + k["dur"])
         waits = sum(k["dur"] for k in main if any(w in k["name"] for w in WAIT_KERNELS))
+        by_kind: Dict[str, float] = {}
+        for k in main:
+            by_kind[kind_of(k["name"])] = by_kind.get(kind_of(k["name"]), 0.0) + k["dur"]
         out.append({"span_us": end - start, "busy_us": busy, "host_idle_us": host_idle, "other_idle_us": other_idle,
-                    "peer_wait_kernels_us": waits, "kernels": len(main)})
+                    "peer_wait_kernels_us": waits, "kernels": len(main), "busy_by_kind_us": by_kind})
     return out
 
 
@@ -91,9 +106,12 @@ def main() -> None:
         if not steps:
             print(f"{path}: no steps")
             continue
-        keys = [k for k in steps[0] if k != "kernels"]
+        keys = [k for k in steps[0] if k not in ("kernels", "busy_by_kind_us")]
         medians = {k: statistics.median(s[k] for s in steps) for k in keys}
-        print(f"{path}: {len(steps)} steps; median " + ", ".join(f"{k} {v:.0f}" for k, v in medians.items()))
+        kinds = sorted({kind for s in steps for kind in s["busy_by_kind_us"]})
+        by_kind = {kind: statistics.median(s["busy_by_kind_us"].get(kind, 0.0) for s in steps) for kind in kinds}
+        print(f"{path}: {len(steps)} steps; median " + ", ".join(f"{k} {v:.0f}" for k, v in medians.items())
+              + "; busy by kind " + ", ".join(f"{k} {v:.0f}" for k, v in by_kind.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

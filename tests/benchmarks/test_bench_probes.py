@@ -93,4 +93,5 @@ def test_trace_idle_accounts_a_step(tmp_path):
     path.write_text(json.dumps({"traceEvents": events}))
     steps = trace_idle.steps_of(str(path))
     assert steps == [{"span_us": 280, "busy_us": 210.0, "host_idle_us": 30.0, "other_idle_us": 40.0,
-                      "peer_wait_kernels_us": 20, "kernels": 4}]
+                      "peer_wait_kernels_us": 20, "kernels": 4,
+                      "busy_by_kind_us": {"triton": 30, "peer_wait": 20, "cutlass": 100, "cublas": 60}}]
