@@ -7,7 +7,7 @@ time, and ``--out`` records how much of a step goes to the pieces named in :data
         [--tp plain --tokens 8 --compile-mode reduce-overhead] [--steps 20 --rounds 5] [--out host.json]
 
 Backends: ``inductor`` and ``flux`` compile the tensor-parallel model (DTensor parameters); ``nocomm`` compiles
-bench_model's no-communication replica (plain tensors, the same per-rank work) with inductor.  ``--tokens N`` runs
+bench_model's no-communication replica (the same per-rank work and DTensor wrapping, no collective) with inductor.  ``--tokens N`` runs
 bench_model's ``--tokens`` shape (plain TP: N one-token sequences; sequence parallel: one sequence of N tokens).
 With FLUXINDUCTOR_DISPATCH=fused it shows how much of a flux step's host time the fused ops' Python (dispatch,
 checks, launches) takes against inductor's.
@@ -92,6 +92,7 @@ def main() -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world,))
+    solo = models.solo_mesh("cuda")  # the replica's: this rank alone, as bench_model's nocomm
     cfg = dict(models.CONFIGS["full"]["llama2"])
     if args.tokens is not None:
         cfg.update(models.tokens_shape(args.tp, args.tokens))
@@ -100,7 +101,7 @@ def main() -> None:
     fns = {}
     for backend in backends:
         if backend == "nocomm":
-            model = models.build_nocomm("llama2", cfg, world, device, torch.bfloat16, 1, args.tp)
+            model = models.build_nocomm("llama2", cfg, world, device, torch.bfloat16, 1, args.tp, solo)
         else:
             model = models.build_model("llama2", cfg, mesh, device, torch.bfloat16, 1, args.tp)
         if backend == "flux":
