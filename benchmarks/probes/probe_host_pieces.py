@@ -1,4 +1,5 @@
-"""Host cost of the pieces an AG+GEMM call is made of (and of a whole GEMM+RS call) (torchrun, any world size, CUDA), without a profiler.
+"""Host cost of the pieces an AG+GEMM call is made of, and of a whole GEMM+RS call (torchrun, any world size, CUDA),
+without a profiler.
 
 ``host_overhead.py`` times whole calls and, with ``--profile``, attributes them under cProfile, which inflates
 every Python call.  This times each layer and each stream operation on its own, the GPU kept busy by a sleep

@@ -241,6 +241,10 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
         pdl, trap_on_timeout)
 
 
+# Positions in gemm_args' tuple of the fields that change between calls of one signature (_PushCall fills them in).
+_ARG_A, _ARG_B, _ARG_BIAS, _ARG_OUT, _ARG_FLAGS, _ARG_EPOCH, _ARG_A_LOCAL = 1, 5, 9, 10, 12, 13, 29
+_ARG_TAIL_SPLIT = slice(24, 29)
+
 # (k_contiguous, ldb, variant, group_rows) per launch shape and the tuning it reads (settings.tuning, hashed once per
 # value): the variant choice's wave model and the weight's layout cost ~10 us of host time per launch.
 _launch_choices: Dict[tuple, Tuple[bool, int, int, int]] = {}
@@ -402,7 +406,7 @@ class _PushCall:
     the signature: an error left by an earlier call is raised first, then the per-call work (the epoch, the outputs,
     the pointers) and one host call into the extension (:func:`push_call`).  The buffers' growth and addresses are
     looked up per call (another signature may grow them); the GEMM's launch arguments are worked out on the first call
-    and only their per-call fields filled in afterwards (:data:`_PER_CALL_FIELDS`)."""
+    and only their per-call fields filled in afterwards (the ``_ARG_*`` positions)."""
 
     def __init__(self, ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],
                  biases: Sequence[Optional[Tensor]], return_gathered: bool):
@@ -446,10 +450,10 @@ class _PushCall:
                 world=self.ws.world, shard_rows=self.shard_rows, chunks_per_rank=self.chunks, k_chunks=self.k_chunks,
                 a_local=shard2d, capturing=False))
         gemm = gemm.copy()
-        gemm[1], gemm[5], gemm[9], gemm[10], gemm[12], gemm[13], gemm[29] = (
-            buffer, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), flags, epoch,
-            shard2d.data_ptr())
-        gemm[24:29] = tail_split_args(self.device, main, 0, self.tail_split)
+        gemm[_ARG_A], gemm[_ARG_B], gemm[_ARG_BIAS], gemm[_ARG_OUT] = (
+            buffer, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
+        gemm[_ARG_FLAGS], gemm[_ARG_EPOCH], gemm[_ARG_A_LOCAL] = flags, epoch, shard2d.data_ptr()
+        gemm[_ARG_TAIL_SPLIT] = tail_split_args(self.device, main, 0, self.tail_split)
         return gemm
 
     def __call__(self, shard2d: Tensor, weights: Sequence[Tensor],

@@ -1,6 +1,6 @@
 // One launch of a CUTLASS 3 (sm90) GEMM kernel from its Arguments, with the host work of a launch kept to the
 // launch: CUTLASS's GemmUniversalAdapter sets two function attributes on every launch (initialize: the dynamic shared
-// memory size; ClusterLauncher: non-portable cluster sizes), about 5 us of driver time per launch on an H200.  Here
+// memory size; ClusterLauncher: non-portable cluster sizes), driver calls a launch does not need.  Here
 // the shared memory size is set once per kernel and device, and the launch goes straight to cudaLaunchKernelExC with
 // the cluster shape (a portable one: at most 8 CTAs, which needs no attribute) and, when asked, programmatic
 // dependent launch.  Torch-free.
