@@ -31,7 +31,7 @@ namespace {
       py::arg("variant") = 0, py::arg("split_partials") = 0, py::arg("split_flags") = 0,                    \
       py::arg("split_epoch") = 0, py::arg("split_max_parts") = 1, py::arg("split_waves") = 1,               \
       py::arg("a_local") = 0, py::arg("lda_local") = 0, py::arg("pdl") = false,                              \
-      py::arg("trap_on_timeout") = false
+      py::arg("trap_on_timeout") = false, py::arg("batch_rows") = 0
 
 void export_ag_gemm(py::module_& m) {
   m.def("ag_gemm_run", &api::ag_gemm_run,
@@ -54,13 +54,14 @@ void export_ag_gemm(py::module_& m) {
         py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"), py::arg("reset") = false);
   m.def("ag_push_call", &api::ag_push_call,
         "one eager push call of the AG+GEMM (ag_gemm.h push_call) enqueued whole: the side stream's fork, the "
-        "arrival, the push with its flags, the shard into `local_rows` (0: none), the GEMMs (`gemms`: ag_gemm_run's "
-        "arguments before the stream, one tuple per GEMM), the peers' rows of `buffer` into `gathered` (0: none) and "
-        "the join",
+        "arrival, the push with its flags, the shard into this rank's rows of `own_into` (0: none), the GEMMs "
+        "(`gemms`: ag_gemm_run's arguments before the stream, one tuple per GEMM), the peers' rows of `buffer` into "
+        "`gathered` (0: none) and the join; batch_rows > 0: the buffers are batch-major (ag_gemm.h)",
         py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
         py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("shard"), py::arg("shard_rows"),
         py::arg("k"), py::arg("element_size"), py::arg("peer_buffers"), py::arg("peer_flags"),
-        py::arg("chunks_per_rank"), py::arg("k_chunks"), py::arg("k_tile"), py::arg("gemms"), py::arg("local_rows"),
+        py::arg("chunks_per_rank"), py::arg("k_chunks"), py::arg("k_tile"), py::arg("batch_rows"), py::arg("gemms"),
+        py::arg("own_into"),
         py::arg("gathered"), py::arg("buffer"), py::arg("fork_event"), py::arg("join_event"), py::arg("main_stream"),
         py::arg("side_stream"));
   m.def("ag_create_event", &api::ag_create_event,
@@ -69,8 +70,9 @@ void export_ag_gemm(py::module_& m) {
         py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"));
   m.def("ag_memcpy2d_async", &api::ag_memcpy2d_async,
         "cudaMemcpy2DAsync device-to-device (copy engine) on `stream`: `height` rows of `width` bytes, row pitch "
-        "`pitch` on both sides",
-        py::arg("dst"), py::arg("src"), py::arg("pitch"), py::arg("width"), py::arg("height"), py::arg("stream"));
+        "`pitch` at dst and `src_pitch` at src (0: `pitch`)",
+        py::arg("dst"), py::arg("src"), py::arg("pitch"), py::arg("width"), py::arg("height"), py::arg("stream"),
+        py::arg("src_pitch") = 0);
   m.def("ag_alloc_host_mapped_word", &api::ag_alloc_host_mapped_word,
         "a zeroed host-mapped int32: (host address, device address); never freed");
   m.def("ag_device_sm_count", &fluxinductor::ag_gemm::device_sm_count, "SM count of the current device");

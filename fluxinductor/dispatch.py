@@ -388,8 +388,14 @@ def all_gather_matmul(
     gather_dim %= shard.dim()
     world = _world_size(group_name)
     rest = tuple(shard.shape[d] for d in range(shard.dim() - 1) if d != gather_dim)
-    # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0.
-    shard2d = _rows_first(shard, gather_dim)
+    # shard2d: [S * prod(rest), K], rank-major once gathered on dim 0; or, where the fused kernel can keep the
+    # batch-major layout (batch_rows > 0), the shard as it is, flattened (rows_first() then gives the rank-major one).
+    batch_rows = _batch_rows(shard, gather_dim)
+    shard2d = shard.view(-1, shard.shape[-1]) if batch_rows else _rows_first(shard, gather_dim)
+
+    def rows_first() -> Tensor:
+        return _rows_first(shard, gather_dim) if batch_rows else shard2d
+
     key = None if symm.capturing() else (
         op, dispatch_mode, _auto_key(shard.device, world) if dispatch_mode == "auto" else None, group_name, world,
         gather_dim, return_gathered, _operand_key(shard), tuple(map(_operand_key, weights)),
@@ -397,7 +403,7 @@ def all_gather_matmul(
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = _remember(key, _decide_all_gather_matmul(kernels, dispatch_mode, shard, shard2d, weights, biases,
-                                                         group_name, world, gather_dim, return_gathered))
+                                                         group_name, world, gather_dim, return_gathered, batch_rows))
     path, why = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
@@ -405,11 +411,25 @@ def all_gather_matmul(
     if path == "internode":
         from fluxinductor.kernels import internode
 
-        outputs2d, gathered2d = internode.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered)
+        outputs2d, gathered2d = internode.all_gather_matmul(rows_first(), weights, biases, group_name,
+                                                            return_gathered)
     elif path != "fused":
         record_fallback(op, why)
         return None
+    elif batch_rows and kernels.batch_major_reason(shard2d, weights, batch_rows, world) is None:
+        gathered_shape = list(shard.shape)
+        gathered_shape[gather_dim] *= world
+        run = kernels.prepare_all_gather_matmul(shard2d, weights, biases, group_name, return_gathered, batch_rows) \
+            if replay_as is not None else None
+        if run is None:
+            outputs2d, gathered2d = kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
+                                                              checked=True, batch_rows=batch_rows)
+        else:
+            outputs2d, gathered2d = run(shard2d, weights, biases)
+            _remember_replay(replay_as, _batch_major_replay(run, gathered_shape, return_gathered))
+        return _batch_major_results(outputs2d, gathered2d, gathered_shape, return_gathered)
     else:
+        shard2d = rows_first()
         run = kernels.prepare_all_gather_matmul(shard2d, weights, biases, group_name, return_gathered) \
             if replay_as is not None else None
         if run is None:
@@ -423,6 +443,36 @@ def all_gather_matmul(
     outputs = [_restore(o, lead, rest, gather_dim) for o in outputs2d]
     gathered = _restore(gathered2d, lead, rest, gather_dim) if return_gathered else shard.new_empty(0)
     return outputs, gathered
+
+
+def _batch_rows(shard: Tensor, gather_dim: int) -> int:
+    """For a contiguous shard gathered on a dim after a batch dim of more than one ([B, S/w, ..., K] gathered on S,
+    B > 1): the rows of each of its B blocks once flattened, prod(shape[gather_dim:-1]), which the fused kernel can
+    place batch-major in the gathered A (kernels' ``batch_major_reason``).  0 otherwise (the rank-major layout needs no
+    permute, or the shard is not laid out for it)."""
+    if gather_dim == 0 or _leading_ones(shard.shape, gather_dim) or not shard.is_contiguous():
+        return 0
+    rows = 1
+    for size in shard.shape[gather_dim:-1]:
+        rows *= size
+    return rows
+
+
+def _batch_major_results(outputs2d: List[Tensor], gathered2d: Tensor, gathered_shape: List[int],
+                         return_gathered: bool) -> Tuple[List[Tensor], Tensor]:
+    """The batch-major kernel's results as the op returns them: views of the gathered shape (the last dim N_i)."""
+    outputs = [o.view(gathered_shape[:-1] + [o.shape[-1]]) for o in outputs2d]
+    return outputs, gathered2d.view(gathered_shape) if return_gathered else gathered2d
+
+
+def _batch_major_replay(run: Callable, gathered_shape: List[int], return_gathered: bool) -> Callable:
+    """:func:`all_gather_matmul`'s batch-major path for the later calls of a signature (``run``: prepared)."""
+
+    def replay(shard: Tensor, weights: List[Tensor], biases: List[Optional[Tensor]]) -> Tuple[List[Tensor], Tensor]:
+        outputs2d, gathered2d = run(shard.view(-1, shard.shape[-1]), weights, biases)
+        return _batch_major_results(outputs2d, gathered2d, gathered_shape, return_gathered)
+
+    return replay
 
 
 def _all_gather_matmul_replay(run: Callable, lead: int, rest: Tuple[int, ...], gather_dim: int,
@@ -440,8 +490,9 @@ def _all_gather_matmul_replay(run: Callable, lead: int, rest: Tuple[int, ...], g
 
 def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2d: Tensor, weights: List[Tensor],
                               biases: List[Optional[Tensor]], group_name: str, world: int, gather_dim: int,
-                              return_gathered: bool) -> Tuple[str, Optional[str]]:
-    """(path, reason): "fused" (reason None), "asynctp", or "decomposed" with the reason."""
+                              return_gathered: bool, batch_rows: int = 0) -> Tuple[str, Optional[str]]:
+    """(path, reason): "fused" (reason None), "asynctp", or "decomposed" with the reason.  ``shard2d``: the shard as
+    the fused path gets it (flattened as it is when ``batch_rows`` > 0, see :func:`all_gather_matmul`)."""
     why = _peers_reason(group_name, shard.device)
     from fluxinductor.kernels import internode
 
@@ -469,8 +520,10 @@ def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2
             if path == "asynctp":
                 return lambda: _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name,
                                                           return_gathered)
+            batch = batch_rows if batch_rows and kernels.batch_major_reason(
+                shard2d, weights, batch_rows, world) is None else 0
             return lambda: kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
-                                                     checked=True)
+                                                     checked=True, batch_rows=batch)
 
         path, reason = _cost_model_says("all_gather_matmul", shard.device, world, world * shard2d.shape[0],
                                         shard2d.shape[1], n_global, shard.dtype, fused_eligible=why is None,

@@ -148,6 +148,25 @@ def rows_first(shape: Sequence[Size], dim: int) -> Optional[Tuple[List[int], Lis
     return perm, inverse, perm[1:-1]
 
 
+# The fused AG+GEMM keeps a batch-major layout ([B, S/w, H] shards gathered on S into [B, S, H], no permutes) when each
+# shard's blocks of rows (S/w x the dims after S but the last) are whole tiles of its kernel (csrc/include/fluxinductor/
+# ag_gemm/scheduler.cuh, batch_rows); the smallest tile M of the variants it picks on its own is 128.
+BATCH_MAJOR_ROWS = 128
+
+
+def batch_major(shape: Sequence[Size], dim: int) -> bool:
+    """Whether the AG+GEMM of a shard of ``shape`` gathered on ``dim`` (a dim after a batch dim > 1, so that
+    :func:`rows_first` would permute) runs on the shard as it is: its blocks of rows, prod(shape[dim:-1]), are known
+    whole multiples of BATCH_MAJOR_ROWS.  Where the fused kernel still cannot keep that layout at run time (a forced
+    variant of larger tiles, a one-wave problem, CUDA graph capture), the op permutes itself (fluxinductor.dispatch)."""
+    rows = 1
+    for s in shape[dim:-1]:
+        if not isinstance(s, int):
+            return False
+        rows *= s
+    return rows % BATCH_MAJOR_ROWS == 0
+
+
 def size_arg(graph: Graph, node: Node, dim: int) -> Union[int, Node]:
     """Size ``dim`` of ``node`` as a reshape argument: the int, or (symbolic) a new ``sym_size`` node at the
     graph's insertion point."""

@@ -13,8 +13,9 @@ Before (gather_dim = 1, as funcol/DTensor write it for activations [B, S, H] sha
     q     = addmm(b_q, A2, W_q)    ; k = mm(A2, W_k)                        # [B*S, N_i]
     use(A2)                                                                # e.g. saved for backward
 
-After (the op runs on the shard rows-first, [S/w * B, H], and gathers on dim 0; the permutes are left to inductor,
-which folds them into the kernels that produce the shard and read the results)::
+After, where the shard's blocks are not whole tiles (the op runs on the shard rows-first, [S/w * B, H], and gathers
+on dim 0; the permutes are left to inductor, which folds them into the kernels that produce the shard and read the
+results)::
 
     s2    = reshape(clone(permute(shard, [1, 0, 2]), contiguous), [-1, H])  # [S/w * B, H]
     f     = fluxinductor.all_gather_matmul(s2, [W_q, W_k], [b_q, None], 0, group, True)
@@ -24,6 +25,9 @@ which folds them into the kernels that produce the shard and read the results)::
     A2    = reshape(A, [B*S, H]) ; use(A2)
 
 With B = 1 (or gather_dim 0) no permute is needed and the op gets the shard as it is, with the graph's gather_dim.
+Neither is it where each shard's block of rows (S/w, times any dims between S and H) is whole 128-row tiles of the
+kernel (``_match.batch_major``): the kernel then gathers each [B, S/w, H] shard straight into the batch-major
+[B, S, H] and computes on it in place, so the op gets the shard as it is there too and its results are the graph's.
 
 ``return_gathered`` is True only when something other than the fused matmuls still reads the gathered
 tensor; otherwise the second result is an empty tensor and is not used.  The gather forms recognized:
@@ -242,9 +246,13 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
     weights = [mm.weight for mm in matmuls]
     biases = [mm.bias for mm in matmuls]
 
-    # gather_dim > 0 with a leading dim > 1 ([B, S/w, H] with B > 1): the op gathers the rows-first shard on dim 0
-    # and the permutes around it are left to inductor (see m.rows_first).
+    # gather_dim > 0 with a leading dim > 1 ([B, S/w, H] with B > 1): the op gets the shard as it is where its kernel
+    # keeps the batch-major layout (m.batch_major); otherwise it gathers the rows-first shard on dim 0 and the permutes
+    # around it are left to inductor (see m.rows_first).
     plan = m.rows_first(match.shape, match.gather_dim)
+    batch_major = plan is not None and m.batch_major(match.shape, match.gather_dim)
+    if batch_major:
+        plan = None
     k = match.shape[-1]
     # Evaluate the op's fake impl first: a failure leaves the graph untouched.
     try:
@@ -330,7 +338,8 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
                 gathered = reshaped
             match.gathered.replace_all_uses_with(gathered)
     m.erase_dead(graph, [mm.node for mm in matmuls] + closure + match.gather_nodes)
-    record_fused(PATTERN, f"{len(matmuls)} matmul(s), gather_dim={match.gather_dim}{', rows-first' if plan else ''}, "
+    record_fused(PATTERN, f"{len(matmuls)} matmul(s), gather_dim={match.gather_dim}"
+                          f"{', rows-first' if plan else ', batch-major' if batch_major else ''}, "
                           f"return_gathered={return_gathered}, group={match.group_name}")
 
 

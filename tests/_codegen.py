@@ -20,15 +20,19 @@ def kernel_calls(code: str) -> Tuple[List[Tuple[str, Set[str]]], Dict[str, str]]
     return calls, first
 
 
-def check_rows_first_mlp(code: str) -> List[Tuple[str, Set[str]]]:
-    """For ``x + w2(gelu(w1(x)))`` with [B, S/w, H] sequence shards, B > 1: both ops are called rows-first (dim 0), one
-    kernel computes gelu reading the all-gather's output and writing the reduce-scatter's operand (no other kernel
-    touches them: no layout copy), and one add kernel reads the reduce-scatter's output.  Returns the kernel calls."""
-    ag = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.all_gather_matmul\.default\(.*, \[.*\], \[.*\], 0, ", code)
+def check_rows_first_mlp(code: str, gather_dim: int = 0) -> List[Tuple[str, Set[str]]]:
+    """For ``x + w2(gelu(w1(x)))`` with [B, S/w, H] sequence shards, B > 1: the reduce-scatter is called rows-first
+    (dim 0), the all-gather on ``gather_dim`` (0: rows-first; 1: batch-major, on the shard as it is), one kernel
+    computes gelu reading the all-gather's output and writing the reduce-scatter's operand (no other kernel touches
+    them: no layout copy), and one add kernel reads the reduce-scatter's output.  Returns the kernel calls."""
+    ag = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.all_gather_matmul\.default\((\w+), \[.*\], \[.*\], "
+                   rf"{gather_dim}, ", code)
     rs = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.matmul_reduce_scatter\.default\("
                    r"(?:reinterpret_tensor\()?(buf\d+)\b.*, 'sum', 0, ", code)
-    assert ag and rs, f"the ops are not called rows-first (dim 0):\n{code}"
+    assert ag and rs, f"the ops are not called with the expected dims:\n{code}"
     calls, first = kernel_calls(code)
+    if gather_dim:
+        assert not any(ag.group(2) in bufs for _, bufs in calls), f"a kernel touches the shard {ag.group(2)}: {calls}"
     ag_out = re.search(rf"(buf\d+) = {ag.group(1)}\[0\]\[0\]", code).group(1)
     rs_in, rs_out = first.get(rs.group(2), rs.group(2)), first.get(rs.group(1), rs.group(1))
     readers = {name for name, bufs in calls if ag_out in bufs}

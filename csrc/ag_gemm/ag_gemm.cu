@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <string>
 #include <cstdio>
 
@@ -77,6 +78,10 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
                          p.shard_rows * p.world != p.m || p.chunks_per_rank < 1 || p.k_chunks < 1)) {
     std::snprintf(out, size, "inconsistent all-gather layout (rank %d of %d, %lld rows per rank, M=%lld)", p.rank,
                   p.world, (long long)p.shard_rows, (long long)p.m);
+  } else if (p.batch_rows < 0 || (p.batch_rows > 0 && (!p.flags || p.k_chunks != 1 || p.batch_rows > INT32_MAX ||
+                                                        p.shard_rows % p.batch_rows != 0))) {
+    std::snprintf(out, size, "a batch-major A needs flags, row chunks and rows per rank (%lld) that are whole blocks "
+                  "of %lld rows", (long long)p.shard_rows, (long long)p.batch_rows);
   } else if (p.a_local && (!p.flags || !aligned16(p.a_local) || p.lda_local % kAlign || p.lda_local < p.k)) {
     std::snprintf(out, size, "the local rows' A needs flags, a 16-byte aligned base and a row stride >= K that is a "
                   "multiple of 8 (got %lld)", (long long)p.lda_local);
@@ -164,12 +169,38 @@ Error push_call_unsupported(PushCallParams const& p) {
   if (p.gathered && !p.buffer) {
     return make_error("push_call: the gathered A needs this rank's buffer");
   }
+  if (p.batch_rows < 0 || (p.batch_rows > 0 && (p.k_chunks != 1 || p.shard_rows % p.batch_rows != 0))) {
+    return make_error("push_call: a batch-major push needs row chunks and whole blocks of batch_rows rows");
+  }
   for (int q = 0; q < world; ++q) {
     if (q != p.arrival.rank && (!p.peer_buffers[q] || !p.peer_flags[q])) {
       return make_error("push_call: no buffer or flags for peer " + std::to_string(q));
     }
   }
   return {};
+}
+
+// Rows [l0, l1) of rank q's shard (contiguous at `shard`) into where they lie in a gathered A at `a` of `world`
+// ranks, whose blocks of `block` rows are batch-major (block b of rank q at rows (b * world + q) * block; block =
+// shard_rows: rank-major): a 1-D copy for a part of one block, a 2-D one for whole blocks.
+Error copy_shard_rows(char* a, char const* shard, int q, int world, int64_t l0, int64_t l1, int64_t block,
+                      int64_t row_bytes, cudaStream_t stream) {
+  Error why;
+  while (l0 < l1 && !why.failed()) {
+    int64_t const b = l0 / block, i = l0 - b * block;
+    char* dst = a + ((b * world + q) * block + i) * row_bytes;
+    int64_t const blocks = i == 0 ? (l1 - l0) / block : 0;
+    if (blocks > 1) {
+      why = memcpy2d_async(dst, shard + l0 * row_bytes, world * block * row_bytes, block * row_bytes, blocks, stream,
+                           block * row_bytes);
+      l0 += blocks * block;
+    } else {
+      int64_t const rows = std::min(block - i, l1 - l0);
+      why = memcpy_async(dst, shard + l0 * row_bytes, rows * row_bytes, stream);
+      l0 += rows;
+    }
+  }
+  return why;
 }
 
 }  // namespace
@@ -195,10 +226,11 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
   }
 
   int64_t const row_bytes = p.k * p.element_size;
+  int64_t const block = p.batch_rows > 0 ? p.batch_rows : p.shard_rows;
   auto const* shard = static_cast<char const*>(p.shard);
   for (int step = 1; step < world; ++step) {
     int const peer = (rank - step + world) % world;
-    char* base = static_cast<char*>(p.peer_buffers[peer]) + rank * p.shard_rows * row_bytes;
+    char* base = static_cast<char*>(p.peer_buffers[peer]) + rank * p.shard_rows * row_bytes;  // rank-major only
     if (p.k_chunks > 1) {  // column blocks of whole K tiles (ag_gemm.py k_chunk_bounds)
       int64_t const k_tiles = (p.k + p.k_tile - 1) / p.k_tile;
       int64_t const cols = (k_tiles + p.k_chunks - 1) / p.k_chunks * p.k_tile;
@@ -217,8 +249,8 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     int64_t const rows = (p.shard_rows + p.chunks_per_rank - 1) / p.chunks_per_rank;  // ag_gemm.py chunk_bounds
     for (int c = 0; c < p.chunks_per_rank; ++c) {
       int64_t const start = std::min(c * rows, p.shard_rows), end = std::min((c + 1) * rows, p.shard_rows);
-      if (end > start && (why = memcpy_async(base + start * row_bytes, shard + start * row_bytes,
-                                             (end - start) * row_bytes, side)).failed()) {
+      if ((why = copy_shard_rows(static_cast<char*>(p.peer_buffers[peer]), shard, rank, world, start, end, block,
+                                 row_bytes, side)).failed()) {
         return why;
       }
       if ((why = stream_write_value32(p.peer_flags[peer] + rank * p.chunks_per_rank + c, epoch, side)).failed()) {
@@ -227,8 +259,8 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     }
   }
 
-  int64_t const shard_bytes = p.shard_rows * row_bytes;
-  if (p.local_rows && (why = memcpy_async(p.local_rows, shard, shard_bytes, side)).failed()) {
+  if (p.own_into && (why = copy_shard_rows(static_cast<char*>(p.own_into), shard, rank, world, 0, p.shard_rows, block,
+                                            row_bytes, side)).failed()) {
     return why;
   }
 
@@ -239,15 +271,17 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
       return why;
     }
   }
-  if (p.gathered) {  // rows [0, rank * shard_rows) and [(rank + 1) * shard_rows, world * shard_rows)
-    int64_t const lo = rank * shard_bytes, hi = (rank + 1) * shard_bytes, total = world * shard_bytes;
+  if (p.gathered) {  // the blocks of ranks [0, rank) and (rank, world), in each of the shard_rows / block slices
     auto* gathered = static_cast<char*>(p.gathered);
     auto const* buffer = static_cast<char const*>(p.buffer);
-    if (lo > 0 && (why = memcpy_async(gathered, buffer, lo, main)).failed()) {
-      return why;
-    }
-    if (hi < total && (why = memcpy_async(gathered + hi, buffer + hi, total - hi, main)).failed()) {
-      return why;
+    int64_t const slice_bytes = world * block * row_bytes, blocks = p.shard_rows / block;
+    for (auto [q0, q1] : {std::pair<int64_t, int64_t>{0, rank}, std::pair<int64_t, int64_t>{rank + 1, world}}) {
+      int64_t const offset = q0 * block * row_bytes, width = (q1 - q0) * block * row_bytes;
+      if (width > 0 && (why = blocks > 1 ? memcpy2d_async(gathered + offset, buffer + offset, slice_bytes, width,
+                                                          blocks, main)
+                                         : memcpy_async(gathered + offset, buffer + offset, width, main)).failed()) {
+        return why;
+      }
     }
   }
   return follow(main, side, static_cast<cudaEvent_t>(p.join_event));

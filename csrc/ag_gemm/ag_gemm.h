@@ -49,6 +49,10 @@ struct AllGatherGemmParams {
   // > 1: each rank's whole shard arrives in k_chunks column blocks instead (flags [world * k_chunks]), and the
   // producer waits before each block of a tile's K loop (for problems of about one wave; ag_gemm/scheduler.cuh).
   int k_chunks = 1;
+  // > 0 (with flags, k_chunks == 1): A is batch-major, each shard shard_rows / batch_rows blocks of batch_rows rows,
+  // block b of rank q at rows (b * world + q) * batch_rows of A and of out (ag_gemm/scheduler.cuh); a multiple of
+  // the tile's M.  a_local is then the shard in its own order ([shard_rows, K]: block after block).
+  int64_t batch_rows = 0;
   int group_cluster_rows = 8;     // tile-order group height, in cluster rows (see ag_gemm/scheduler.cuh)
   int sm_count = 0;               // persistent grid size; 0 = all SMs of the device
   Variant variant = Variant::kCooperative128x256Cluster2x1;
@@ -119,14 +123,15 @@ Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 //     epoch; the first GEMM is the arrival's programmatic dependent;
 //   k_chunks > 1 (one-wave problems, whose push start is the critical path): the arrival on `main`, then `side`
 //     follows `main` (fork_event), no programmatic launch;
-// then on `side`: for peer q = rank - 1, rank - 2, ... the shard into rows [rank * shard_rows, (rank + 1) *
-// shard_rows) of peer_buffers[q] (row stride k), chunk by chunk (row chunks: ceil(shard_rows / chunks_per_rank) rows
-// each, flag rank * chunks_per_rank + c; column blocks with k_chunks > 1: ceil(ceil(k / k_tile) / k_chunks) K tiles
-// each, flag rank * k_chunks + c), each chunk's bytes then the epoch written into peer_flags[q][flag] (a stream write,
-// whose memory barrier orders it after the bytes); then, if `local_rows`, the shard into it.  On `main` the GEMMs
-// (gemms[i].pdl is set here), then, if `gathered`, the peers' rows of `buffer` (this rank's, [world * shard_rows, k])
-// into the same rows of `gathered` (every GEMM has waited for them); last `main` follows `side` (join_event).  The
-// events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
+// then on `side`: for peer q = rank - 1, rank - 2, ... the shard into this rank's rows of peer_buffers[q] (rows
+// [rank * shard_rows, (rank + 1) * shard_rows), row stride k; batch-major with batch_rows > 0, as in
+// AllGatherGemmParams), chunk by chunk (row chunks: ceil(shard_rows / chunks_per_rank) rows of the shard each, flag
+// rank * chunks_per_rank + c; column blocks with k_chunks > 1: ceil(ceil(k / k_tile) / k_chunks) K tiles each, flag
+// rank * k_chunks + c), each chunk's bytes then the epoch written into peer_flags[q][flag] (a stream write, whose
+// memory barrier orders it after the bytes); then, if `own_into`, the shard into this rank's rows of it.  On `main`
+// the GEMMs (gemms[i].pdl is set here), then, if `gathered`, the peers' rows of `buffer` (this rank's, [world *
+// shard_rows, k]) into the same rows of `gathered` (every GEMM has waited for them); last `main` follows `side`
+// (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
 constexpr int kMaxPushGemms = 8;
 struct PushCallParams {
   ArrivalParams arrival;                           // epoch, need, rank, world: the call's
@@ -135,9 +140,10 @@ struct PushCallParams {
   void* peer_buffers[kMaxArrivalWorld] = {};       // [q]: rank q's gathered buffer, [world * shard_rows, k], mapped
   uint32_t* peer_flags[kMaxArrivalWorld] = {};     // [q]: rank q's flags of this call's parity, mapped
   int chunks_per_rank = 1, k_chunks = 1, k_tile = 64;
+  int64_t batch_rows = 0;                          // > 0: batch-major buffers (k_chunks == 1 only)
   AllGatherGemmParams gemms[kMaxPushGemms];
   int gemm_count = 0;
-  void* local_rows = nullptr;                      // [shard_rows, k] on this device, or null
+  void* own_into = nullptr;                        // [world * shard_rows, k] on this device, or null
   void* gathered = nullptr;                        // [world * shard_rows, k] on this device, or null
   const void* buffer = nullptr;                    // this rank's buffer, [world * shard_rows, k] (with `gathered`)
   void* fork_event = nullptr;

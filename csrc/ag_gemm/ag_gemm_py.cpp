@@ -29,7 +29,8 @@ ag_gemm::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m
                                                  int64_t error_word, int variant, int64_t split_partials,
                                                  int64_t split_flags, uint32_t split_epoch, int split_max_parts,
                                                  int split_waves, int64_t a_local = 0, int64_t lda_local = 0,
-                                                 bool pdl = false, bool trap_on_timeout = false) {
+                                                 bool pdl = false, bool trap_on_timeout = false,
+                                                 int64_t batch_rows = 0) {
   ag_gemm::AllGatherGemmParams p;
   if (dtype != int(ag_gemm::DType::kBFloat16) && dtype != int(ag_gemm::DType::kFloat16)) {
     throw std::invalid_argument("dtype must be 0 (bfloat16) or 1 (float16)");
@@ -56,6 +57,7 @@ ag_gemm::AllGatherGemmParams make_ag_gemm_params(int dtype, int64_t a, int64_t m
   p.lda_local = lda_local;
   p.pdl = pdl;
   p.trap_on_timeout = trap_on_timeout;
+  p.batch_rows = batch_rows;
   return p;
 }
 
@@ -87,12 +89,12 @@ void ag_gemm_run(int dtype, int64_t a, int64_t m, int64_t k, int64_t lda, int64_
                  int world, int64_t shard_rows, int chunks_per_rank, int k_chunks, int group_cluster_rows,
                  int sm_count, long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
                  int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves, int64_t a_local,
-                 int64_t lda_local, bool pdl, bool trap_on_timeout, int64_t stream) {
+                 int64_t lda_local, bool pdl, bool trap_on_timeout, int64_t batch_rows, int64_t stream) {
   check_ok(ag_gemm::all_gather_gemm(
       make_ag_gemm_params(dtype, a, m, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world,
                           shard_rows, chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word,
                           variant, split_partials, split_flags, split_epoch, split_max_parts, split_waves, a_local,
-                          lda_local, pdl, trap_on_timeout),
+                          lda_local, pdl, trap_on_timeout, batch_rows),
       reinterpret_cast<void*>(stream)));
 }
 
@@ -102,11 +104,13 @@ std::string ag_gemm_unsupported(int dtype, int64_t a, int64_t m, int64_t k, int6
                                 int chunks_per_rank, int k_chunks, int group_cluster_rows, int sm_count,
                                 long long timeout_ns, int64_t error_word, int variant, int64_t split_partials,
                                 int64_t split_flags, uint32_t split_epoch, int split_max_parts, int split_waves,
-                                int64_t a_local, int64_t lda_local, bool pdl, bool trap_on_timeout) {
+                                int64_t a_local, int64_t lda_local, bool pdl, bool trap_on_timeout,
+                                int64_t batch_rows) {
   return std::string(ag_gemm::all_gather_gemm_unsupported(make_ag_gemm_params(
       dtype, a, m, k, lda, b, n, ldb, b_k_contiguous, bias, out, ldo, flags, epoch, rank, world, shard_rows,
       chunks_per_rank, k_chunks, group_cluster_rows, sm_count, timeout_ns, error_word, variant, split_partials,
-      split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local, pdl, trap_on_timeout)).message);
+      split_flags, split_epoch, split_max_parts, split_waves, a_local, lda_local, pdl, trap_on_timeout,
+      batch_rows)).message);
 }
 
 void ag_arrive_and_wait(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, int64_t passed, uint32_t epoch,
@@ -120,7 +124,8 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
                   uint32_t need, int rank, long long timeout_ns, int64_t error_word, int64_t shard, int64_t shard_rows,
                   int64_t k, int element_size, const std::vector<int64_t>& peer_buffers,
                   const std::vector<int64_t>& peer_flags, int chunks_per_rank, int k_chunks, int k_tile,
-                  const std::vector<py::tuple>& gemms, int64_t local_rows, int64_t gathered, int64_t buffer,
+                  int64_t batch_rows, const std::vector<py::tuple>& gemms, int64_t own_into, int64_t gathered,
+                  int64_t buffer,
                   int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream) {
   int const world = int(peer_arrivals.size());
   if (world < 1 || world > ag_gemm::kMaxArrivalWorld || peer_buffers.size() != peer_arrivals.size() ||
@@ -139,11 +144,11 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
   }
   p.shard = reinterpret_cast<const void*>(shard);
   p.shard_rows = shard_rows; p.k = k; p.element_size = element_size;
-  p.chunks_per_rank = chunks_per_rank; p.k_chunks = k_chunks; p.k_tile = k_tile;
+  p.chunks_per_rank = chunks_per_rank; p.k_chunks = k_chunks; p.k_tile = k_tile; p.batch_rows = batch_rows;
   for (size_t i = 0; i < gemms.size(); ++i) {
     py::tuple const& g = gemms[i];
-    if (g.size() != 33) {
-      throw std::invalid_argument("ag_push_call: each GEMM is ag_gemm_run's 33 arguments before the stream");
+    if (g.size() != 34) {
+      throw std::invalid_argument("ag_push_call: each GEMM is ag_gemm_run's 34 arguments before the stream");
     }
     p.gemms[i] = make_ag_gemm_params(
         g[0].cast<int>(), g[1].cast<int64_t>(), g[2].cast<int64_t>(), g[3].cast<int64_t>(),
@@ -153,10 +158,11 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
         g[16].cast<int64_t>(), g[17].cast<int>(), g[18].cast<int>(), g[19].cast<int>(), g[20].cast<int>(),
         g[21].cast<long long>(), g[22].cast<int64_t>(), g[23].cast<int>(), g[24].cast<int64_t>(),
         g[25].cast<int64_t>(), g[26].cast<uint32_t>(), g[27].cast<int>(), g[28].cast<int>(),
-        g[29].cast<int64_t>(), g[30].cast<int64_t>(), g[31].cast<bool>(), g[32].cast<bool>());
+        g[29].cast<int64_t>(), g[30].cast<int64_t>(), g[31].cast<bool>(), g[32].cast<bool>(),
+        g[33].cast<int64_t>());
   }
   p.gemm_count = int(gemms.size());
-  p.local_rows = reinterpret_cast<void*>(local_rows);
+  p.own_into = reinterpret_cast<void*>(own_into);
   p.gathered = reinterpret_cast<void*>(gathered);
   p.buffer = reinterpret_cast<const void*>(buffer);
   p.fork_event = reinterpret_cast<void*>(fork_event);
@@ -177,9 +183,10 @@ void ag_memcpy_async(int64_t dst, int64_t src, int64_t bytes, int64_t stream) {
                         reinterpret_cast<void*>(stream)));
 }
 
-void ag_memcpy2d_async(int64_t dst, int64_t src, int64_t pitch, int64_t width, int64_t height, int64_t stream) {
+void ag_memcpy2d_async(int64_t dst, int64_t src, int64_t pitch, int64_t width, int64_t height, int64_t stream,
+                       int64_t src_pitch) {
   check_ok(memcpy2d_async(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), pitch, width, height,
-                          reinterpret_cast<void*>(stream)));
+                          reinterpret_cast<void*>(stream), src_pitch));
 }
 
 int64_t ag_create_event() {

@@ -41,9 +41,11 @@ Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
   return status == cudaSuccess ? Error() : cuda_error("cudaMemcpyAsync", status);
 }
 
-Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream) {
-  cudaError_t status = cudaMemcpy2DAsync(dst, size_t(pitch), src, size_t(pitch), size_t(width), size_t(height),
-                                         cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream,
+                     int64_t src_pitch) {
+  cudaError_t status = cudaMemcpy2DAsync(dst, size_t(pitch), src, size_t(src_pitch > 0 ? src_pitch : pitch),
+                                         size_t(width), size_t(height), cudaMemcpyDeviceToDevice,
+                                         static_cast<cudaStream_t>(stream));
   return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy2DAsync", status);
 }
 

@@ -15,8 +15,10 @@ Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream);
 
 // cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
-// cudaMemcpy2DAsync device-to-device: `height` rows of `width` bytes, row pitch `pitch` bytes on both sides.
-Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream);
+// cudaMemcpy2DAsync device-to-device: `height` rows of `width` bytes, row pitch `pitch` bytes at dst and `src_pitch`
+// at src (0: `pitch` on both sides).
+Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream,
+                     int64_t src_pitch = 0);
 
 // A cudaEvent_t with timing off on the current device, or an error.  Never destroyed.
 Error create_event(int64_t* event);

@@ -46,7 +46,7 @@ from fluxinductor.kernels import loader, symm
 # The variants and the shard transfers, re-exported: this module is the AG+GEMM interface.
 from fluxinductor.kernels.ag_gemm_transfer import (  # noqa: F401
     _MIN_K_BLOCK_BYTES, _push_flag, assemble_gathered, chunk_bounds, k_chunk_bounds, pull_k_block, pull_row_chunk,
-    pull_shards, push_call, push_shards, use_k_chunks)
+    pull_shards, push_call, push_shards, shard_row_copies, use_k_chunks)
 from fluxinductor.kernels.ag_gemm_variants import (  # noqa: F401
     _K_TILE, _TAIL_SPLITTING, _TILES, WIDE_MIN_GAIN, _automatic_variant, _cluster_row_height, _forced_variant,
     _has_variants, _tile_m, _weight_layout, group_cluster_rows, kernel_variant, modelled_time)
@@ -181,7 +181,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
                 group_rows: Optional[int] = None, variant: Optional[int] = None,
                 timeout_s: Optional[float] = None, stream: Optional[torch.cuda.Stream] = None,
                 tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False,
-                trap_on_timeout: bool = False, capturing: Optional[bool] = None) -> Tensor:
+                trap_on_timeout: bool = False, capturing: Optional[bool] = None, batch_rows: int = 0) -> Tensor:
     """out[M, N] = a[M, K] @ weight[K, N] (+ bias) with the fused kernel, on ``stream`` (default: current).
 
     With ``flags`` ([world * chunks_per_rank] int32 on a's device), each tile first waits until the flags of
@@ -192,6 +192,9 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
     ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).  Under
     CUDA graph capture the tail split is off (``capturing``: whether the caller knows it is capturing; None: ask).
+    ``batch_rows`` > 0 (with ``flags`` and row chunks): ``a`` and ``out`` are batch-major, each shard ``shard_rows //
+    batch_rows`` blocks of ``batch_rows`` rows and block b of rank q at rows (b * world + q) * batch_rows (a [B, S/w,
+    ...] shard gathered on S); ``a_local`` is the shard as it is.
     ``chunks_per_rank``/``group_rows``/``variant``/``tail_split`` default to ``settings.tuning`` (ag_chunks,
     ag_group_rows, kernel_variant, ag_tail_split: the most parts a tile of a partial last wave is split into along K;
     1 = off).
@@ -200,7 +203,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     args = gemm_args(a, weight, bias, out, flags=flags, epoch=epoch, rank=rank, world=world, shard_rows=shard_rows,
                      chunks_per_rank=chunks_per_rank, k_chunks=k_chunks, sm_count=sm_count, group_rows=group_rows,
                      variant=variant, timeout_s=timeout_s, stream=stream, tail_split=tail_split, a_local=a_local,
-                     pdl=pdl, trap_on_timeout=trap_on_timeout, capturing=capturing)
+                     pdl=pdl, trap_on_timeout=trap_on_timeout, capturing=capturing, batch_rows=batch_rows)
     loader.extension().ag_gemm_run(*args, stream.cuda_stream)
     return out
 
@@ -210,9 +213,9 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
               chunks_per_rank: Optional[int] = None, k_chunks: int = 1, sm_count: int = 0,
               group_rows: Optional[int] = None, variant: Optional[int] = None, timeout_s: Optional[float] = None,
               tail_split: Optional[int] = None, a_local: Optional[Tensor] = None, pdl: bool = False,
-              trap_on_timeout: bool = False, capturing: Optional[bool] = None) -> tuple:
+              trap_on_timeout: bool = False, capturing: Optional[bool] = None, batch_rows: int = 0) -> tuple:
     """The arguments of :func:`launch_gemm`'s launch on ``stream`` as ag_gemm_run takes them, but the stream: the
-    binding's order (csrc/bindings.cpp), passed positionally, as keyword parsing of its 34 arguments costs pybind11
+    binding's order (csrc/bindings.cpp), passed positionally, as keyword parsing of its 35 arguments costs pybind11
     several microseconds per launch.  The tail split's epochs are taken from ``stream``'s scratch here, so the
     launch must follow on that stream (ag_push_call takes a list of these)."""
     tuning = settings.tuning
@@ -221,12 +224,12 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
     if tail_split > 1 and (symm.capturing() if capturing is None else capturing):
         tail_split = 1  # its scratch is per stream and its flags take a new epoch per launch: not for a graph
     key = (a.device.index, a.dtype, weight.shape, weight.stride(), a.shape[0],
-           shard_rows if flags is not None else None, sm_count, variant, group_rows, tuning)
+           shard_rows if flags is not None else None, sm_count, variant, group_rows, tuning, batch_rows)
     choices = _launch_choices.get(key)
     if choices is None:
         if len(_launch_choices) >= 4096:
             _launch_choices.clear()
-        choices = _launch_choices[key] = _choose_launch(a, weight, key[5], sm_count, variant, group_rows)
+        choices = _launch_choices[key] = _choose_launch(a, weight, key[5], sm_count, variant, group_rows, batch_rows)
     k_contiguous, ldb, variant, group_rows = choices
     _, error_device = symm.error_word(a.device.index)
     timeout_s = symm.timeout_seconds() if timeout_s is None else timeout_s
@@ -238,7 +241,7 @@ def gemm_args(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *,
         chunks_per_rank, k_chunks, group_rows, sm_count, int(timeout_s * 1e9), error_device, variant,
         *tail_split_args(a.device, stream, sm_count, tail_split),  # split partials, flags, epoch, max parts, waves
         0 if a_local is None else a_local.data_ptr(), 0 if a_local is None else a_local.stride(0),  # a_local, lda
-        pdl, trap_on_timeout)
+        pdl, trap_on_timeout, batch_rows if flags is not None else 0)
 
 
 # Positions in gemm_args' tuple of the fields that change between calls of one signature (_PushCall fills them in).
@@ -251,17 +254,38 @@ _launch_choices: Dict[tuple, Tuple[bool, int, int, int]] = {}
 
 
 def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_count: int, variant: Optional[int],
-                   group_rows: Optional[int]) -> Tuple[bool, int, int, int]:
+                   group_rows: Optional[int], batch_rows: int = 0) -> Tuple[bool, int, int, int]:
     layout = _weight_layout(weight)
     if layout is None:
         raise ValueError(f"weight strides {tuple(weight.stride())} have no contiguous dim")
     if variant is None:
-        with torch.cuda.device(a.device):
-            variant = kernel_variant(a.dtype, weight, a.shape[0], shard_rows, sm_count or None)
+        with torch.cuda.device(a.device):  # a batch-major A keeps whole tiles per block, not only per shard
+            variant = kernel_variant(a.dtype, weight, a.shape[0], batch_rows or shard_rows, sm_count or None)
     if group_rows is None:
         group_rows = (group_cluster_rows(shard_rows, variant) if shard_rows is not None
                       else settings.tuning.ag_group_rows)
     return layout[0], layout[1], variant, group_rows
+
+
+def batch_major_reason(shard2d: Tensor, weights: Sequence[Tensor], batch_rows: int, world: int) -> Optional[str]:
+    """Why a pushing call cannot keep a batch-major layout (None: it can): ``shard2d`` is a [B, S/w, ...] shard
+    flattened to [B * batch_rows, K] and gathered on S, so its blocks of ``batch_rows`` rows land batch-major in the
+    gathered A (:func:`launch_gemm`), with no permute of the shard or of the results.  That needs the push with row
+    chunks, and blocks of whole tiles of every launch."""
+    rows = shard2d.shape[0]
+    if batch_rows <= 0 or rows % batch_rows:
+        return f"{rows} shard rows are not whole blocks of {batch_rows}"
+    if symm.capturing():
+        return "CUDA graph capture (the captured push is rank-major)"
+    if not use_push(shard2d, weights):
+        return "the call pulls"
+    if any(batch_rows % _tile_m(_forced_variant(shard2d.dtype, w)) for w in weights):
+        return f"blocks of {batch_rows} rows are not whole tiles"
+    widest = max(w.shape[1] for w in weights)
+    if use_k_chunks(world * rows, widest, loader.extension().ag_device_sm_count(),
+                    rows * shard2d.shape[1] * shard2d.element_size()) > 1:
+        return "a one-wave problem (its shards move in column blocks)"
+    return None
 
 
 def use_push(shard2d: Tensor, weights: Sequence[Tensor]) -> bool:
@@ -288,33 +312,37 @@ def _layout_key(shard2d: Tensor, push: bool) -> tuple:
     return shard2d.shape[0], shard2d.shape[1], shard2d.dtype, int(push)
 
 
-def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool) -> None:
-    """Once per (rows, K, dtype, push): make sure every rank calls with the same layout and moves shards the same way
-    (a pulling rank would read a pushing peer's slot, which that peer never fills, e.g. with another
-    ``settings.tuning.ag_variant``): else raise, not hang or compute with stale rows."""
-    key = _layout_key(shard2d, push)
-    moves = key[3]
+def _check_layout_agrees(ws: symm.SymmetricWorkspace, shard2d: Tensor, push: bool, batch_rows: int = 0) -> None:
+    """Once per (rows, K, dtype, push, batch_rows): make sure every rank calls with the same layout and moves shards
+    the same way (a pulling rank would read a pushing peer's slot, which that peer never fills, e.g. with another
+    ``settings.tuning.ag_variant``; a batch-major push writes other rows than a rank-major one): else raise, not hang
+    or compute with stale rows.  Agreement on a batch-major layout implies it on the call's (rows, K, dtype, push),
+    the key a captured call of the shape looks for."""
+    key = _layout_key(shard2d, push) + (batch_rows,)
     if key in ws.checked_layouts:
         return
     import torch.distributed as dist
 
-    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype], moves],
+    mine = torch.tensor([shard2d.shape[0], shard2d.shape[1], _DTYPE_CODES[shard2d.dtype], int(push), batch_rows],
                         dtype=torch.int64, device=shard2d.device)
-    everyone = torch.empty(ws.world * 4, dtype=torch.int64, device=shard2d.device)
+    everyone = torch.empty(ws.world * 5, dtype=torch.int64, device=shard2d.device)
     dist.all_gather_into_tensor(everyone, mine, group=ws.group)
-    rows = everyone.view(ws.world, 4).tolist()
+    rows = everyone.view(ws.world, 5).tolist()
     if any(r != rows[0] for r in rows):
-        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push): "
+        raise ValueError("all_gather_matmul: ranks disagree on (shard rows, K, dtype code, push, batch rows): "
                          f"{rows}")
-    ws.checked_layouts.add(key)
+    ws.checked_layouts.update((key, _layout_key(shard2d, push)))
 
 
 def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                      group_name: str, return_gathered: bool, *, checked: bool = False) -> Tuple[List[Tensor], Tensor]:
+                      group_name: str, return_gathered: bool, *, checked: bool = False,
+                      batch_rows: int = 0) -> Tuple[List[Tensor], Tensor]:
     """Fused ``A = all_gather(shard2d, dim 0)``; ``outputs[i] = A @ weights[i] + biases[i]``.
 
     shard2d: [M/world, K] contiguous bf16/fp16 CUDA; weights[i]: [K, N_i] (either dim contiguous, read in
-    place); biases[i]: [N_i] or None.  Returns (outputs [M, N_i], A [M, K] or an empty tensor).
+    place); biases[i]: [N_i] or None.  Returns (outputs [M, N_i], A [M, K] or an empty tensor).  ``batch_rows`` > 0:
+    shard2d is a [B, S/w, ...] shard flattened, and A and the outputs are batch-major, the gathered [B, S, ...]
+    flattened (:func:`batch_major_reason` says when a call can).
     Raises ValueError when unsupported (see ``unsupported_reason``) or when ranks disagree on the layout,
     AllGatherGemmError when an earlier call's wait timed out.  ``checked``: the caller has just had
     ``unsupported_reason`` return None for these arguments (the dispatcher does), so it is not asked again.
@@ -324,6 +352,10 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         raise ValueError(f"all_gather_matmul cannot run fused: {reason}")
     device = shard2d.device
     check_errors(device)
+    if batch_rows:
+        reason = batch_major_reason(shard2d, weights, batch_rows, _group_size(group_name))
+        if reason is not None:
+            raise ValueError(f"all_gather_matmul cannot keep the batch-major layout: {reason}")
     capturing = symm.capturing()
     if capturing:  # unsupported_reason (ours, or the caller's: checked) found the call capturable
         if _group_size(group_name) == 1:
@@ -333,9 +365,9 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
         return _captured_call(symm.existing_workspace(group_name, device), shard2d, weights, biases, return_gathered)
     ws = symm.workspace(group_name, device)
     push = use_push(shard2d, weights)
-    _check_layout_agrees(ws, shard2d, push)
+    _check_layout_agrees(ws, shard2d, push, batch_rows)
     if push:
-        return _PushCall(ws, shard2d, weights, biases, return_gathered)(shard2d, weights, biases)
+        return _PushCall(ws, shard2d, weights, biases, return_gathered, batch_rows)(shard2d, weights, biases)
     rank, world = ws.rank, ws.world
     shard_rows, k = shard2d.shape
     m = world * shard_rows
@@ -382,7 +414,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
 
 
 def prepare_all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                              group_name: str, return_gathered: bool):
+                              group_name: str, return_gathered: bool, batch_rows: int = 0):
     """For a call that :func:`unsupported_reason` accepts and that pushes, outside CUDA graph capture, on 2 or more
     ranks: a function ``run(shard2d, weights, biases)`` that runs it as :func:`all_gather_matmul` does, and any later
     call of its signature (operands of the same shapes, strides, dtypes and 16-byte alignment; the dispatcher's
@@ -390,10 +422,12 @@ def prepare_all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases
     a new layout (:func:`_check_layout_agrees`)."""
     if symm.capturing() or _group_size(group_name) == 1 or not use_push(shard2d, weights):
         return None
+    if batch_rows and batch_major_reason(shard2d, weights, batch_rows, _group_size(group_name)) is not None:
+        return None
     check_errors(shard2d.device)
     ws = symm.workspace(group_name, shard2d.device)
-    _check_layout_agrees(ws, shard2d, True)
-    return _PushCall(ws, shard2d, weights, biases, return_gathered)
+    _check_layout_agrees(ws, shard2d, True, batch_rows)
+    return _PushCall(ws, shard2d, weights, biases, return_gathered, batch_rows)
 
 
 def _raw_stream(index: int) -> int:
@@ -409,8 +443,9 @@ class _PushCall:
     and only their per-call fields filled in afterwards (the ``_ARG_*`` positions)."""
 
     def __init__(self, ws: symm.SymmetricWorkspace, shard2d: Tensor, weights: Sequence[Tensor],
-                 biases: Sequence[Optional[Tensor]], return_gathered: bool):
+                 biases: Sequence[Optional[Tensor]], return_gathered: bool, batch_rows: int = 0):
         self.ws = ws
+        self.batch_rows = batch_rows  # > 0: batch-major buffers (all_gather_matmul)
         self.device = shard2d.device
         self.index = shard2d.device.index
         self.shard_rows, self.k = shard2d.shape
@@ -427,7 +462,6 @@ class _PushCall:
         self.n = weights[self.widest].shape[1]
         self.chunks = max(1, min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK))
         self.k_chunks = use_k_chunks(self.m, self.n, loader.extension().ag_device_sm_count(), self.nbytes // ws.world)
-        self.local_offset = ws.rank * self.shard_rows * self.row_bytes  # this rank's rows in the gathered A
         self.tail_split = settings.tuning.ag_tail_split
         self._gemm: Optional[list] = None  # gemm_args of the first call
         self._streams: Dict[int, torch.cuda.Stream] = {}
@@ -448,7 +482,7 @@ class _PushCall:
             gemm = self._gemm = list(gemm_args(
                 view, weight, bias, out, stream=main, flags=self.ws.flags[0], epoch=epoch, rank=self.ws.rank,
                 world=self.ws.world, shard_rows=self.shard_rows, chunks_per_rank=self.chunks, k_chunks=self.k_chunks,
-                a_local=shard2d, capturing=False))
+                a_local=shard2d, capturing=False, batch_rows=self.batch_rows))
         gemm = gemm.copy()
         gemm[_ARG_A], gemm[_ARG_B], gemm[_ARG_BIAS], gemm[_ARG_OUT] = (
             buffer, weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
@@ -481,8 +515,8 @@ class _PushCall:
         a_full = gathered if gathered is not None else buffer
         push_call(shard2d, peer_buffers, peer_flags, ws.peer_arrival_words(), ws.arrivals, ws.passed, epoch, need,
                   rank, [tuple(gemm)], ws.push_events(), main_handle, ws.side_stream.cuda_stream, self.chunks,
-                  self.k_chunks, local_rows=0 if a_full is None else a_full.data_ptr() + self.local_offset,
-                  gathered=0 if gathered is None else gathered.data_ptr())
+                  self.k_chunks, own_into=0 if a_full is None else a_full.data_ptr(),
+                  gathered=0 if gathered is None else gathered.data_ptr(), batch_rows=self.batch_rows)
         outputs: List[Optional[Tensor]] = [None] * len(weights)
         outputs[self.widest] = out
         for i in self.rest:

@@ -100,6 +100,38 @@ def pull_shards(dst: Tensor, sources: Sequence[Optional[Tensor]], rank: int, sha
                                          stream.cuda_stream)
 
 
+def shard_row_copies(rank: int, world: int, start: int, end: int, block: int) -> List[Tuple[int, int, int, int]]:
+    """The copies that take rows [start, end) of ``rank``'s shard to where they lie in a gathered A of ``world`` ranks
+    whose blocks of ``block`` rows are batch-major (block b of rank q at rows (b * world + q) * block; block = the
+    shard's rows: rank-major), as (row in A, row in the shard, rows, blocks): a part of one block (blocks = 1), or
+    whole blocks (a 2-D copy, A's pitch world * block rows, the shard's block rows).  csrc/ag_gemm/ag_gemm.cu
+    copy_shard_rows enqueues the same copies."""
+    copies = []
+    while start < end:
+        b, i = divmod(start, block)
+        blocks = (end - start) // block if i == 0 else 0
+        if blocks > 1:
+            copies.append(((b * world + rank) * block, start, block, blocks))
+            start += blocks * block
+        else:
+            rows = min(block - i, end - start)
+            copies.append(((b * world + rank) * block + i, start, rows, 1))
+            start += rows
+    return copies
+
+
+def _copy_shard_rows(a: int, shard: int, rank: int, world: int, start: int, end: int, block: int, row_bytes: int,
+                     stream: int) -> None:
+    """Enqueue :func:`shard_row_copies` from the shard at address ``shard`` into the A at address ``a``."""
+    ext = loader.extension()
+    for row, local, rows, blocks in shard_row_copies(rank, world, start, end, block):
+        if blocks > 1:
+            ext.ag_memcpy2d_async(a + row * row_bytes, shard + local * row_bytes, world * block * row_bytes,
+                                  rows * row_bytes, blocks, stream, rows * row_bytes)
+        else:
+            ext.ag_memcpy_async(a + row * row_bytes, shard + local * row_bytes, rows * row_bytes, stream)
+
+
 def _push_flag(peer_flags: Tensor, index: int, epoch: int, stream: torch.cuda.Stream) -> None:
     """Enqueue on ``stream``: write ``epoch`` into peer_flags[index] (a stream write: its memory barrier orders it after
     the chunk's bytes, copied before it on ``stream``)."""
@@ -107,9 +139,11 @@ def _push_flag(peer_flags: Tensor, index: int, epoch: int, stream: torch.cuda.St
 
 
 def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Sequence[Tensor], rank: int, epoch: int,
-                stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None, k_chunks: int = 1) -> None:
+                stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None, k_chunks: int = 1,
+                batch_rows: int = 0) -> None:
     """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
-    every peer's buffer, raising the peer's flag of each chunk to ``epoch`` after its bytes.
+    every peer's buffer (with ``batch_rows`` > 0 and row chunks, into its blocks of a batch-major buffer:
+    :func:`shard_row_copies`), raising the peer's flag of each chunk to ``epoch`` after its bytes.
 
     peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
     used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
@@ -119,6 +153,8 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
     ext = loader.extension()
     chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
     shard_rows, k = shard.shape
+    if batch_rows and (k_chunks > 1 or shard_rows % batch_rows):
+        raise ValueError(f"a batch-major push needs row chunks and whole blocks of {batch_rows} rows")
     world = len(peer_buffers)
     element = shard.element_size()
     row_bytes = k * element
@@ -136,23 +172,23 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
                 _push_flag(peer_flags[peer], rank * k_chunks + c, epoch, stream)
             continue
         for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
-            if end > start:
-                ext.ag_memcpy_async(base + start * row_bytes, shard.data_ptr() + start * row_bytes,
-                                    (end - start) * row_bytes, stream.cuda_stream)
+            _copy_shard_rows(dst.data_ptr(), shard.data_ptr(), rank, world, start, end, batch_rows or shard_rows,
+                             row_bytes, stream.cuda_stream)
             _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch, stream)
 
 
 def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
               arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, gemms: Sequence[tuple],
               events: Tuple[int, int], main: int, side: int, chunks_per_rank: int, k_chunks: int,
-              local_rows: int = 0, gathered: int = 0, timeout_s: Optional[float] = None) -> None:
+              own_into: int = 0, gathered: int = 0, timeout_s: Optional[float] = None, batch_rows: int = 0) -> None:
     """Enqueue one eager push call with one host call (csrc/ag_gemm/ag_gemm.h push_call): what :func:`all_gather_matmul`
     otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
-    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, then the shard into
-    address ``local_rows`` (0: none) on ``side``; the GEMMs on ``main`` (``gemms``: :func:`gemm_args` of each, the first
-    launched as the arrival's programmatic dependent), then the peers' rows of this rank's buffer into the same rows of
-    the gathered A at address ``gathered`` (0: none), and ``main`` follows ``side``; with ``k_chunks`` > 1 the arrival
-    comes first and no GEMM is a programmatic dependent.
+    ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, then the shard into this
+    rank's rows of the A at address ``own_into`` (0: none) on ``side``; the GEMMs on ``main`` (``gemms``:
+    :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), then the peers' rows of
+    this rank's buffer into the same rows of the gathered A at address ``gathered`` (0: none), and ``main`` follows
+    ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.  ``batch_rows`` >
+    0: every A is batch-major (:func:`push_shards`).
 
     peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
     parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
@@ -163,14 +199,20 @@ def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[i
     loader.extension().ag_push_call(  # positional, in the binding's order
         peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
         shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
-        chunks_per_rank, k_chunks, _K_TILE, gemms, local_rows, gathered, peer_buffers[rank] if gathered else 0,
+        chunks_per_rank, k_chunks, _K_TILE, batch_rows, gemms, own_into, gathered, peer_buffers[rank] if gathered else 0,
         events[0], events[1], main, side)
 
 
-def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int) -> None:
+def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int, batch_rows: int = 0) -> None:
     """gathered[M, K] = the peers' rows of ``buffer`` with ``shard`` as this rank's rows (on the current stream,
-    once the GEMM has waited for every chunk)."""
+    once the GEMM has waited for every chunk); ``batch_rows`` > 0: batch-major (:func:`push_shards`)."""
     rows = shard.shape[0]
+    if batch_rows:
+        world = gathered.shape[0] // rows
+        slices = gathered.view(rows // batch_rows, world, batch_rows, -1)
+        slices.copy_(buffer.view(slices.shape))
+        slices[:, rank].copy_(shard.view(rows // batch_rows, batch_rows, -1))
+        return
     lo, hi = rank * rows, (rank + 1) * rows
     if lo:
         gathered[:lo].copy_(buffer[:lo])

@@ -117,15 +117,17 @@ def _load_kernels(t):
 
 
 def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=torch.bfloat16,
-                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False, epochs=(9, 8), one_call=False):
+                         skip_pull_from=None, timeout_s=None, k_chunks=1, push=False, epochs=(9, 8), one_call=False,
+                         batch_rows=0):
     """Simulate ``world`` ranks on cuda:0; returns (outputs[rank][i], references[i], gathered[rank], A).
     k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop.  push: each rank pushes
     its shard into the others' buffers and its GEMM reads its own rows from the shard, so its own rows of its buffer
     stay NaN (a read of them would show).  one_call (with push): each rank's call is enqueued by ag_gemm.push_call, as
-    all_gather_matmul does, instead of step by step."""
+    all_gather_matmul does, instead of step by step.  batch_rows > 0 (with push): each shard is [B, batch_rows, K]
+    flattened, and the gathered A and the outputs are batch-major ([B, world * batch_rows, ...] flattened)."""
     if push:
         return _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_pull_from, timeout_s,
-                                      k_chunks, *epochs, one_call=one_call)
+                                      k_chunks, *epochs, one_call=one_call, batch_rows=batch_rows)
     from fluxinductor.kernels import ag_gemm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
@@ -191,8 +193,23 @@ def _as_int32(value):
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
+def _gathered(shards, batch_rows):
+    """The gathered A of these shards: rank-major, or (batch_rows > 0) batch-major."""
+    if not batch_rows:
+        return torch.cat(shards)
+    k = shards[0].shape[1]
+    return torch.stack([s.view(-1, batch_rows, k) for s in shards], 1).reshape(-1, k)
+
+
+def _own_rows(a, rank, world, shard_rows, batch_rows):
+    """This rank's rows of a gathered A (a view)."""
+    if not batch_rows:
+        return a[rank * shard_rows:(rank + 1) * shard_rows]
+    return a.view(-1, world, batch_rows, a.shape[1])[:, rank]
+
+
 def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_from, timeout_s, k_chunks,
-                           epoch=9, previous=8, one_call=False):
+                           epoch=9, previous=8, one_call=False, batch_rows=0):
     from fluxinductor.kernels import ag_gemm, symm
 
     t = _rank_tensors(world, shard_rows, k, ns, with_bias, dtype, max(chunks, k_chunks))
@@ -207,7 +224,7 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     passed = torch.zeros(world, dtype=torch.int32, device=device)
     # Load the kernels the ranks launch after a GEMM may already wait (CUDA's lazy loading can hold a launch until the
     # device is idle, which a waiting simulated rank on the same GPU never is).
-    ag_gemm.assemble_gathered(gathered[0].clone(), buffers[0], shards[0], 0)
+    ag_gemm.assemble_gathered(gathered[0].clone(), buffers[0], shards[0], 0, batch_rows)
     torch.cuda.synchronize()
     events = [symm.push_events(device) for _ in range(world)] if one_call else None
     for r in range(world):
@@ -217,40 +234,41 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
             gemms = [ag_gemm.gemm_args(buffers[r], w, b, outputs[r][i], stream=main[r], flags=flags[r], epoch=epoch,
                                        rank=r, world=world, shard_rows=shard_rows, chunks_per_rank=chunks,
                                        k_chunks=k_chunks, sm_count=sm_count, timeout_s=timeout_s, a_local=shards[r],
-                                       capturing=False) for i, (w, b) in enumerate(zip(weights, biases))]
+                                       capturing=False, batch_rows=batch_rows)
+                     for i, (w, b) in enumerate(zip(weights, biases))]
             # The gathered A from the same call: this rank's rows from the shard (side stream), the peers' rows from the
             # buffer once the GEMMs waited for them (main).
-            own_rows = gathered[r].data_ptr() + r * shard_rows * k * gathered[r].element_size()
             ag_gemm.push_call(shards[r], [x.data_ptr() for x in buffers], [f.data_ptr() for f in flags],
                               [arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch,
                               previous, r, gemms, events[r], main[r].cuda_stream, side[r].cuda_stream, chunks,
-                              k_chunks, local_rows=own_rows, gathered=gathered[r].data_ptr(), timeout_s=timeout_s)
+                              k_chunks, own_into=gathered[r].data_ptr(), gathered=gathered[r].data_ptr(),
+                              timeout_s=timeout_s, batch_rows=batch_rows)
             continue
         symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, previous, r,
                     main[r])
         symm.wait_passed(passed[r], epoch, side[r])
         if r != skip_from:  # a rank that never delivers pushes nothing, so its chunks' flags are never set
-            ag_gemm.push_shards(shards[r], buffers, flags, r, epoch, side[r], chunks, k_chunks)
+            ag_gemm.push_shards(shards[r], buffers, flags, r, epoch, side[r], chunks, k_chunks, batch_rows)
         with torch.cuda.stream(main[r]):
             for i, (w, b) in enumerate(zip(weights, biases)):
                 ag_gemm.launch_gemm(buffers[r], w, b, outputs[r][i], flags=flags[r], epoch=epoch, rank=r, world=world,
                                     shard_rows=shard_rows, chunks_per_rank=chunks, k_chunks=k_chunks,
                                     sm_count=sm_count, timeout_s=timeout_s, stream=main[r], a_local=shards[r],
-                                    pdl=i == 0)
-            ag_gemm.assemble_gathered(gathered[r], buffers[r], shards[r], r)
+                                    pdl=i == 0, batch_rows=batch_rows)
+            ag_gemm.assemble_gathered(gathered[r], buffers[r], shards[r], r, batch_rows)
         main[r].wait_stream(side[r])
     for r in range(world):
         torch.cuda.current_stream().wait_stream(main[r])
     torch.cuda.synchronize()
     for r in range(world):
-        own = buffers[r][r * shard_rows:(r + 1) * shard_rows]
+        own = _own_rows(buffers[r], r, world, shard_rows, batch_rows)
         assert own.isnan().all(), f"rank {r}: its own rows were written into its buffer"
         written = [int(arrivals[q, r]) for q in range(world) if q != r]
         assert written == [_as_int32(epoch)] * (world - 1), f"rank {r}'s arrival on its peers: {written}"
     assert passed.tolist() == [_as_int32(epoch)] * world
-    full = torch.cat(shards).float()
-    refs = [full @ w.float() + (b.float() if b is not None else 0) for w, b in zip(weights, biases)]
-    return outputs, refs, gathered, torch.cat(shards)
+    full = _gathered(shards, batch_rows)
+    refs = [full.float() @ w.float() + (b.float() if b is not None else 0) for w, b in zip(weights, biases)]
+    return outputs, refs, gathered, full
 
 
 @pytest.mark.gpu
@@ -273,6 +291,47 @@ def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dty
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias=True, chunks=chunks,
                                                          dtype=dtype, k_chunks=k_chunks, push=True, one_call=one_call)
     _check_ranks(outputs, refs, gathered, full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,batch_rows,blocks,k,chunks,ns", [
+    (2, 128, 4, 264, 2, [520, 136]),    # 4 blocks of one tile row, 2 chunks of 2 whole blocks, two weights
+    (2, 256, 3, 512, 2, [1024]),        # 3 blocks, chunks split a block (1-D parts and a 2-D copy)
+    (4, 128, 2, 1024, 3, [2048]),       # 3 chunks over 2 blocks
+    (2, 512, 4, 1024, 2, [2048]),       # blocks of 2 cluster rows; several waves
+    (8, 128, 2, 512, 1, [264]),
+])
+@pytest.mark.parametrize("one_call", [False, True], ids=["steps", "one_call"])
+def test_batch_major_push_n_ranks_on_one_gpu(world, batch_rows, blocks, k, chunks, ns, one_call):
+    """The push of [B, S/w, K] shards (B = blocks) into batch-major buffers, block b of rank q at rows (b * world + q)
+    * batch_rows: each GEMM computes the gathered [B, S, K] in place, its outputs [B, S, N] with no permute, and the
+    gathered A is assembled batch-major; the buffers' own rows stay NaN."""
+    torch.manual_seed(world + batch_rows + blocks)
+    outputs, refs, gathered, full = run_ranks_on_one_gpu(world, blocks * batch_rows, k, ns, with_bias=True,
+                                                         chunks=chunks, push=True, one_call=one_call,
+                                                         batch_rows=batch_rows)
+    _check_ranks(outputs, refs, gathered, full)
+
+
+@pytest.mark.gpu
+def test_batch_major_needs_whole_tiles_and_row_chunks():
+    """The kernel refuses batch-major blocks that are not whole tiles, or with column blocks; the call-level check
+    says why a shard cannot keep the layout."""
+    from fluxinductor.kernels import ag_gemm
+
+    shard = torch.randn(4 * 192, 64, dtype=torch.bfloat16, device="cuda")
+    buffer = torch.randn(2 * 4 * 192, 64, dtype=torch.bfloat16, device="cuda")
+    flags = torch.zeros(8, dtype=torch.int32, device="cuda")
+    w = make_weight(64, 256, True, torch.bfloat16, "cuda")
+    out = torch.empty(2 * 4 * 192, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="multiple of the tile"):
+        ag_gemm.launch_gemm(buffer, w, None, out, flags=flags, epoch=1, rank=0, world=2, shard_rows=4 * 192,
+                            chunks_per_rank=1, a_local=shard, batch_rows=96)
+    with pytest.raises(RuntimeError, match="batch-major"):
+        ag_gemm.launch_gemm(buffer, w, None, out, flags=flags, epoch=1, rank=0, world=2, shard_rows=4 * 192,
+                            k_chunks=2, a_local=shard, batch_rows=192)
+    assert "whole tiles" in ag_gemm.batch_major_reason(shard, [w], 192, 2)
+    assert ag_gemm.batch_major_reason(shard, [w], 4 * 192, 2) is None
 
 
 @pytest.mark.gpu

@@ -80,6 +80,48 @@ def test_push_order_offsets_and_flags(monkeypatch, k_chunks):
     assert recorder.ops == expected
 
 
+def test_batch_major_push_copies(monkeypatch):
+    """Rank 1 of 2, a [3, 4, K] shard (blocks of 4 rows) in 2 chunks of 6 rows: each chunk lands in the blocks it
+    covers of the peer's batch-major buffer (block b of rank 1 at rows (2b + 1) * 4), as a 2-D copy of whole blocks
+    and 1-D copies of parts of one; the bytes end up where the gathered [3, 8, K] has them."""
+    recorder = _Recorder()
+    monkeypatch.setattr(loader, "extension", lambda: recorder)
+    world, rank, block, blocks, k = 2, 1, 4, 3, 8
+    rows = block * blocks
+    shard = torch.randn(rows, k, dtype=torch.bfloat16)
+    peer = torch.full((world * rows, k), float("nan"), dtype=torch.bfloat16)
+    flags = [torch.zeros(world * 16, dtype=torch.int32) for _ in range(world)]
+    ag_gemm.push_shards(shard, [peer, None], flags, rank, 7, _Stream(), chunks_per_rank=2, batch_rows=block)
+    rb = k * 2
+    base, src = peer.data_ptr(), shard.data_ptr()
+    assert recorder.ops == [
+        ("copy", base + 4 * rb, src, 4 * rb), ("copy", base + 12 * rb, src + 4 * rb, 2 * rb),
+        ("write", flags[0].data_ptr() + 4 * 2, 7),
+        ("copy", base + 14 * rb, src + 6 * rb, 2 * rb), ("copy", base + 20 * rb, src + 8 * rb, 4 * rb),
+        ("write", flags[0].data_ptr() + 4 * 3, 7)]
+    assert ag_gemm.shard_row_copies(rank, world, 0, rows, block) == [(4, 0, 4, 3)]  # one 2-D copy of every block
+    # carried out on the CPU, the copies put the shard where the gathered tensor has this rank's rows
+    for row, local, n, height in ag_gemm.shard_row_copies(rank, world, 0, rows, block) + \
+            ag_gemm.shard_row_copies(rank, world, 2, 7, block):
+        for h in range(height):
+            peer[row + h * world * block:row + h * world * block + n] = shard[local + h * block:local + h * block + n]
+    assert torch.equal(peer.view(blocks, world, block, k)[:, rank], shard.view(blocks, block, k))
+    assert peer.view(blocks, world, block, k)[:, 0].isnan().all()
+    with pytest.raises(ValueError, match="whole blocks"):
+        ag_gemm.push_shards(shard, [peer, None], flags, rank, 7, _Stream(), chunks_per_rank=2, batch_rows=5)
+
+
+def test_batch_major_gathered_a():
+    rows, k, world, block = 6, 4, 3, 3
+    buffer = torch.randn(world * rows, k)
+    shard = torch.randn(rows, k)
+    gathered = torch.full((world * rows, k), float("nan"))
+    ag_gemm.assemble_gathered(gathered, buffer, shard, 1, block)
+    expected = buffer.clone().view(2, world, block, k)
+    expected[:, 1] = shard.view(2, block, k)
+    assert torch.equal(gathered, expected.view(-1, k))
+
+
 def test_push_refuses_a_padded_peer_buffer(monkeypatch):
     monkeypatch.setattr(loader, "extension", lambda: _Recorder())
     shard = torch.randn(4, 64, dtype=torch.bfloat16)
@@ -177,7 +219,7 @@ def test_pull_call_order(monkeypatch, barrier):
     monkeypatch.setattr(loader, "extension", lambda: _Ext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
-    monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
+    monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push, batch_rows=0: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: False)
     if barrier == "arrival, one wave":
         monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4)
@@ -237,11 +279,11 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
     calls = []
     shard_bytes = rows * k * 2
 
-    def push_call(*args, local_rows, gathered):  # what the call's copies do, on CPU tensors
-        calls.append((args, local_rows, gathered))
+    def push_call(*args, own_into, gathered, batch_rows):  # what the call's copies do, on CPU tensors
+        calls.append((args, own_into, gathered, batch_rows))
         shard, buffers = args[0], args[1]
-        if local_rows:
-            ctypes.memmove(local_rows, shard.data_ptr(), shard_bytes)
+        if own_into:
+            ctypes.memmove(own_into + rank * shard_bytes, shard.data_ptr(), shard_bytes)
         if gathered:  # rank 1 of 2: the peer's rows come first
             ctypes.memmove(gathered, buffers[rank], rank * shard_bytes)
 
@@ -251,11 +293,11 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(ag_gemm, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(ag_gemm, "check_errors", lambda device=None: None)
-    monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push: None)
+    monkeypatch.setattr(ag_gemm, "_check_layout_agrees", lambda ws, shard, push, batch_rows=0: None)
     monkeypatch.setattr(ag_gemm, "use_push", lambda shard, weights: True)
     monkeypatch.setattr(ag_gemm, "use_k_chunks", lambda *a: 4 if one_wave else 1)
     monkeypatch.setattr(ag_gemm, "tail_split_args", lambda *a: (0, 0, 0, 1, 1))
-    monkeypatch.setattr(ag_gemm, "_choose_launch", lambda a, w, shard_rows, sm, variant, group: (True, k, 0, 8))
+    monkeypatch.setattr(ag_gemm, "_choose_launch", lambda a, w, shard_rows, sm, variant, group, batch: (True, k, 0, 8))
     monkeypatch.setattr(ag_gemm, "push_call", push_call)
     shard = torch.randn(rows, k, dtype=torch.bfloat16)
     weights = [_weight(k, 16), _weight(k, 24)]
@@ -263,22 +305,22 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
 
     assert len(calls) == 1 and log == []  # nothing enqueued beside the one call
     ((c_shard, buffers, flags, arrival_words, arrivals, passed, epoch, need, c_rank, gemms, events, c_main, c_side,
-      chunks, k_chunks), local_rows, c_gathered) = calls[0]
+      chunks, k_chunks), own_into, c_gathered, batch_rows) = calls[0]
     assert c_shard is shard and c_rank == rank and (epoch, need) == (5, 5 if captured else 4)
     assert (buffers, flags) == ws.peer_addresses(1, world * rows, k, shard.dtype)  # epoch 5: parity 1
     assert arrival_words == ws.peer_arrival_words() and arrivals is ws.arrivals and passed is ws.passed
     assert events == (11, 12) and (c_main, c_side) == (0, 1)  # the streams' handles
     a_full = gathered if return_gathered else ws.buffers[rank]  # this rank's rows go into the buffer for the narrow GEMM
-    assert local_rows == a_full.data_ptr() + rank * shard_bytes
+    assert own_into == a_full.data_ptr() and batch_rows == 0
     assert c_gathered == (gathered.data_ptr() if return_gathered else 0)
     assert (chunks, k_chunks) == (min(settings.tuning.ag_chunks, symm.MAX_CHUNKS_PER_RANK), 4 if one_wave else 1)
     assert len(gemms) == 1
     for gemm, weight, out in zip(gemms, weights[1:], outputs[1:]):
-        assert len(gemm) == 33  # ag_gemm_run's arguments before the stream
+        assert len(gemm) == 34  # ag_gemm_run's arguments before the stream
         assert gemm[1] == ws.buffers[rank].data_ptr() and gemm[5] == weight.data_ptr() and gemm[10] == out.data_ptr()
         assert gemm[12] == ws.flags[1].data_ptr() and gemm[13:17] == (5, rank, world, rows)
         assert gemm[18] == k_chunks and gemm[22] == 77  # K blocks, the error word
-        assert gemm[29:] == (shard.data_ptr(), k, False, False)  # own rows from the shard; no PDL, no trap
+        assert gemm[29:] == (shard.data_ptr(), k, False, False, 0)  # own rows from the shard; no PDL, no trap; rank-major
     assert [tuple(o.shape) for o in outputs] == [(world * rows, 16), (world * rows, 24)]
     assert tuple(gathered.shape) == ((world * rows, k) if return_gathered else (0,))
     own = slice(rank * rows, (rank + 1) * rows)
@@ -290,10 +332,10 @@ def test_one_call_arguments(monkeypatch, one_wave, return_gathered, captured):
 
 
 def _push_call_args(world=2, **changes):
-    gemm = (0,) * 33
+    gemm = (0,) * 34
     args = dict(peer_arrivals=[8] * world, arrivals=8, passed=8, epoch=3, need=2, rank=0, timeout_ns=10**9,
                 error_word=0, shard=16, shard_rows=128, k=64, element_size=2, peer_buffers=[16] * world,
-                peer_flags=[16] * world, chunks_per_rank=2, k_chunks=1, k_tile=64, gemms=[gemm], local_rows=0,
+                peer_flags=[16] * world, chunks_per_rank=2, k_chunks=1, k_tile=64, batch_rows=0, gemms=[gemm], own_into=0,
                 gathered=0, buffer=0, fork_event=8, join_event=8, main_stream=0, side_stream=0)
     args.update(changes)
     return list(args.values())
@@ -303,13 +345,15 @@ def _push_call_args(world=2, **changes):
 @pytest.mark.parametrize("changes, error, match", [
     (dict(peer_buffers=[16]), ValueError, "one arrival word, buffer and flag address per rank"),
     (dict(gemms=[]), ValueError, "1 to 8 GEMMs"),
-    (dict(gemms=[(0,) * 32]), ValueError, "33 arguments"),
+    (dict(gemms=[(0,) * 33]), ValueError, "34 arguments"),
     (dict(peer_arrivals=[8], peer_buffers=[16], peer_flags=[16]), RuntimeError, "rank 0 of 1"),
     (dict(rank=2), RuntimeError, "rank 2 of 2"),
     (dict(shard=0), RuntimeError, "missing pointer"),
     (dict(k_chunks=0), RuntimeError, "missing pointer, event or count"),
     (dict(peer_flags=[16, 0]), RuntimeError, "no buffer or flags for peer 1"),
     (dict(gathered=16), RuntimeError, "gathered A needs this rank's buffer"),
+    (dict(batch_rows=96), RuntimeError, "whole blocks of batch_rows"),
+    (dict(batch_rows=64, k_chunks=2), RuntimeError, "batch-major push needs row chunks"),
 ])
 def test_push_call_refuses_bad_arguments(changes, error, match):
     """The one-call push checks its arguments before it enqueues anything (no GPU needed to reach the checks)."""

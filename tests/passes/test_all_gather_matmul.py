@@ -106,6 +106,26 @@ def test_all_gather_sequence_dim1_forward(batch):
     assert_all_vals(gm)
 
 
+def test_all_gather_sequence_dim1_batch_major():
+    """[B, S/w, H] with B > 1 and S/w whole 128-row tiles: the op gets the shard as it is, gathered on dim 1 (its
+    kernel places each shard batch-major in the gathered tensor), with no permute around it; its results are the
+    graph's [B, S, N] and gathered [B, S, H].  The reduce-scatter after it still runs rows-first."""
+    fn = sp_mlp_forward(WORLD, group(), 1)
+    args = (torch.randn(2, 128, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16))
+    gm = trace(fn, *args)
+    run_passes(gm)
+    assert fused("all_gather_matmul") == 1 and fused("matmul_reduce_scatter") == 1
+    (node,) = nodes(gm, AG_MM)
+    shard = node.args[0]
+    assert shard.op == "placeholder" and node.args[3] == 1 and node.args[5] is True
+    assert not [u for u in shard.users if u is not node]  # nothing permutes or copies the shard
+    outs, gathered = node.meta["val"]
+    assert tuple(gathered.shape) == (2, 256, 16) and tuple(outs[0].shape) == (2, 256, 32)
+    (rs,) = nodes(gm, MM_RS)
+    assert rs.args[4] == 0  # rows-first
+    assert_all_vals(gm)
+
+
 def test_all_gather_sequence_dim0_3d():
     """SequenceParallel(sequence_dim=0): [S/w, B, H] gathered on dim 0, then reshape -> addmm."""
     fn = sp_mlp_forward(WORLD, group(), 0)

@@ -125,7 +125,10 @@ class KChunkWaitingMainloop : public Base {
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
     AllGatherSchedule const& s = params.schedule;
-    int const local_block = int(cute::get<0>(blk_coord)) - params.local_first_tile;
+    // The tile's M block in call order (blk_coord is in rows of A, batch-major with batch_rows > 0).
+    int const block = s.batch_rows > 0 ? call_order_row(s, int(cute::get<0>(blk_coord)) * kTileM) / kTileM
+                                       : int(cute::get<0>(blk_coord));
+    int const local_block = block - params.local_first_tile;
     if (params.local_tiles > 0 && local_block >= 0 && local_block < params.local_tiles) {
       // This rank's rows, from its own input: never waited for.
       auto const local_coord = cute::make_coord(local_block, cute::get<1>(blk_coord), cute::get<2>(blk_coord),
@@ -134,7 +137,7 @@ class KChunkWaitingMainloop : public Base {
                  block_rank_in_cluster, shared_tensors);
       return;
     }
-    int const first_row = int(cute::get<0>(blk_coord)) * kTileM;
+    int const first_row = block * kTileM;
     if (s.flags == nullptr || s.k_chunks <= 1 || first_row >= s.total_rows) {
       Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, k_tile_count, thread_idx,
                  block_rank_in_cluster, shared_tensors);

@@ -47,6 +47,7 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   schedule.chunks_per_rank = p.flags ? p.chunks_per_rank : 1;
   schedule.chunk_rows = int((schedule.shard_rows + schedule.chunks_per_rank - 1) / schedule.chunks_per_rank);
   int const cluster_rows_tile = Config::kTileM * Config::kClusterM;
+  schedule.batch_rows = p.flags ? int(p.batch_rows) : 0;
   schedule.first_cluster_row = p.flags ? int((int64_t(p.rank) * p.shard_rows) / cluster_rows_tile) : 0;
   schedule.group_cluster_rows = p.group_cluster_rows > 0 ? p.group_cluster_rows : 8;
   schedule.timeout_ns = p.timeout_ns;
@@ -61,6 +62,11 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
 
   if (p.a_local != nullptr && p.shard_rows % Config::kTileM != 0) {
     return make_error("the local rows' A needs rows per rank (" + std::to_string(p.shard_rows) +
+                      ") that are a multiple of the tile's M (" + std::to_string(Config::kTileM) + ")");
+  }
+
+  if (schedule.batch_rows > 0 && schedule.batch_rows % Config::kTileM != 0) {
+    return make_error("a batch-major A needs rows per block (" + std::to_string(p.batch_rows) +
                       ") that are a multiple of the tile's M (" + std::to_string(Config::kTileM) + ")");
   }
 

@@ -46,6 +46,12 @@ struct AllGatherSchedule {
   // (n_block in CTA tiles).  col_chunks = 1: whole rows, as the all-gather's chunks.
   int col_chunks = 1;
   int chunk_col_tiles = 1;
+  // Where the rows lie in A (batch_rows > 0: batch-major).  The scheduler walks and waits in call order: rank q's
+  // shard_rows rows after rank q - 1's.  With batch_rows = 0 that is also A's order.  With batch_rows > 0 each shard
+  // is shard_rows / batch_rows blocks of batch_rows rows (a [B, S/w, ...] slice gathered on S), and block b of rank q
+  // lies at rows (b * world + q) * batch_rows of A: the gathered [B, S, ...] itself.  batch_rows is then a multiple of
+  // the tile's M, so a tile's rows stay one block's.
+  int batch_rows = 0;
   int first_cluster_row = 0;        // the cluster row (M block / cluster M) the walk starts from
   int group_cluster_rows = 8;       // cluster rows per group (see above); >= 1
   long long timeout_ns = 5000000000LL;
@@ -191,6 +197,28 @@ CUTLASS_DEVICE bool wait_for_flag(AllGatherSchedule const& schedule, int flag) {
   return gave_up != 0;
 }
 
+// Row `row` of the call order as a row of A, and back (see AllGatherSchedule::batch_rows).  Rows past the problem
+// (a cluster's padding) map to themselves.  32-bit arithmetic only (see work_for_unit).
+CUTLASS_HOST_DEVICE int batch_major_row(AllGatherSchedule const& s, int row) {
+  if (s.batch_rows <= 0 || row >= s.total_rows) {
+    return row;
+  }
+  int const owner = row / s.shard_rows;
+  int const local = row - owner * s.shard_rows;
+  int const block = local / s.batch_rows;
+  return (block * s.world + owner) * s.batch_rows + (local - block * s.batch_rows);
+}
+
+CUTLASS_HOST_DEVICE int call_order_row(AllGatherSchedule const& s, int row) {
+  if (s.batch_rows <= 0 || row >= s.total_rows) {
+    return row;
+  }
+  int const slot = row / s.batch_rows;  // block * world + owner
+  int const block = slot / s.world;
+  int const owner = slot - block * s.world;
+  return owner * s.shard_rows + block * s.batch_rows + (row - slot * s.batch_rows);
+}
+
 // Tag selecting AllGatherTileScheduler in CUTLASS's TileSchedulerSelector.
 struct AllGatherSchedulerTag {};
 
@@ -322,7 +350,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     AllGatherSchedule const& s = args.schedule;
     return s.split_max_parts >= 1 && s.group_cluster_rows >= 1 && s.world >= 1 && s.shard_rows >= 1 &&
            s.chunk_rows >= 1 && s.chunks_per_rank >= 1 && s.col_chunks >= 1 && s.chunk_col_tiles >= 1 &&
-           s.k_chunks >= 1 && s.k_chunk_tiles >= 1;
+           s.k_chunks >= 1 && s.k_chunk_tiles >= 1 &&
+           (s.batch_rows == 0 || (s.batch_rows % kTileM == 0 && s.shard_rows % s.batch_rows == 0 && s.k_chunks == 1));
   }
 
   template <class ProblemShapeMNK, class BlockShape, class ClusterShape>
@@ -434,6 +463,9 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
                       k_start, k_count, part, parts, tail_index};
     if (waits_) {
       wait_for_tile(work.M_idx, work.N_idx);
+    }
+    if (schedule_.batch_rows > 0) {  // the mainloop and the epilogue address A and the output by rows of A
+      work.M_idx = batch_major_row(schedule_, work.M_idx * kTileM) / kTileM;
     }
     return work;
   }
