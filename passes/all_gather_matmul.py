@@ -300,6 +300,10 @@ def _rewrite(graph: Graph, match: _AllGatherMatch, closure: List[Node], matmuls:
         if match.cast_dtype is not None:
             shard = graph.call_function(m.CONVERT, (match.shard, match.cast_dtype))
             m.set_val(shard, fake_mode, lambda: m.CONVERT(m.val(match.shard), match.cast_dtype))
+        if batch_major and not m.val(shard).is_contiguous():
+            # The kernel reads the shard in place as [B * S/w, H]: its producer (a norm reading the rows-first
+            # reduce-scatter's result, say) writes it batch-major instead of in its input's order.
+            shard = m.call_contiguous(graph, fake_mode, shard)
         if plan is not None:
             lead = [-1] + [m.size_arg(graph, match.shard, d) for d in plan[2]]
             shard = m.call_view(graph, fake_mode, m.aten.permute.default, shard, plan[0])

@@ -126,6 +126,25 @@ def test_all_gather_sequence_dim1_batch_major():
     assert_all_vals(gm)
 
 
+def test_batch_major_shard_is_made_contiguous():
+    """A batch-major shard whose producer's layout is not contiguous (a norm of the rows-first reduce-scatter's result
+    keeps its input's order): the op reads it through a contiguous clone, which inductor folds into the producer."""
+    forward = sp_mlp_forward(WORLD, group(), 1)
+
+    def fn(x_rows_first, w_up, b_up, w_down, b_down):
+        return forward(aten.permute.default(x_rows_first, [1, 0, 2]), w_up, b_up, w_down, b_down)
+
+    args = (torch.randn(128, 2, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16))
+    gm = trace(fn, *args)
+    run_passes(gm)
+    (node,) = nodes(gm, AG_MM)
+    clone = node.args[0]
+    assert clone.target == aten.clone.default and clone.kwargs["memory_format"] == torch.contiguous_format
+    assert clone.args[0].target == aten.permute.default and node.args[3] == 1
+    assert clone.meta["val"].is_contiguous()
+    assert_all_vals(gm)
+
+
 def test_all_gather_sequence_dim0_3d():
     """SequenceParallel(sequence_dim=0): [S/w, B, H] gathered on dim 0, then reshape -> addmm."""
     fn = sp_mlp_forward(WORLD, group(), 0)
