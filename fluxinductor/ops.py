@@ -259,9 +259,9 @@ FUSED_OPS = ("fluxinductor::all_gather_matmul", "fluxinductor::matmul_reduce_sca
 _LIB = torch.library.Library("fluxinductor", "FRAGMENT")
 
 
-def _op(schema: str):
-    """Define ``fluxinductor::<the function's name><schema>`` with the decorated function as its kernel, behind the
-    refusal of inputs that need a gradient."""
+def _op(schema: str, tags: Tuple[torch.Tag, ...] = ()):
+    """Define ``fluxinductor::<the function's name><schema>`` (with ``tags``) with the decorated function as its kernel,
+    behind the refusal of inputs that need a gradient."""
 
     def define(fn):
         name = fn.__name__
@@ -270,7 +270,7 @@ def _op(schema: str):
             _refuse_grad(name, *args, *kwargs.values())
             return fn(*args, **kwargs)
 
-        _LIB.define(name + schema)
+        _LIB.define(name + schema, tags=tags)
         _LIB.impl(name, kernel, "CompositeExplicitAutograd")
         return fn
 
@@ -292,8 +292,12 @@ def _refuse_grad(name: str, *args) -> None:
                            "compile passes put it into graphs that AOTAutograd has already differentiated)")
 
 
+# needs_fixed_stride_order: inductor hands the op its operands in the stride order of the graph's values.  A batch-major
+# shard ([B, S/w, H] gathered on S, B > 1) is read in place, so the pass gives it a contiguous one; without the tag
+# inductor may lay the producing kernel's output out in another order (a norm reading the rows-first reduce-scatter's
+# result kept that order), and the call then permutes itself (fluxinductor.dispatch).
 @_op("(Tensor shard, Tensor[] weights, Tensor?[] biases, int gather_dim, str group_name, bool return_gathered) "
-     "-> (Tensor[], Tensor)")
+     "-> (Tensor[], Tensor)", tags=(torch.Tag.needs_fixed_stride_order,))
 def all_gather_matmul(
     shard: Tensor,
     weights: List[Tensor],
