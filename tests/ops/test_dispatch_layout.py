@@ -35,3 +35,80 @@ def test_rows_first_of_leading_size_one_dims_matches_the_moved_layout(shape, dim
     rest = tuple(s for d, s in enumerate(shape[:-1]) if d != dim)
     out = dispatch._restore(moved.clone(), shape[dim], rest, dim)
     assert out.shape == x.shape and out.stride() == x.contiguous().stride() and torch.equal(out, x)
+
+
+class _BatchMajorKernels:
+    """A kernel module standing in for the AG+GEMM on CPU: it gathers two ranks' shards (this one's, twice) into the
+    layout it is asked for, batch-major (``batch_rows`` > 0: blocks of ``batch_rows`` rows) or rank-major, and records
+    each call's operand and ``batch_rows``."""
+
+    def __init__(self, reason=None):
+        self.reason, self.calls = reason, []
+
+    def unsupported_reason(self, *args):
+        return None
+
+    def batch_major_reason(self, shard2d, weights, batch_rows, world):
+        return self.reason
+
+    def prepare_all_gather_matmul(self, *args):
+        return None
+
+    def all_gather_matmul(self, shard2d, weights, biases, group_name, return_gathered, *, checked=False,
+                          batch_rows=0):
+        self.calls.append((shard2d, batch_rows))
+        if batch_rows:
+            blocks = shard2d.view(-1, batch_rows, shard2d.shape[1])
+            full = torch.cat([blocks, blocks], 1).reshape(-1, shard2d.shape[1])
+        else:
+            full = torch.cat([shard2d, shard2d])
+        return [full @ w for w in weights], full if return_gathered else shard2d.new_empty(0)
+
+
+@pytest.fixture
+def batch_major(flux_settings, monkeypatch):
+    def install(kernels):
+        monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: kernels)
+        monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
+        monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)
+        monkeypatch.setattr(dispatch, "_internode_plan", lambda *args: None)
+        flux_settings(dispatch="fused")
+        return kernels
+
+    return install
+
+
+@pytest.mark.parametrize("reason", [None, "a one-wave problem"])
+def test_batch_major_or_rows_first_by_the_kernel_s_answer(batch_major, reason):
+    """A [B, S/w, H] shard with B > 1, gathered on S: where the kernel keeps the batch-major layout the call hands it
+    the shard itself, flattened (no copy), with its blocks' rows, and the results are views of the gathered shape; where
+    it cannot, the call runs rank-major on a rows-first copy and restores the results.  Both give all_gather's
+    results."""
+    kernels = batch_major(_BatchMajorKernels(reason))
+    shard, weights = torch.randn(3, 4, 8), [torch.randn(5, 8).t(), torch.randn(2, 8).t()]
+    outs, gathered = dispatch.all_gather_matmul(shard, weights, [None, None], 1, "g", True)
+    full = torch.cat([shard, shard], 1)
+    torch.testing.assert_close(gathered, full)
+    for out, w in zip(outs, weights):
+        torch.testing.assert_close(out, full @ w)
+        assert out.is_contiguous() and out.shape == (3, 8, w.shape[1])
+    ((operand, batch_rows),) = kernels.calls
+    if reason is None:
+        assert batch_rows == 4 and operand.data_ptr() == shard.data_ptr()
+    else:
+        assert batch_rows == 0 and torch.equal(operand, shard.transpose(0, 1).reshape(-1, 8))
+
+
+def test_a_non_contiguous_shard_runs_rows_first(batch_major):
+    kernels = batch_major(_BatchMajorKernels())
+    shard = torch.randn(4, 3, 8).transpose(0, 1)  # [3, 4, 8] laid out rows-first
+    w = torch.randn(5, 8).t()
+    outs, _ = dispatch.all_gather_matmul(shard, [w], [None], 1, "g", False)
+    torch.testing.assert_close(outs[0], torch.cat([shard, shard], 1) @ w)
+    assert kernels.calls[0][1] == 0
+
+
+def test_batch_rows_count_the_dims_between_the_gathered_one_and_the_last():
+    assert dispatch._batch_rows(torch.empty(2, 3, 5, 8), 1) == 15
+    assert dispatch._batch_rows(torch.empty(1, 3, 8), 1) == 0  # batch 1: rank-major already
+    assert dispatch._batch_rows(torch.empty(6, 8), 0) == 0
