@@ -416,7 +416,7 @@ def all_gather_matmul(
     elif path != "fused":
         record_fallback(op, why)
         return None
-    elif batch_rows and kernels.batch_major_reason(shard2d, weights, batch_rows, world) is None:
+    elif batch_rows and kernels.batch_major_reason(shard2d, weights, batch_rows) is None:
         gathered_shape = list(shard.shape)
         gathered_shape[gather_dim] *= world
         run = kernels.prepare_all_gather_matmul(shard2d, weights, biases, group_name, return_gathered, batch_rows) \
@@ -520,8 +520,7 @@ def _decide_all_gather_matmul(kernels, dispatch_mode: str, shard: Tensor, shard2
             if path == "asynctp":
                 return lambda: _asynctp_all_gather_matmul(shard, weights, biases, gather_dim, group_name,
                                                           return_gathered)
-            batch = batch_rows if batch_rows and kernels.batch_major_reason(
-                shard2d, weights, batch_rows, world) is None else 0
+            batch = batch_rows if batch_rows and kernels.batch_major_reason(shard2d, weights, batch_rows) is None else 0
             return lambda: kernels.all_gather_matmul(shard2d, weights, biases, group_name, return_gathered,
                                                      checked=True, batch_rows=batch)
 

@@ -78,10 +78,10 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
                          p.shard_rows * p.world != p.m || p.chunks_per_rank < 1 || p.k_chunks < 1)) {
     std::snprintf(out, size, "inconsistent all-gather layout (rank %d of %d, %lld rows per rank, M=%lld)", p.rank,
                   p.world, (long long)p.shard_rows, (long long)p.m);
-  } else if (p.batch_rows < 0 || (p.batch_rows > 0 && (!p.flags || p.k_chunks != 1 || p.batch_rows > INT32_MAX ||
+  } else if (p.batch_rows < 0 || (p.batch_rows > 0 && (!p.flags || p.batch_rows > INT32_MAX ||
                                                         p.shard_rows % p.batch_rows != 0))) {
-    std::snprintf(out, size, "a batch-major A needs flags, row chunks and rows per rank (%lld) that are whole blocks "
-                  "of %lld rows", (long long)p.shard_rows, (long long)p.batch_rows);
+    std::snprintf(out, size, "a batch-major A needs flags and rows per rank (%lld) that are whole blocks of %lld rows",
+                  (long long)p.shard_rows, (long long)p.batch_rows);
   } else if (p.a_local && (!p.flags || !aligned16(p.a_local) || p.lda_local % kAlign || p.lda_local < p.k)) {
     std::snprintf(out, size, "the local rows' A needs flags, a 16-byte aligned base and a row stride >= K that is a "
                   "multiple of 8 (got %lld)", (long long)p.lda_local);
@@ -169,8 +169,8 @@ Error push_call_unsupported(PushCallParams const& p) {
   if (p.gathered && !p.buffer) {
     return make_error("push_call: the gathered A needs this rank's buffer");
   }
-  if (p.batch_rows < 0 || (p.batch_rows > 0 && (p.k_chunks != 1 || p.shard_rows % p.batch_rows != 0))) {
-    return make_error("push_call: a batch-major push needs row chunks and whole blocks of batch_rows rows");
+  if (p.batch_rows < 0 || (p.batch_rows > 0 && p.shard_rows % p.batch_rows != 0)) {
+    return make_error("push_call: a batch-major push needs whole blocks of batch_rows rows");
   }
   for (int q = 0; q < world; ++q) {
     if (q != p.arrival.rank && (!p.peer_buffers[q] || !p.peer_flags[q])) {
@@ -230,14 +230,18 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
   auto const* shard = static_cast<char const*>(p.shard);
   for (int step = 1; step < world; ++step) {
     int const peer = (rank - step + world) % world;
-    char* base = static_cast<char*>(p.peer_buffers[peer]) + rank * p.shard_rows * row_bytes;  // rank-major only
-    if (p.k_chunks > 1) {  // column blocks of whole K tiles (ag_gemm.py k_chunk_bounds)
+    char* base = static_cast<char*>(p.peer_buffers[peer]) + rank * block * row_bytes;  // this rank's first block
+    if (p.k_chunks > 1) {  // column blocks of whole K tiles (ag_gemm.py k_chunk_bounds), of every row block at once
       int64_t const k_tiles = (p.k + p.k_tile - 1) / p.k_tile;
       int64_t const cols = (k_tiles + p.k_chunks - 1) / p.k_chunks * p.k_tile;
+      int64_t const blocks = p.shard_rows / block;
       for (int c = 0; c < p.k_chunks; ++c) {
         int64_t const c0 = std::min(c * cols, p.k), c1 = std::min((c + 1) * cols, p.k);
-        if (c1 > c0 && (why = memcpy2d_async(base + c0 * p.element_size, shard + c0 * p.element_size, row_bytes,
-                                             (c1 - c0) * p.element_size, p.shard_rows, side)).failed()) {
+        int64_t const width = (c1 - c0) * p.element_size;
+        if (c1 > c0 && (why = blocks > 1 ? memcpy3d_async(base + c0 * p.element_size, shard + c0 * p.element_size,
+                                                          row_bytes, world * block, block, width, block, blocks, side)
+                                         : memcpy2d_async(base + c0 * p.element_size, shard + c0 * p.element_size,
+                                                          row_bytes, width, p.shard_rows, side)).failed()) {
           return why;
         }
         if ((why = stream_write_value32(p.peer_flags[peer] + rank * p.k_chunks + c, epoch, side)).failed()) {

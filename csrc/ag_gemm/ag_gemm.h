@@ -49,7 +49,7 @@ struct AllGatherGemmParams {
   // > 1: each rank's whole shard arrives in k_chunks column blocks instead (flags [world * k_chunks]), and the
   // producer waits before each block of a tile's K loop (for problems of about one wave; ag_gemm/scheduler.cuh).
   int k_chunks = 1;
-  // > 0 (with flags, k_chunks == 1): A is batch-major, each shard shard_rows / batch_rows blocks of batch_rows rows,
+  // > 0 (with flags): A is batch-major, each shard shard_rows / batch_rows blocks of batch_rows rows,
   // block b of rank q at rows (b * world + q) * batch_rows of A and of out (ag_gemm/scheduler.cuh); a multiple of
   // the tile's M.  a_local is then the shard in its own order ([shard_rows, K]: block after block).
   int64_t batch_rows = 0;
@@ -140,7 +140,7 @@ struct PushCallParams {
   void* peer_buffers[kMaxArrivalWorld] = {};       // [q]: rank q's gathered buffer, [world * shard_rows, k], mapped
   uint32_t* peer_flags[kMaxArrivalWorld] = {};     // [q]: rank q's flags of this call's parity, mapped
   int chunks_per_rank = 1, k_chunks = 1, k_tile = 64;
-  int64_t batch_rows = 0;                          // > 0: batch-major buffers (k_chunks == 1 only)
+  int64_t batch_rows = 0;                          // > 0: batch-major buffers (column blocks: 3-D copies)
   AllGatherGemmParams gemms[kMaxPushGemms];
   int gemm_count = 0;
   void* own_into = nullptr;                        // [world * shard_rows, k] on this device, or null

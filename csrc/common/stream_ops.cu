@@ -49,6 +49,17 @@ Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, i
   return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy2DAsync", status);
 }
 
+Error memcpy3d_async(void* dst, const void* src, int64_t pitch, int64_t dst_rows, int64_t src_rows, int64_t width,
+                     int64_t height, int64_t depth, void* stream) {
+  cudaMemcpy3DParms copy = {};
+  copy.dstPtr = make_cudaPitchedPtr(dst, size_t(pitch), size_t(width), size_t(dst_rows));
+  copy.srcPtr = make_cudaPitchedPtr(const_cast<void*>(src), size_t(pitch), size_t(width), size_t(src_rows));
+  copy.extent = make_cudaExtent(size_t(width), size_t(height), size_t(depth));
+  copy.kind = cudaMemcpyDeviceToDevice;
+  cudaError_t status = cudaMemcpy3DAsync(&copy, static_cast<cudaStream_t>(stream));
+  return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy3DAsync", status);
+}
+
 Error create_event(int64_t* event) {
   cudaEvent_t created = nullptr;
   cudaError_t status = cudaEventCreateWithFlags(&created, cudaEventDisableTiming);

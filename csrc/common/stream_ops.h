@@ -20,6 +20,11 @@ Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
 Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream,
                      int64_t src_pitch = 0);
 
+// cudaMemcpy3DAsync device-to-device: `depth` slices of `height` rows of `width` bytes; rows `pitch` bytes apart on both
+// sides, slices dst_rows rows apart at dst and src_rows rows apart at src.
+Error memcpy3d_async(void* dst, const void* src, int64_t pitch, int64_t dst_rows, int64_t src_rows, int64_t width,
+                     int64_t height, int64_t depth, void* stream);
+
 // A cudaEvent_t with timing off on the current device, or an error.  Never destroyed.
 Error create_event(int64_t* event);
 

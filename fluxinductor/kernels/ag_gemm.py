@@ -192,7 +192,7 @@ def launch_gemm(a: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, 
     (the call's arrival), which lets it start while that kernel runs; it must read nothing that kernel writes.
     ``trap_on_timeout``: a wait that times out traps after writing its error code (calls in CUDA graphs).  Under
     CUDA graph capture the tail split is off (``capturing``: whether the caller knows it is capturing; None: ask).
-    ``batch_rows`` > 0 (with ``flags`` and row chunks): ``a`` and ``out`` are batch-major, each shard ``shard_rows //
+    ``batch_rows`` > 0 (with ``flags``): ``a`` and ``out`` are batch-major, each shard ``shard_rows //
     batch_rows`` blocks of ``batch_rows`` rows and block b of rank q at rows (b * world + q) * batch_rows (a [B, S/w,
     ...] shard gathered on S); ``a_local`` is the shard as it is.
     ``chunks_per_rank``/``group_rows``/``variant``/``tail_split`` default to ``settings.tuning`` (ag_chunks,
@@ -267,11 +267,11 @@ def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_coun
     return layout[0], layout[1], variant, group_rows
 
 
-def batch_major_reason(shard2d: Tensor, weights: Sequence[Tensor], batch_rows: int, world: int) -> Optional[str]:
+def batch_major_reason(shard2d: Tensor, weights: Sequence[Tensor], batch_rows: int) -> Optional[str]:
     """Why a pushing call cannot keep a batch-major layout (None: it can): ``shard2d`` is a [B, S/w, ...] shard
     flattened to [B * batch_rows, K] and gathered on S, so its blocks of ``batch_rows`` rows land batch-major in the
-    gathered A (:func:`launch_gemm`), with no permute of the shard or of the results.  That needs the push with row
-    chunks, and blocks of whole tiles of every launch."""
+    gathered A (:func:`launch_gemm`), with no permute of the shard or of the results.  That needs the push, and blocks
+    of whole tiles of every launch."""
     rows = shard2d.shape[0]
     if batch_rows <= 0 or rows % batch_rows:
         return f"{rows} shard rows are not whole blocks of {batch_rows}"
@@ -281,10 +281,6 @@ def batch_major_reason(shard2d: Tensor, weights: Sequence[Tensor], batch_rows: i
         return "the call pulls"
     if any(batch_rows % _tile_m(_forced_variant(shard2d.dtype, w)) for w in weights):
         return f"blocks of {batch_rows} rows are not whole tiles"
-    widest = max(w.shape[1] for w in weights)
-    if use_k_chunks(world * rows, widest, loader.extension().ag_device_sm_count(),
-                    rows * shard2d.shape[1] * shard2d.element_size()) > 1:
-        return "a one-wave problem (its shards move in column blocks)"
     return None
 
 
@@ -353,7 +349,7 @@ def all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequen
     device = shard2d.device
     check_errors(device)
     if batch_rows:
-        reason = batch_major_reason(shard2d, weights, batch_rows, _group_size(group_name))
+        reason = batch_major_reason(shard2d, weights, batch_rows)
         if reason is not None:
             raise ValueError(f"all_gather_matmul cannot keep the batch-major layout: {reason}")
     capturing = symm.capturing()
@@ -422,7 +418,7 @@ def prepare_all_gather_matmul(shard2d: Tensor, weights: Sequence[Tensor], biases
     a new layout (:func:`_check_layout_agrees`)."""
     if symm.capturing() or _group_size(group_name) == 1 or not use_push(shard2d, weights):
         return None
-    if batch_rows and batch_major_reason(shard2d, weights, batch_rows, _group_size(group_name)) is not None:
+    if batch_rows and batch_major_reason(shard2d, weights, batch_rows) is not None:
         return None
     check_errors(shard2d.device)
     ws = symm.workspace(group_name, shard2d.device)

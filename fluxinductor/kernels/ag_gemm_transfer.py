@@ -142,8 +142,8 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
                 stream: torch.cuda.Stream, chunks_per_rank: Optional[int] = None, k_chunks: int = 1,
                 batch_rows: int = 0) -> None:
     """Enqueue on ``stream``: copy this rank's ``shard`` ([S, K], contiguous) into rows [rank*S, (rank+1)*S) of
-    every peer's buffer (with ``batch_rows`` > 0 and row chunks, into its blocks of a batch-major buffer:
-    :func:`shard_row_copies`), raising the peer's flag of each chunk to ``epoch`` after its bytes.
+    every peer's buffer (with ``batch_rows`` > 0, into its blocks of a batch-major buffer: :func:`shard_row_copies`),
+    raising the peer's flag of each chunk to ``epoch`` after its bytes.
 
     peer_buffers[q]: [M, K] view of rank q's buffer, peer_flags[q]: rank q's flags (entries for q == rank are not
     used).  Peers in the order q = rank-1, rank-2, ... (rank q's tile walk reaches rank's rows after rank - q - 1
@@ -153,8 +153,9 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
     ext = loader.extension()
     chunks_per_rank = settings.tuning.ag_chunks if chunks_per_rank is None else chunks_per_rank
     shard_rows, k = shard.shape
-    if batch_rows and (k_chunks > 1 or shard_rows % batch_rows):
-        raise ValueError(f"a batch-major push needs row chunks and whole blocks of {batch_rows} rows")
+    if batch_rows and shard_rows % batch_rows:
+        raise ValueError(f"a batch-major push needs whole blocks of {batch_rows} rows")
+    block = batch_rows or shard_rows
     world = len(peer_buffers)
     element = shard.element_size()
     row_bytes = k * element
@@ -163,17 +164,17 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
         dst = peer_buffers[peer]
         if dst.stride(0) != k:
             raise ValueError(f"peer buffer row stride {dst.stride(0)} != K = {k}")
-        base = dst.data_ptr() + rank * shard_rows * row_bytes
         if k_chunks > 1:
             for c, (c0, c1) in enumerate(k_chunk_bounds(k, k_chunks)):
-                if c1 > c0:
-                    ext.ag_memcpy2d_async(base + c0 * element, shard.data_ptr() + c0 * element, row_bytes,
-                                          (c1 - c0) * element, shard_rows, stream.cuda_stream)
+                for b in range(shard_rows // block if c1 > c0 else 0):  # each block of rows (one: rank-major)
+                    ext.ag_memcpy2d_async(dst.data_ptr() + (b * world + rank) * block * row_bytes + c0 * element,
+                                          shard.data_ptr() + b * block * row_bytes + c0 * element, row_bytes,
+                                          (c1 - c0) * element, block, stream.cuda_stream)
                 _push_flag(peer_flags[peer], rank * k_chunks + c, epoch, stream)
             continue
         for c, (start, end) in enumerate(chunk_bounds(shard_rows, chunks_per_rank)):
-            _copy_shard_rows(dst.data_ptr(), shard.data_ptr(), rank, world, start, end, batch_rows or shard_rows,
-                             row_bytes, stream.cuda_stream)
+            _copy_shard_rows(dst.data_ptr(), shard.data_ptr(), rank, world, start, end, block, row_bytes,
+                             stream.cuda_stream)
             _push_flag(peer_flags[peer], rank * chunks_per_rank + c, epoch, stream)
 
 

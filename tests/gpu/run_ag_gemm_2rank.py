@@ -105,6 +105,7 @@ def check_batch_major(group, rank):
                 (4, 256, 1024, [4096, 512], True, True),
                 (3, 384, 512, [1536], False, True),   # 3 tile rows per block, chunks that split blocks
                 (2, 192, 512, [1024], True, False),   # blocks of 192 rows: not whole tiles, the op permutes
+                (2, 256, 4096, [1024], False, True),  # one wave: 4 MB shards move in column blocks (3-D copies)
             ]:
                 torch.manual_seed(100 * rank + batch + rows)
                 shard = torch.randn(batch, rows, k, dtype=torch.bfloat16, device=device)

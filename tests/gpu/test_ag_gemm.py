@@ -294,29 +294,31 @@ def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dty
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world,batch_rows,blocks,k,chunks,ns", [
-    (2, 128, 4, 264, 2, [520, 136]),    # 4 blocks of one tile row, 2 chunks of 2 whole blocks, two weights
-    (2, 256, 3, 512, 2, [1024]),        # 3 blocks, chunks split a block (1-D parts and a 2-D copy)
-    (4, 128, 2, 1024, 3, [2048]),       # 3 chunks over 2 blocks
-    (2, 512, 4, 1024, 2, [2048]),       # blocks of 2 cluster rows; several waves
-    (8, 128, 2, 512, 1, [264]),
+@pytest.mark.parametrize("world,batch_rows,blocks,k,k_chunks,chunks,ns", [
+    (2, 128, 4, 264, 1, 2, [520, 136]),    # 4 blocks of one tile row, 2 chunks of 2 whole blocks, two weights
+    (2, 256, 3, 512, 1, 2, [1024]),        # 3 blocks, chunks split a block (1-D parts and a 2-D copy)
+    (4, 128, 2, 1024, 1, 3, [2048]),       # 3 chunks over 2 blocks
+    (2, 512, 4, 1024, 1, 2, [2048]),       # blocks of 2 cluster rows; several waves
+    (8, 128, 2, 512, 1, 1, [264]),
+    (2, 128, 3, 1024, 4, 1, [520]),        # column blocks (one wave): every row block's columns in one 3-D copy
+    (4, 256, 2, 512, 16, 1, [136, 264]),   # more column blocks than K tiles
 ])
 @pytest.mark.parametrize("one_call", [False, True], ids=["steps", "one_call"])
-def test_batch_major_push_n_ranks_on_one_gpu(world, batch_rows, blocks, k, chunks, ns, one_call):
+def test_batch_major_push_n_ranks_on_one_gpu(world, batch_rows, blocks, k, k_chunks, chunks, ns, one_call):
     """The push of [B, S/w, K] shards (B = blocks) into batch-major buffers, block b of rank q at rows (b * world + q)
     * batch_rows: each GEMM computes the gathered [B, S, K] in place, its outputs [B, S, N] with no permute, and the
     gathered A is assembled batch-major; the buffers' own rows stay NaN."""
-    torch.manual_seed(world + batch_rows + blocks)
+    torch.manual_seed(world + batch_rows + blocks + k_chunks)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, blocks * batch_rows, k, ns, with_bias=True,
                                                          chunks=chunks, push=True, one_call=one_call,
-                                                         batch_rows=batch_rows)
+                                                         batch_rows=batch_rows, k_chunks=k_chunks)
     _check_ranks(outputs, refs, gathered, full)
 
 
 @pytest.mark.gpu
-def test_batch_major_needs_whole_tiles_and_row_chunks():
-    """The kernel refuses batch-major blocks that are not whole tiles, or with column blocks; the call-level check
-    says why a shard cannot keep the layout."""
+def test_batch_major_needs_whole_tiles():
+    """The kernel refuses batch-major blocks that are not whole tiles, or that do not divide the shard; the call-level
+    check says why a shard cannot keep the layout."""
     from fluxinductor.kernels import ag_gemm
 
     shard = torch.randn(4 * 192, 64, dtype=torch.bfloat16, device="cuda")
@@ -329,9 +331,9 @@ def test_batch_major_needs_whole_tiles_and_row_chunks():
                             chunks_per_rank=1, a_local=shard, batch_rows=96)
     with pytest.raises(RuntimeError, match="batch-major"):
         ag_gemm.launch_gemm(buffer, w, None, out, flags=flags, epoch=1, rank=0, world=2, shard_rows=4 * 192,
-                            k_chunks=2, a_local=shard, batch_rows=192)
-    assert "whole tiles" in ag_gemm.batch_major_reason(shard, [w], 192, 2)
-    assert ag_gemm.batch_major_reason(shard, [w], 4 * 192, 2) is None
+                            chunks_per_rank=1, a_local=shard, batch_rows=5 * 128)
+    assert "whole tiles" in ag_gemm.batch_major_reason(shard, [w], 192)
+    assert ag_gemm.batch_major_reason(shard, [w], 4 * 192) is None
 
 
 @pytest.mark.gpu

@@ -111,6 +111,26 @@ def test_batch_major_push_copies(monkeypatch):
         ag_gemm.push_shards(shard, [peer, None], flags, rank, 7, _Stream(), chunks_per_rank=2, batch_rows=5)
 
 
+def test_batch_major_push_in_column_blocks(monkeypatch):
+    """Column blocks (one-wave problems) of a batch-major push: each block's columns of every row block, into the
+    peer's rows of that block, then the block's flag."""
+    recorder = _Recorder()
+    monkeypatch.setattr(loader, "extension", lambda: recorder)
+    world, rank, block, blocks, k = 2, 1, 4, 2, 128
+    shard = torch.randn(block * blocks, k, dtype=torch.bfloat16)
+    peer = torch.empty(world * block * blocks, k, dtype=torch.bfloat16)
+    flags = [torch.zeros(world * 16, dtype=torch.int32) for _ in range(world)]
+    ag_gemm.push_shards(shard, [peer, None], flags, rank, 7, _Stream(), k_chunks=2, batch_rows=block)
+    rb, base, src = k * 2, peer.data_ptr(), shard.data_ptr()
+    expected = []
+    for c, (c0, c1) in enumerate(ag_gemm.k_chunk_bounds(k, 2)):
+        for b in range(blocks):
+            expected.append(("copy2d", base + (b * world + rank) * block * rb + 2 * c0, src + b * block * rb + 2 * c0,
+                             rb, 2 * (c1 - c0), block))
+        expected.append(("write", flags[0].data_ptr() + 4 * (rank * 2 + c), 7))
+    assert recorder.ops == expected
+
+
 def test_batch_major_gathered_a():
     rows, k, world, block = 6, 4, 3, 3
     buffer = torch.randn(world * rows, k)
@@ -353,7 +373,6 @@ def _push_call_args(world=2, **changes):
     (dict(peer_flags=[16, 0]), RuntimeError, "no buffer or flags for peer 1"),
     (dict(gathered=16), RuntimeError, "gathered A needs this rank's buffer"),
     (dict(batch_rows=96), RuntimeError, "whole blocks of batch_rows"),
-    (dict(batch_rows=64, k_chunks=2), RuntimeError, "batch-major push needs row chunks"),
 ])
 def test_push_call_refuses_bad_arguments(changes, error, match):
     """The one-call push checks its arguments before it enqueues anything (no GPU needed to reach the checks)."""

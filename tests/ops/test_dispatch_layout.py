@@ -48,7 +48,7 @@ class _BatchMajorKernels:
     def unsupported_reason(self, *args):
         return None
 
-    def batch_major_reason(self, shard2d, weights, batch_rows, world):
+    def batch_major_reason(self, shard2d, weights, batch_rows):
         return self.reason
 
     def prepare_all_gather_matmul(self, *args):

@@ -351,7 +351,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     return s.split_max_parts >= 1 && s.group_cluster_rows >= 1 && s.world >= 1 && s.shard_rows >= 1 &&
            s.chunk_rows >= 1 && s.chunks_per_rank >= 1 && s.col_chunks >= 1 && s.chunk_col_tiles >= 1 &&
            s.k_chunks >= 1 && s.k_chunk_tiles >= 1 &&
-           (s.batch_rows == 0 || (s.batch_rows % kTileM == 0 && s.shard_rows % s.batch_rows == 0 && s.k_chunks == 1));
+           (s.batch_rows == 0 || (s.batch_rows % kTileM == 0 && s.shard_rows % s.batch_rows == 0));
   }
 
   template <class ProblemShapeMNK, class BlockShape, class ClusterShape>
