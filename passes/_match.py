@@ -158,7 +158,7 @@ def batch_major(shape: Sequence[Size], dim: int) -> bool:
     """Whether the AG+GEMM of a shard of ``shape`` gathered on ``dim`` (a dim after a batch dim > 1, so that
     :func:`rows_first` would permute) runs on the shard as it is: its blocks of rows, prod(shape[dim:-1]), are known
     whole multiples of BATCH_MAJOR_ROWS.  Where the fused kernel still cannot keep that layout at run time (a forced
-    variant of larger tiles, a one-wave problem, CUDA graph capture), the op permutes itself (fluxinductor.dispatch)."""
+    variant of larger tiles, CUDA graph capture), the op permutes itself (fluxinductor.dispatch)."""
     rows = 1
     for s in shape[dim:-1]:
         if not isinstance(s, int):
