@@ -561,8 +561,15 @@ def matmul_reduce_scatter(
         record_fallback(op, f"dim {scatter_dim} of size {a.shape[scatter_dim]} does not split over {world} ranks")
         return None
     rest = tuple(a.shape[d] for d in range(a.dim() - 1) if d != scatter_dim)
-    # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).
-    a2d = _rows_first(a, scatter_dim)
+    # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).  Or, where the fused kernel
+    # can read a batch-major operand in place (batch_rows > 0: [B, D, ..., K] scattered on D, B > 1), the operand as it
+    # is, flattened: rank r owns its blocks of batch_rows rows (rows_first() then gives the rank-major one).
+    batch_rows = _batch_rows(a, scatter_dim) // world if a.shape[scatter_dim] % world == 0 else 0
+    a2d = a.view(-1, a.shape[-1]) if batch_rows else _rows_first(a, scatter_dim)
+
+    def rows_first() -> Tensor:
+        return _rows_first(a, scatter_dim) if batch_rows else a2d
+
     out_dtype = None if out_dtype == a.dtype else out_dtype
     key = None if symm.capturing() else (
         op, dispatch_mode, _auto_key(a.device, world) if dispatch_mode == "auto" else None, group_name, world,
@@ -570,7 +577,7 @@ def matmul_reduce_scatter(
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = _remember(key, _decide_matmul_reduce_scatter(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op,
-                                                            group_name, world, out_dtype, scatter_dim))
+                                                            group_name, world, out_dtype, scatter_dim, batch_rows))
     path, why, transport, split_config = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
@@ -578,12 +585,27 @@ def matmul_reduce_scatter(
     if path == "internode":
         from fluxinductor.kernels import internode
 
-        out2d = internode.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name)
+        out2d = internode.matmul_reduce_scatter(rows_first(), weight, bias, reduce_op, group_name)
         return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
     if path != "fused":
         record_fallback(op, why)
         return None
     extra = {} if out_dtype is None else {"out_dtype": out_dtype}
+    if batch_rows and kernels.batch_major_reason(a2d, batch_rows, world) is None:
+        out_shape = list(a.shape[:-1]) + [weight.shape[1]]
+        out_shape[scatter_dim] //= world
+        run = kernels.prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, transport=transport,
+                                                    split_config_choice=split_config, batch_rows=batch_rows,
+                                                    **extra) if replay_as is not None else None
+        if run is None:
+            out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
+                                                  transport=transport, split_config_choice=split_config,
+                                                  batch_rows=batch_rows, **extra)
+        else:
+            out2d = run(a2d, weight, bias)
+            _remember_replay(replay_as, lambda a_, w_, b_: run(a_.view(-1, a_.shape[-1]), w_, b_).view(out_shape))
+        return out2d.view(out_shape)
+    a2d = rows_first()
     run = kernels.prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, transport=transport,
                                                 split_config_choice=split_config, **extra) \
         if replay_as is not None else None
@@ -609,10 +631,11 @@ def _matmul_reduce_scatter_replay(run: Callable, lead: int, rest: Tuple[int, ...
 
 def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor,
                                   bias: Optional[Tensor], reduce_op: str, group_name: str, world: int,
-                                  out_dtype: Optional[torch.dtype], scatter_dim: int = 0
+                                  out_dtype: Optional[torch.dtype], scatter_dim: int = 0, batch_rows: int = 0
                                   ) -> Tuple[str, Optional[str], str, Optional[int]]:
     """(path, reason, transport, split configuration): path "fused" (reason None) with the kernel's transport,
-    "asynctp", or "decomposed" with the reason."""
+    "asynctp", or "decomposed" with the reason.  ``a2d``: the operand as the fused path gets it (flattened as it is
+    when ``batch_rows`` > 0, see :func:`matmul_reduce_scatter`)."""
     why = _peers_reason(group_name, a.device)
     from fluxinductor.kernels import internode
 
@@ -650,9 +673,10 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
                 return lambda: _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name,
                                                               world)
             config = _split_config_choice(a.device, world, m, k, n, a.dtype)
+            batch = batch_rows if batch_rows and kernels.batch_major_reason(a2d, batch_rows, world) is None else 0
             return lambda: kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
                                                          transport=_TRANSPORTS[path], split_config_choice=config,
-                                                         **extra_kw)
+                                                         batch_rows=batch, **extra_kw)
 
         path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, m, k, n, a.dtype,
                                         fused_eligible=why is None, split_eligible=split_eligible,

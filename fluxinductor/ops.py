@@ -347,8 +347,9 @@ def _(shard, weights, biases, gather_dim, group_name, return_gathered):
     return outputs, gathered
 
 
+# needs_fixed_stride_order: as all_gather_matmul's, for a batch-major operand read in place.
 @_op("(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name, "
-     "ScalarType? out_dtype=None) -> Tensor")
+     "ScalarType? out_dtype=None) -> Tensor", tags=(torch.Tag.needs_fixed_stride_order,))
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
     out_dtype: Optional[torch.dtype] = None,

@@ -148,16 +148,19 @@ def rows_first(shape: Sequence[Size], dim: int) -> Optional[Tuple[List[int], Lis
     return perm, inverse, perm[1:-1]
 
 
-# The fused AG+GEMM keeps a batch-major layout ([B, S/w, H] shards gathered on S into [B, S, H], no permutes) when each
-# shard's blocks of rows (S/w x the dims after S but the last) are whole tiles of its kernel (csrc/include/fluxinductor/
-# ag_gemm/scheduler.cuh, batch_rows); the smallest tile M of the variants it picks on its own is 128.
+# The fused ops keep a batch-major layout (no permutes) when each rank's blocks of rows (S/w x the dims after S but the
+# last) are whole tiles of their kernels: the AG+GEMM gathers [B, S/w, H] shards into [B, S, H] in place
+# (csrc/include/fluxinductor/ag_gemm/scheduler.cuh, batch_rows), the GEMM+RS reads each owner's blocks of [B, S, K]
+# (csrc/include/fluxinductor/common/blocked_rows.cuh).  The smallest tile M of the variants they pick on their own is
+# 128.
 BATCH_MAJOR_ROWS = 128
 
 
 def batch_major(shape: Sequence[Size], dim: int) -> bool:
     """Whether the AG+GEMM of a shard of ``shape`` gathered on ``dim`` (a dim after a batch dim > 1, so that
-    :func:`rows_first` would permute) runs on the shard as it is: its blocks of rows, prod(shape[dim:-1]), are known
-    whole multiples of BATCH_MAJOR_ROWS.  Where the fused kernel still cannot keep that layout at run time (a forced
+    :func:`rows_first` would permute), or the GEMM+RS whose result has ``shape``, scattered on ``dim``, runs on the
+    operand as it is: each rank's blocks of rows, prod(shape[dim:-1]), are known whole multiples of
+    BATCH_MAJOR_ROWS.  Where the fused kernel still cannot keep that layout at run time (a forced
     variant of larger tiles, CUDA graph capture), the op permutes itself (fluxinductor.dispatch)."""
     rows = 1
     for s in shape[dim:-1]:

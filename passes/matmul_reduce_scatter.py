@@ -306,6 +306,7 @@ class _Group:
     plan: Optional[tuple]
     result_2d: torch.Tensor
     result: torch.Tensor  # fake, as the graph reads it
+    batch_major: bool = False  # B > 1, no plan: the op reads the batch-major operand in place
 
 
 def _collective_args(match: _ReduceScatterMatch, plan: Optional[tuple]) -> tuple:
@@ -341,10 +342,14 @@ def _plan(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], 
         a_nd_arg = match.lead_args + [sum(ks)]
     if needs_reshape and a_nd_arg is None:
         raise Skip("symbolic shape", f"operand {a_nd_shape} would need a reshape with more than one symbolic size")
-    # scatter_dim > 0 with a leading dim > 1 ([B, S, N] scattered on S with B > 1): the op reduce-scatters the
-    # rows-first operand on dim 0 and the permutes around it are left to inductor (see m.rows_first).
+    # scatter_dim > 0 with a leading dim > 1 ([B, S, N] scattered on S with B > 1): the op gets the operand as it is
+    # where its kernel reads each owner's blocks in place (m.batch_major of the result's shape); otherwise it
+    # reduce-scatters the rows-first operand on dim 0 and the permutes around it are left to inductor (m.rows_first).
     out_shape = m.val(match.wait).shape
     plan = None if match.scatter_dim is None else m.rows_first(out_shape, match.scatter_dim)
+    batch_major = plan is not None and m.batch_major(out_shape, match.scatter_dim)
+    if batch_major:
+        plan = None
     out_dtype_arg = () if match.out_dtype is None else (match.out_dtype,)  # the schema's default otherwise
     try:
         with fake_mode:
@@ -367,7 +372,7 @@ def _plan(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], 
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     if not m.same_shape(result.shape, out_shape):
         raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(out_shape)}")
-    return _Group(terms, bias, a_source, a_nd_shape, a_nd_arg, needs_reshape, plan, result_2d, result)
+    return _Group(terms, bias, a_source, a_nd_shape, a_nd_arg, needs_reshape, plan, result_2d, result, batch_major)
 
 
 def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> Node:
@@ -383,6 +388,8 @@ def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> N
         a_arg = _n_d(graph, fake_mode, a_cat, g.a_nd_shape, g.a_nd_arg)
         w_arg = graph.call_function(m.aten.cat.default, ([t.weight for t in g.terms], 0))
         m.set_val(w_arg, fake_mode, lambda: torch.cat([m.val(t.weight) for t in g.terms], 0))
+    if g.batch_major and not m.val(a_arg).is_contiguous():
+        a_arg = m.call_contiguous(graph, fake_mode, a_arg)  # read in place: its producer writes it batch-major
     if g.plan is not None:
         lead = [-1] + [m.size_arg(graph, a_arg, d) for d in g.plan[2]]
         a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, g.plan[0])
@@ -431,7 +438,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool
         return out  # rewrite_matmul_all_reduce's caller records it
     record_fused(PATTERN, f"{len(match.terms)} matmul(s){' as one op each' if split else ''}, "
                           f"scatter_dim={match.scatter_dim}"
-                          f"{', rows-first' if planned[0].plan else ''}, "
+                          f"{', rows-first' if planned[0].plan else ', batch-major' if planned[0].batch_major else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"
                           f"{f', reduced in {match.out_dtype}' if match.out_dtype is not None else ''}")
     return out

@@ -19,6 +19,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "fluxinductor/gemm_rs/kernel.cuh"
+#include "fluxinductor/common/blocked_rows.cuh"
 #include "fluxinductor/common/cutlass_launch.cuh"
 #include "fluxinductor/common/stream_memops.h"
 #include "gemm_rs/split.h"
@@ -67,14 +68,14 @@ struct GemmRsConfig {
       GemmRsEpilogue<Element, Shape::kTileM, Shape::kTileN, Shape::kThreads, Shape::kAsyncPush,
                      default_sub_n<Shape::kTileN>(), ElementOut>;
   using CollectiveEpilogue = GemmRsCollectiveEpilogue<Epilogue>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = BlockedRowsMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementA, LayoutA, 8,                                     // 16-byte TMA alignment
       ElementB, LayoutB, 8,
       ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+      KernelSchedule>::CollectiveOp>;                           // A by segments or, batch-major, by blocks
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>,                          // (M/world, N, K, world segments)
       CollectiveMainloop, CollectiveEpilogue,
@@ -302,7 +303,8 @@ int run_config(GemmRsArgs const& args, cudaStream_t stream) {
   typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {segment_rows, args.n, args.k, args.world},
-      {static_cast<Element const*>(args.a), stride_a, static_cast<Element const*>(args.b), stride_b},
+      {{static_cast<Element const*>(args.a), stride_a, static_cast<Element const*>(args.b), stride_b},
+       args.batch_rows, args.batch_rows * args.world, args.m},  // batch-major: segment l's rows are its blocks
       {epi},
       hw_info,
       scheduler};
@@ -556,7 +558,14 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
     int const segment = (args.rank + 1 + step) % args.world;
     bool const last = step == args.world - 1;
     split::SplitGemmParams g = gemm;
-    g.a = static_cast<char const*>(args.a) + int64_t(segment) * segment_rows * args.lda * element_bytes;
+    if (args.batch_rows > 0) {  // the segment's blocks, from its first
+      g.a = static_cast<char const*>(args.a) + int64_t(segment) * args.batch_rows * args.lda * element_bytes;
+      g.block_rows = args.batch_rows;
+      g.pitch_rows = args.batch_rows * args.world;
+      g.rows_extent = args.m - segment * args.batch_rows;
+    } else {
+      g.a = static_cast<char const*>(args.a) + int64_t(segment) * segment_rows * args.lda * element_bytes;
+    }
     if (step > 0) {  // add rank + 1's partial sum of this segment, band by band as its flags arrive
       g.c = local + args.data_offset + (step - 1) * segment_bytes;
       g.beta = last ? args.out_scale : 1.f;
@@ -658,6 +667,9 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
   }
   if (args.m <= 0 || args.n <= 0 || args.k <= 0 || args.m % args.world != 0) {
     return fail("M, N, K must be positive and M a multiple of world");
+  }
+  if (args.batch_rows < 0 || (args.batch_rows > 0 && ((args.m / args.world) % args.batch_rows != 0 || args.world < 2))) {
+    return fail("a batch-major A needs two or more ranks and blocks (batch_rows) that divide each rank's M / world rows");
   }
   if (args.k % 8 != 0 || args.lda % 8 != 0 || args.ldb % 8 != 0) {
     return fail("K and the operand row strides must be multiples of 8 elements (16-byte TMA alignment)");

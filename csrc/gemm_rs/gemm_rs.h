@@ -1,7 +1,8 @@
 // GEMM + reduce-scatter (row-parallel linear): torch-free launcher declarations.
 //
 // Each rank r holds A_r [M, K] (its K slice) and B_r [K, N]; the result is
-//   out_r [M/world, N] = rows [r*M/world, (r+1)*M/world) of sum_q (A_q @ B_q + bias)   (times 1/world for avg).
+//   out_r [M/world, N] = rows [r*M/world, (r+1)*M/world) of sum_q (A_q @ B_q + bias)   (times 1/world for avg);
+// with GemmRsArgs::batch_rows the rows of A are batch-major and out_r is rank r's blocks of them (see there).
 // One persistent CUTLASS sm90a GEMM per rank computes the row segments owned by its peers first and stores
 // them straight into the owner's symmetric buffer (slot r) over NVLink, with one flag per tile;
 // its own segment comes last, and its epilogue adds the peers' slots once their flags carry this call's epoch.
@@ -80,6 +81,11 @@ struct GemmRsArgs {
   int tuning_config = 0;  // tuning builds: the kernel configuration (0 the default; 1..6 gemm_rs.cu TuningShape*)
   int swizzle = 0;        // tile-order swizzle inside a segment (1, 2, 4, 8); 0: the measured default
   int raster = -1;        // 0 heuristic, 1 along M, 2 along N; -1: the measured default
+  // > 0: A is batch-major, the [B, S, k] operand of a reduce-scatter on S (m = B * S): owner q's rows are B blocks of
+  // batch_rows = S / world rows, block b at rows (b * world + q) * batch_rows, read in (b, row) order, so out is
+  // this rank's [B, S / world, n].  A multiple of the tile's M that divides m / world.  0: owner q's rows are
+  // [q * m / world, (q + 1) * m / world).
+  int batch_rows = 0;
   // Split transport, optional: each GEMM's partial last wave split along K into up to tail_split_parts parts (> 1),
   // in up to tail_split_waves waves, with the AG+GEMM tail split's scratch (ag_gemm.h sizes it for sm_count and the
   // waves), which must belong to `stream`.  The call uses the epochs tail_split_epoch, +1, ... one per GEMM (world of

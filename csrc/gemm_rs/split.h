@@ -32,6 +32,9 @@ struct SplitGemmParams {
   int rows = 0, n = 0, k = 0;
   const void* a = nullptr;
   int64_t lda = 0;
+  // > 0: row r of this GEMM's A is row (r / block_rows) * pitch_rows + r % block_rows from `a`, of rows_extent rows
+  // (a segment of a batch-major A: fluxinductor/common/blocked_rows.cuh); 0: rows [0, rows) from `a`.
+  int block_rows = 0, pitch_rows = 0, rows_extent = 0;
   const void* b = nullptr;          // B [k, n]: element (kk, nn) at b[nn*ldb + kk] when b_k_major, else b[kk*ldb + nn]
   int64_t ldb = 0;
   bool b_k_major = true;

@@ -96,6 +96,7 @@ def launch(
     tail_split: Optional[int] = None,
     split_config: Optional[int] = None,
     capture: bool = False,
+    batch_rows: int = 0,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
@@ -108,6 +109,8 @@ def launch(
     configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
     ``capture``: a call that CUDA graph replays repeat (stores transport, ``epoch`` :data:`CAPTURE_EPOCH`): the
     handshake sets its words back to 0 and failed waits trap; the caller zeroes this rank's flags after it.
+    ``batch_rows`` > 0: ``a`` is batch-major ([B, S, K] flattened, scattered on S; :func:`batch_major_reason`), and
+    ``out`` this rank's [B, S/world, N].
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -142,7 +145,7 @@ def launch(
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), True, *tails,  # True: split_pdl
         config, out.dtype != a.dtype, capture, tuning.gemm_rs_config,
         0 if tuning.gemm_rs_swizzle is None else tuning.gemm_rs_swizzle,
-        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster,
+        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster, batch_rows,
     )
 
 
@@ -242,10 +245,26 @@ def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tens
     return a2d, bias
 
 
+def batch_major_reason(a2d: Tensor, batch_rows: int, world: int) -> Optional[str]:
+    """Why an eager call cannot read a batch-major operand in place (None: it can): ``a2d`` is a [B, S, ..., K]
+    operand flattened, scattered on S, each owner's rows B blocks of ``batch_rows`` rows (S/world times the dims
+    between S and K), read block by block (csrc/include/fluxinductor/common/blocked_rows.cuh), so the result is this
+    rank's [B, S/world, ...] with no permute.  That needs two or more ranks outside CUDA graph capture, and blocks of
+    whole 128-row tiles (every transport's tile M divides 128)."""
+    rows = a2d.shape[0]
+    if world < 2 or _symm.capturing():
+        return "one rank, or CUDA graph capture (whose stores transport runs rank-major)"
+    if batch_rows <= 0 or (rows // world) % batch_rows or rows % world:
+        return f"{rows} rows are not {world} owners' whole blocks of {batch_rows}"
+    if batch_rows % 128:
+        return f"blocks of {batch_rows} rows are not whole 128-row tiles"
+    return None
+
+
 def matmul_reduce_scatter(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *,
     out: Optional[Tensor] = None, checked: bool = False, transport: str = "store", split_config_choice: Optional[int] = None,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None, batch_rows: int = 0,
 ) -> Tensor:
     """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
 
@@ -260,7 +279,8 @@ def matmul_reduce_scatter(
     the cost model picked for the shape (see :func:`resolve_split_config`).  ``out_dtype`` (or ``out``'s dtype):
     torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to
     the operands' dtype, bf16 or fp16 (and crosses in it, half the bytes of the fp32 reduce-scatter), the sum is fp32.
-    The split transport writes the operands' dtype only: such calls take "copy".
+    The split transport writes the operands' dtype only: such calls take "copy".  ``batch_rows`` > 0: a batch-major
+    operand (:func:`batch_major_reason` must have returned None).
     """
     if out is not None:
         out_dtype = out.dtype
@@ -268,9 +288,12 @@ def matmul_reduce_scatter(
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
     state = _state(group_name, a2d.device)
+    if batch_rows and batch_major_reason(a2d, batch_rows, state.world) is not None:
+        raise ValueError("fused matmul_reduce_scatter cannot read the batch-major operand: "
+                         f"{batch_major_reason(a2d, batch_rows, state.world)}")
     if state.world > 1 and not _symm.capturing():  # (the call raises an earlier call's error first)
         return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
-                          out)(a2d, weight, bias, out)
+                          out, batch_rows)(a2d, weight, bias, out)
     state.raise_if_error()
     # One rank, or under capture, where unsupported_reason (ours, or the caller's: checked) found the call
     # capturable: the stores transport.
@@ -296,7 +319,7 @@ def matmul_reduce_scatter(
 def prepare_matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                                   group_name: str, *, transport: str = "store",
                                   split_config_choice: Optional[int] = None,
-                                  out_dtype: Optional[torch.dtype] = None):
+                                  out_dtype: Optional[torch.dtype] = None, batch_rows: int = 0):
     """For a call that :func:`unsupported_reason` accepts, outside CUDA graph capture, on 2 or more ranks: a function
     ``run(a2d, weight, bias)`` that runs it as :func:`matmul_reduce_scatter` does, and any later call of its signature
     (operands of the same shapes, strides, dtypes and 16-byte alignment; the dispatcher's replays) with the per-call
@@ -304,9 +327,10 @@ def prepare_matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Te
     if _symm.capturing():
         return None
     state = _state(group_name, a2d.device)
-    if state.world < 2:
+    if state.world < 2 or (batch_rows and batch_major_reason(a2d, batch_rows, state.world) is not None):
         return None
-    return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype)
+    return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
+                      batch_rows=batch_rows)
 
 
 class _EagerCall:
@@ -317,7 +341,7 @@ class _EagerCall:
 
     def __init__(self, state: _GroupState, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                  transport: str, split_config_choice: Optional[int], out_dtype: Optional[torch.dtype],
-                 out: Optional[Tensor] = None):
+                 out: Optional[Tensor] = None, batch_rows: int = 0):
         if bias is not None:
             bias = bias.to(a2d.dtype).contiguous()  # as _prepare gives it to the launch
         self.group_name, self.device = state.group_name, a2d.device
@@ -340,6 +364,9 @@ class _EagerCall:
         transport_sig = f"{mode}{self.config or ''}/{bands()}" if mode != "store" else "store"
         if self.out_dtype != a2d.dtype:
             transport_sig += f"/{self.out_dtype}"
+        self.batch_rows = batch_rows
+        if batch_rows:  # the rows each rank reads for an owner: ranks must agree
+            transport_sig += f"/batch{batch_rows}"
         self.sig = signature(self.m, n, k, world, a2d.dtype, transport_sig)
         self.nbytes = buffer_layout(self.m, n, world, a2d.dtype)[2]
 
@@ -354,7 +381,7 @@ class _EagerCall:
         launch(a2d, weight, bias, out, m=self.m, world=state.world, rank=state.rank, buffers=state.buffer_ptrs,
                epoch=state.next_epoch(), sig=self.sig, error_address=state.error.device, out_scale=self.out_scale,
                copy=state.copy_workspace() if self.mode != "store" else None, split=self.mode == "split",
-               split_config=self.config)
+               split_config=self.config, batch_rows=self.batch_rows)
         return out
 
 

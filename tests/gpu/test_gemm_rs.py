@@ -158,12 +158,14 @@ def _sm_budget(world, split):
 
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
-              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None):
+              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (settings.tuning.gemm_rs_push="copy").
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
     environment's).  streams: each rank's stream (default: new ones).  out_dtype (float32): the reduction autocast
-    makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference."""
+    makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference.
+    batch_rows > 0: A is batch-major ([B, S, K] flattened, m = B * S), rank r's result its blocks of batch_rows rows
+    ([B, S/world, N]), read in place."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -198,11 +200,13 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
                     a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
                     error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
                     timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r], split=split,
-                    tail_split=tail_split,
+                    tail_split=tail_split, batch_rows=batch_rows,
                 )
         torch.cuda.synchronize()
         assert error.read() == 0, gemm_rs.error_message(error.read())
         rows = m // world
+        if batch_rows:  # rank r's rows: its block of every batch
+            ref = ref.view(-1, world, batch_rows, n).transpose(0, 1).reshape(m, n)
         for r in range(world):
             assert not outs[r].isnan().any(), f"rank {r} call {call}: unwritten output"
             worst = max(worst, relative_error(outs[r], ref[r * rows:(r + 1) * rows]))
@@ -614,3 +618,20 @@ def test_two_ranks_torchrun():
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+@_gpu
+@pytest.mark.parametrize("transport", ["store", "copy", "split"])
+@pytest.mark.parametrize("world,batch_rows,blocks,k,n", [
+    (2, 128, 4, 264, 520),    # blocks of one tile row, a partial K tile
+    (4, 256, 3, 512, 1032),   # 3 blocks of two tile rows, a partial N tile
+    (2, 512, 2, 1024, 2048),  # several waves
+    (8, 128, 2, 256, 264),
+])
+def test_batch_major_operand_n_ranks_one_gpu(transport, world, batch_rows, blocks, k, n):
+    """Every transport reads a batch-major [B, S, K] operand in place (B = blocks, S = world * batch_rows): each rank
+    gets its block of every batch, [B, S/world, N], as the reduce-scatter on S of the sum; outputs poisoned first."""
+    m = blocks * world * batch_rows
+    err = _simulate(world, m, k, n, copy_engine=transport == "copy", split=transport == "split", batch_rows=batch_rows)
+    assert err <= 1e-2, err
+

@@ -72,6 +72,7 @@ def batch_major(flux_settings, monkeypatch):
         monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
         monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)
         monkeypatch.setattr(dispatch, "_internode_plan", lambda *args: None)
+        monkeypatch.setattr(dispatch, "_device_name", lambda index: "a device with no tuning table")
         flux_settings(dispatch="fused")
         return kernels
 
@@ -112,3 +113,57 @@ def test_batch_rows_count_the_dims_between_the_gathered_one_and_the_last():
     assert dispatch._batch_rows(torch.empty(2, 3, 5, 8), 1) == 15
     assert dispatch._batch_rows(torch.empty(1, 3, 8), 1) == 0  # batch 1: rank-major already
     assert dispatch._batch_rows(torch.empty(6, 8), 0) == 0
+
+
+def test_gemm_rs_batch_major_refusals():
+    """When the GEMM+RS cannot read an operand batch-major: blocks that do not divide each owner's rows, blocks of
+    partial tiles, one rank."""
+    from fluxinductor.kernels import gemm_rs
+
+    a = torch.randn(2 * 768, 64, dtype=torch.bfloat16)  # two owners' 768 rows each
+    assert gemm_rs.batch_major_reason(a, 384, 2) is None
+    assert "whole blocks" in gemm_rs.batch_major_reason(a, 512, 2)
+    assert "128-row" in gemm_rs.batch_major_reason(a, 192, 2)
+    assert "one rank" in gemm_rs.batch_major_reason(a, 384, 1)
+
+
+class _BatchMajorReduceScatter:
+    """The GEMM+RS on CPU for two ranks holding the same operand: rank 0's result, read batch-major (``batch_rows`` >
+    0: its block of every batch) or rank-major (its first half of the rows); records each call."""
+
+    def __init__(self, reason=None):
+        self.reason, self.calls = reason, []
+
+    def unsupported_reason(self, *args):
+        return None
+
+    def batch_major_reason(self, a2d, batch_rows, world):
+        return self.reason
+
+    def prepare_matmul_reduce_scatter(self, *args, **kwargs):
+        return None
+
+    def matmul_reduce_scatter(self, a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store",
+                              split_config_choice=None, batch_rows=0, **kwargs):
+        self.calls.append((a2d, batch_rows))
+        total = 2 * (a2d @ weight)
+        if batch_rows:
+            return total.view(-1, 2, batch_rows, total.shape[1])[:, 0].reshape(-1, total.shape[1])
+        return total[: a2d.shape[0] // 2]
+
+
+@pytest.mark.parametrize("reason", [None, "blocks of partial tiles"])
+def test_gemm_rs_batch_major_or_rows_first(batch_major, reason):
+    """A [B, S, K] operand scattered on S with B > 1: where the kernel reads it batch-major the call hands it over in
+    place with each owner's blocks' rows and returns a view; else a rows-first copy, the result restored.  Both are
+    rank 0's [B, S/2, N] of the sum."""
+    kernels = batch_major(_BatchMajorReduceScatter(reason))
+    a, w = torch.randn(3, 8, 6), torch.randn(5, 6).t()
+    out = dispatch.matmul_reduce_scatter(a, w, None, "sum", 1, "g")
+    torch.testing.assert_close(out, (2 * (a @ w))[:, :4])
+    assert out.shape == (3, 4, 5) and out.is_contiguous()
+    ((operand, batch_rows),) = kernels.calls
+    if reason is None:
+        assert batch_rows == 4 and operand.data_ptr() == a.data_ptr()
+    else:
+        assert batch_rows == 0 and torch.equal(operand, a.transpose(0, 1).reshape(-1, 6))

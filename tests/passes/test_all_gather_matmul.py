@@ -109,7 +109,8 @@ def test_all_gather_sequence_dim1_forward(batch):
 def test_all_gather_sequence_dim1_batch_major():
     """[B, S/w, H] with B > 1 and S/w whole 128-row tiles: the op gets the shard as it is, gathered on dim 1 (its
     kernel places each shard batch-major in the gathered tensor), with no permute around it; its results are the
-    graph's [B, S, N] and gathered [B, S, H].  The reduce-scatter after it still runs rows-first."""
+    graph's [B, S, N] and gathered [B, S, H].  So does the reduce-scatter after it: its operand as it is, [B, S, F],
+    scattered on dim 1, its result the graph's [B, S/w, H]."""
     fn = sp_mlp_forward(WORLD, group(), 1)
     args = (torch.randn(2, 128, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16))
     gm = trace(fn, *args)
@@ -122,7 +123,9 @@ def test_all_gather_sequence_dim1_batch_major():
     outs, gathered = node.meta["val"]
     assert tuple(gathered.shape) == (2, 256, 16) and tuple(outs[0].shape) == (2, 256, 32)
     (rs,) = nodes(gm, MM_RS)
-    assert rs.args[4] == 0  # rows-first
+    assert rs.args[4] == 1 and tuple(rs.meta["val"].shape) == (2, 128, 16)
+    assert tuple(rs.args[0].meta["val"].shape) == (2, 256, 32)
+    assert count(gm, aten.permute.default) == 2  # the weights' transposes only
     assert_all_vals(gm)
 
 

@@ -24,6 +24,7 @@
 #include "cutlass/cutlass.h"
 #include "ag_gemm/ag_gemm.h"
 #include "fluxinductor/ag_gemm/kernel.cuh"
+#include "fluxinductor/common/blocked_rows.cuh"
 #include "fluxinductor/common/cutlass_launch.cuh"
 #include "gemm_rs/split.h"
 
@@ -160,13 +161,13 @@ struct SplitGemm {
   using Tiles = SplitTiles<Config>;
   static constexpr SplitTiling kTiling = kSplitTilings[Config];
   using Epilogue = CollectiveEpilogue;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = BlockedRowsMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::RowMajor, 8,
       Element, LayoutB, 8,
       float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Tiles::KernelSchedule>::CollectiveOp;
+      typename Tiles::KernelSchedule>::CollectiveOp>;                    // A by rows or, batch-major, by blocks
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       ag_gemm::AllGatherSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -240,7 +241,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   typename Gemm::Arguments arguments{};
   arguments.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   arguments.problem_shape = {p.rows, p.n, p.k, 1};
-  arguments.mainloop = {static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b};
+  arguments.mainloop = {{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
+                        p.block_rows, p.pitch_rows, p.rows_extent};
   arguments.epilogue.thread.alpha = p.alpha;
   arguments.epilogue.thread.beta = p.beta;
   arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
