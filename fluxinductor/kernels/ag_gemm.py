@@ -49,7 +49,7 @@ from fluxinductor.kernels.ag_gemm_transfer import (  # noqa: F401
     pull_shards, push_call, push_shards, shard_row_copies, use_k_chunks)
 from fluxinductor.kernels.ag_gemm_variants import (  # noqa: F401
     _K_TILE, _TAIL_SPLITTING, _TILES, WIDE_MIN_GAIN, _automatic_variant, _cluster_row_height, _forced_variant,
-    _has_variants, _tile_m, _weight_layout, group_cluster_rows, kernel_variant, modelled_time)
+    _has_variants, _tile_m, _weight_layout, group_cluster_rows, kernel_variant, maps_batch_major, modelled_time)
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
@@ -261,6 +261,8 @@ def _choose_launch(a: Tensor, weight: Tensor, shard_rows: Optional[int], sm_coun
     if variant is None:
         with torch.cuda.device(a.device):  # a batch-major A keeps whole tiles per block, not only per shard
             variant = kernel_variant(a.dtype, weight, a.shape[0], batch_rows or shard_rows, sm_count or None)
+        if batch_rows and not maps_batch_major(variant):
+            variant = 0
     if group_rows is None:
         group_rows = (group_cluster_rows(shard_rows, variant) if shard_rows is not None
                       else settings.tuning.ag_group_rows)
@@ -281,6 +283,8 @@ def batch_major_reason(shard2d: Tensor, weights: Sequence[Tensor], batch_rows: i
         return "the call pulls"
     if any(batch_rows % _tile_m(_forced_variant(shard2d.dtype, w)) for w in weights):
         return f"blocks of {batch_rows} rows are not whole tiles"
+    if not all(maps_batch_major(_forced_variant(shard2d.dtype, w)) for w in weights):
+        return f"kernel variant {settings.tuning.ag_variant} (settings.tuning.ag_variant) takes no batch-major A"
     return None
 
 

@@ -34,6 +34,12 @@ _TILES = {0: (128, 256, 2, 1), 1: (256, 128, 1, 2), 2: (128, 128, 1, 2), 3: (256
 _TAIL_SPLITTING = (0, 1, 3, 4)
 
 
+def maps_batch_major(variant: int) -> bool:
+    """Whether the variant's kernel takes a batch-major A (ag_gemm/scheduler.cuh maps_batch_major: tiles of at most
+    128 x 256; 256 x 160 tiles leave too few registers for the mapping)."""
+    return _TILES[variant][0] * _TILES[variant][1] <= 128 * 256
+
+
 def _tile_m(variant: int) -> int:
     return _TILES[variant][0]
 

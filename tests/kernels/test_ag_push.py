@@ -378,3 +378,14 @@ def test_push_call_refuses_bad_arguments(changes, error, match):
     """The one-call push checks its arguments before it enqueues anything (no GPU needed to reach the checks)."""
     with pytest.raises(error, match=match):
         symm.extension().ag_push_call(*_push_call_args(**changes))
+
+
+def test_batch_major_takes_no_256x160_tiles(flux_settings):
+    """The 256x160 variants take no batch-major A (their kernels leave too few registers for the mapping): a forced
+    one makes the call run rank-major; the others keep the layout."""
+    assert ag_gemm.maps_batch_major(0) and ag_gemm.maps_batch_major(1)
+    assert not ag_gemm.maps_batch_major(6) and not ag_gemm.maps_batch_major(7)
+    shard, w = torch.randn(2 * 256, 64, dtype=torch.bfloat16), _weight(64, 128)
+    assert ag_gemm.batch_major_reason(shard, [w], 256) is None
+    flux_settings(ag_variant=6)
+    assert "takes no batch-major A" in ag_gemm.batch_major_reason(shard, [w], 256)

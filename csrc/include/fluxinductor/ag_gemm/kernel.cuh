@@ -126,8 +126,12 @@ class KChunkWaitingMainloop : public Base {
                            uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
     AllGatherSchedule const& s = params.schedule;
     // The tile's M block in call order (blk_coord is in rows of A, batch-major with batch_rows > 0).
-    int const block = s.batch_rows > 0 ? call_order_row(s, int(cute::get<0>(blk_coord)) * kTileM) / kTileM
-                                       : int(cute::get<0>(blk_coord));
+    int block = int(cute::get<0>(blk_coord));
+    if constexpr (maps_batch_major<typename Base::TileShape>()) {
+      if (s.batch_rows > 0) {
+        block = call_order_row(s, block * kTileM) / kTileM;
+      }
+    }
     int const local_block = block - params.local_first_tile;
     if (params.local_tiles > 0 && local_block >= 0 && local_block < params.local_tiles) {
       // This rank's rows, from its own input: never waited for.

@@ -65,6 +65,9 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
                       ") that are a multiple of the tile's M (" + std::to_string(Config::kTileM) + ")");
   }
 
+  if (schedule.batch_rows > 0 && !maps_batch_major<typename Config::TileShape>()) {
+    return make_error("this kernel variant's tiles take no batch-major A (variant 6: use 0)");
+  }
   if (schedule.batch_rows > 0 && schedule.batch_rows % Config::kTileM != 0) {
     return make_error("a batch-major A needs rows per block (" + std::to_string(p.batch_rows) +
                       ") that are a multiple of the tile's M (" + std::to_string(Config::kTileM) + ")");

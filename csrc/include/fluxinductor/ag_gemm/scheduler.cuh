@@ -197,6 +197,13 @@ CUTLASS_DEVICE bool wait_for_flag(AllGatherSchedule const& schedule, int flag) {
   return gave_up != 0;
 }
 
+// Whether kernels of these tiles take a batch-major A (AllGatherSchedule::batch_rows): those whose accumulators fit a
+// 128 x 256 tile.  With variant 6's 256 x 160 tiles the mapping in the tile walk made ptxas spill (10 bytes).
+template <class TileShape>
+constexpr bool maps_batch_major() {
+  return cute::size<0>(TileShape{}) * cute::size<1>(TileShape{}) <= kMaxTailTileElements;
+}
+
 // Row `row` of the call order as a row of A, and back (see AllGatherSchedule::batch_rows).  Rows past the problem
 // (a cluster's padding) map to themselves.  32-bit arithmetic only (see work_for_unit).
 CUTLASS_HOST_DEVICE int batch_major_row(AllGatherSchedule const& s, int row) {
@@ -351,7 +358,8 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     return s.split_max_parts >= 1 && s.group_cluster_rows >= 1 && s.world >= 1 && s.shard_rows >= 1 &&
            s.chunk_rows >= 1 && s.chunks_per_rank >= 1 && s.col_chunks >= 1 && s.chunk_col_tiles >= 1 &&
            s.k_chunks >= 1 && s.k_chunk_tiles >= 1 &&
-           (s.batch_rows == 0 || (s.batch_rows % kTileM == 0 && s.shard_rows % s.batch_rows == 0));
+           (s.batch_rows == 0 ||
+            (maps_batch_major<TileShape>() && s.batch_rows % kTileM == 0 && s.shard_rows % s.batch_rows == 0));
   }
 
   template <class ProblemShapeMNK, class BlockShape, class ClusterShape>
@@ -464,8 +472,10 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     if (waits_) {
       wait_for_tile(work.M_idx, work.N_idx);
     }
-    if (schedule_.batch_rows > 0) {  // the mainloop and the epilogue address A and the output by rows of A
-      work.M_idx = batch_major_row(schedule_, work.M_idx * kTileM) / kTileM;
+    if constexpr (maps_batch_major<TileShape>()) {
+      if (schedule_.batch_rows > 0) {  // the mainloop and the epilogue address A and the output by rows of A
+        work.M_idx = batch_major_row(schedule_, work.M_idx * kTileM) / kTileM;
+      }
     }
     return work;
   }
