@@ -20,15 +20,15 @@ def kernel_calls(code: str) -> Tuple[List[Tuple[str, Set[str]]], Dict[str, str]]
     return calls, first
 
 
-def check_rows_first_mlp(code: str, gather_dim: int = 0) -> List[Tuple[str, Set[str]]]:
-    """For ``x + w2(gelu(w1(x)))`` with [B, S/w, H] sequence shards, B > 1: the reduce-scatter is called rows-first
-    (dim 0), the all-gather on ``gather_dim`` (0: rows-first; 1: batch-major, on the shard as it is), one kernel
+def check_rows_first_mlp(code: str, gather_dim: int = 0, scatter_dim: int = 0) -> List[Tuple[str, Set[str]]]:
+    """For ``x + w2(gelu(w1(x)))`` with [B, S/w, H] sequence shards, B > 1: the all-gather is called on ``gather_dim``
+    and the reduce-scatter on ``scatter_dim`` (0: rows-first; 1: batch-major, on the tensor as it is), one kernel
     computes gelu reading the all-gather's output and writing the reduce-scatter's operand (no other kernel touches
     them: no layout copy), and one add kernel reads the reduce-scatter's output.  Returns the kernel calls."""
     ag = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.all_gather_matmul\.default\((\w+), \[.*\], \[.*\], "
                    rf"{gather_dim}, ", code)
     rs = re.search(r"(buf\d+) = torch\.ops\.fluxinductor\.matmul_reduce_scatter\.default\("
-                   r"(?:reinterpret_tensor\()?(buf\d+)\b.*, 'sum', 0, ", code)
+                   rf"(?:reinterpret_tensor\()?(buf\d+)\b.*, 'sum', {scatter_dim}, ", code)
     assert ag and rs, f"the ops are not called with the expected dims:\n{code}"
     calls, first = kernel_calls(code)
     if gather_dim:

@@ -2,11 +2,10 @@
 
 A sequence-parallel MLP block on [B, S, H] sharded on S with B = 4 is compiled with ``backend="flux"`` in a process
 whose default group is torch's fake process group of 2 ranks (its collectives do nothing, so only the generated
-code is checked, not numbers).  The all-gather runs batch-major (its shard's 256 rows are whole tiles: dim 1, on the
-input as it is) and the reduce-scatter rows-first (dim 0); the triton kernel computing gelu must read the all-gather's
-result and write the reduce-scatter's operand, and the residual add must read the reduce-scatter's result: the layout
-of tests/compile/test_compile_features.py on CPU, where shards of a few rows run both ops rows-first, with no copy
-kernel.
+code is checked, not numbers).  Both ops run batch-major (each rank's blocks of 256 rows are whole tiles: dim 1, on
+the tensors as they are); the triton kernel computing gelu must read the all-gather's result and write the
+reduce-scatter's operand, and the residual add must read the reduce-scatter's result, with no copy kernel: the
+check of tests/compile/test_compile_features.py on CPU, where shards of a few rows run both ops rows-first.
 """
 
 from __future__ import annotations
@@ -64,9 +63,9 @@ def test_rows_first_layout_is_fused_into_triton_kernels():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["fused"] == {"all_gather_matmul": 1, "matmul_reduce_scatter": 1}, report["fused"]
-    # S/w = 256 rows, whole tiles: the all-gather runs batch-major on the input shard as it is.  The only kernels: the
-    # gelu, the row-parallel bias divided by the world size (each rank adds its share before the sum) and the add.
-    calls = check_rows_first_mlp(report["code"], gather_dim=1)
+    # S/w = 256 rows, whole tiles: both ops run batch-major on the tensors as they are.  The only kernels: the gelu,
+    # the row-parallel bias divided by the world size (each rank adds its share before the sum) and the add.
+    calls = check_rows_first_mlp(report["code"], gather_dim=1, scatter_dim=1)
     assert all(name.startswith("triton_") for name, _ in calls) and len(calls) == 3, calls
     assert any("div" in name for name, _ in calls), calls
 
