@@ -182,23 +182,15 @@ Error push_call_unsupported(PushCallParams const& p) {
 
 // Rows [l0, l1) of rank q's shard (contiguous at `shard`) into where they lie in a gathered A at `a` of `world`
 // ranks, whose blocks of `block` rows are batch-major (block b of rank q at rows (b * world + q) * block; block =
-// shard_rows: rank-major): a 1-D copy for a part of one block, a 2-D one for whole blocks.  `local`: `a` is on this
-// device (memcpy2d_beside_compute_async, so that the copy runs under the GEMM).
+// shard_rows: rank-major): a 1-D copy for a part of one block, a 2-D one for whole blocks.
 Error copy_shard_rows(char* a, char const* shard, int q, int world, int64_t l0, int64_t l1, int64_t block,
-                      int64_t row_bytes, cudaStream_t stream, bool local = false) {
+                      int64_t row_bytes, cudaStream_t stream) {
   Error why;
   while (l0 < l1 && !why.failed()) {
     int64_t const b = l0 / block, i = l0 - b * block;
     char* dst = a + ((b * world + q) * block + i) * row_bytes;
     int64_t const blocks = i == 0 ? (l1 - l0) / block : 0;
-    if (local) {
-      int64_t const rows = blocks > 1 ? blocks * block : std::min(block - i, l1 - l0);
-      why = blocks > 1 ? memcpy2d_beside_compute_async(dst, shard + l0 * row_bytes, world * block * row_bytes,
-                                                       block * row_bytes, block * row_bytes, blocks, stream)
-                       : memcpy2d_beside_compute_async(dst, shard + l0 * row_bytes, rows * row_bytes, rows * row_bytes,
-                                                       rows * row_bytes, 1, stream);
-      l0 += rows;
-    } else if (blocks > 1) {
+    if (blocks > 1) {
       why = memcpy2d_async(dst, shard + l0 * row_bytes, world * block * row_bytes, block * row_bytes, blocks, stream,
                            block * row_bytes);
       l0 += blocks * block;
@@ -272,7 +264,7 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
   }
 
   if (p.own_into && (why = copy_shard_rows(static_cast<char*>(p.own_into), shard, rank, world, 0, p.shard_rows, block,
-                                            row_bytes, side, /*local=*/true)).failed()) {
+                                            row_bytes, side)).failed()) {
     return why;
   }
 
@@ -292,10 +284,8 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
         }
       }
       int64_t const offset = q * block * row_bytes, width = block * row_bytes;
-      if ((why = blocks > 1 ? memcpy2d_beside_compute_async(gathered + offset, buffer + offset, slice_bytes, slice_bytes,
-                                                            width, blocks, side)
-                            : memcpy2d_beside_compute_async(gathered + offset, buffer + offset, width, width, width, 1,
-                                                            side)).failed()) {
+      if ((why = blocks > 1 ? memcpy2d_async(gathered + offset, buffer + offset, slice_bytes, width, blocks, side)
+                            : memcpy_async(gathered + offset, buffer + offset, width, side)).failed()) {
         return why;
       }
     }

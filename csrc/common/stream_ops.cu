@@ -54,31 +54,6 @@ Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, i
   return status == cudaSuccess ? Error() : cuda_error("cudaMemcpy2DAsync", status);
 }
 
-Error memcpy2d_beside_compute_async(void* dst, const void* src, int64_t dst_pitch, int64_t src_pitch, int64_t width,
-                                    int64_t height, void* stream) {
-#if CUDART_VERSION >= 12080
-  int device = 0;
-  cudaGetDevice(&device);
-  cudaMemcpy3DBatchOp op = {};
-  op.src.type = cudaMemcpyOperandTypePointer;
-  op.src.op.ptr.ptr = const_cast<void*>(src);
-  op.src.op.ptr.rowLength = size_t(src_pitch);  // elements of a pointer operand are bytes
-  op.src.op.ptr.locHint = {cudaMemLocationTypeDevice, device};
-  op.dst.type = cudaMemcpyOperandTypePointer;
-  op.dst.op.ptr.ptr = dst;
-  op.dst.op.ptr.rowLength = size_t(dst_pitch);
-  op.dst.op.ptr.locHint = {cudaMemLocationTypeDevice, device};
-  op.extent = make_cudaExtent(size_t(width), size_t(height), 1);
-  op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  if (cudaMemcpy3DBatchAsync(1, &op, 0, static_cast<cudaStream_t>(stream)) == cudaSuccess) {
-    return {};
-  }
-  cudaGetLastError();  // refused (a driver without the batch call): the plain copy below
-#endif
-  return memcpy2d_async(dst, src, dst_pitch, width, height, stream, src_pitch);
-}
-
 Error memcpy3d_async(void* dst, const void* src, int64_t pitch, int64_t dst_rows, int64_t src_rows, int64_t width,
                      int64_t height, int64_t depth, void* stream) {
   cudaMemcpy3DParms copy = {};

@@ -22,13 +22,6 @@ Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);
 Error memcpy2d_async(void* dst, const void* src, int64_t pitch, int64_t width, int64_t height, void* stream,
                      int64_t src_pitch = 0);
 
-// A same-device copy of `height` rows of `width` bytes (row pitches dst_pitch and src_pitch) meant to run beside
-// kernels that hold every SM: cudaMemcpy3DBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute, which puts it on a
-// copy engine where the driver takes the hint.  cudaMemcpy2DAsync runs a same-device copy as an SM kernel, which
-// waits for such kernels to finish.  Where the batch call is missing or refused: cudaMemcpy2DAsync.
-Error memcpy2d_beside_compute_async(void* dst, const void* src, int64_t dst_pitch, int64_t src_pitch, int64_t width,
-                                    int64_t height, void* stream);
-
 // cudaMemcpy3DAsync device-to-device: `depth` slices of `height` rows of `width` bytes; rows `pitch` bytes apart on both
 // sides, slices dst_rows rows apart at dst and src_rows rows apart at src.
 Error memcpy3d_async(void* dst, const void* src, int64_t pitch, int64_t dst_rows, int64_t src_rows, int64_t width,
