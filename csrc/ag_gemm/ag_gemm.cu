@@ -166,8 +166,8 @@ Error push_call_unsupported(PushCallParams const& p) {
       p.chunks_per_rank < 1 || p.k_chunks < 1 || p.k_tile < 1 || !p.fork_event || !p.join_event) {
     return make_error("push_call: a missing pointer, event or count");
   }
-  if (p.gathered && (!p.buffer || !p.gemms[0].flags)) {
-    return make_error("push_call: the gathered A needs this rank's buffer and flags");
+  if (p.gathered && !p.buffer) {
+    return make_error("push_call: the gathered A needs this rank's buffer");
   }
   if (p.batch_rows < 0 || (p.batch_rows > 0 && p.shard_rows % p.batch_rows != 0)) {
     return make_error("push_call: a batch-major push needs whole blocks of batch_rows rows");
@@ -268,35 +268,24 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     return why;
   }
 
-  // The peers' rows of the gathered A, on the side stream while the GEMMs run: each peer's blocks once its chunks'
-  // flags say they landed, in the order the peers push to this rank (q = rank + 1 first).  The GEMMs wait for the
-  // same flags; one that gives up on a flag sets them all (release_flags_on_timeout), so these waits end too.
-  if (p.gathered) {
-    auto* gathered = static_cast<char*>(p.gathered);
-    auto const* buffer = static_cast<char const*>(p.buffer);
-    int const per_rank = p.k_chunks > 1 ? p.k_chunks : p.chunks_per_rank;
-    int64_t const slice_bytes = world * block * row_bytes, blocks = p.shard_rows / block;
-    for (int step = 1; step < world; ++step) {
-      int const q = (rank + step) % world;
-      for (int c = 0; c < per_rank; ++c) {
-        if ((why = stream_wait_value32_geq(p.gemms[0].flags + q * per_rank + c, epoch, side)).failed()) {
-          return why;
-        }
-      }
-      int64_t const offset = q * block * row_bytes, width = block * row_bytes;
-      if ((why = blocks > 1 ? memcpy2d_async(gathered + offset, buffer + offset, slice_bytes, width, blocks, side)
-                            : memcpy_async(gathered + offset, buffer + offset, width, side)).failed()) {
-        return why;
-      }
-    }
-  }
-
   for (int i = 0; i < p.gemm_count; ++i) {
     AllGatherGemmParams gemm = p.gemms[i];
     gemm.pdl = pdl && i == 0;
-    gemm.release_flags_on_timeout = p.gathered != nullptr;
     if ((why = all_gather_gemm(gemm, main)).failed()) {
       return why;
+    }
+  }
+  if (p.gathered) {  // the blocks of ranks [0, rank) and (rank, world), in each of the shard_rows / block slices
+    auto* gathered = static_cast<char*>(p.gathered);
+    auto const* buffer = static_cast<char const*>(p.buffer);
+    int64_t const slice_bytes = world * block * row_bytes, blocks = p.shard_rows / block;
+    for (auto [q0, q1] : {std::pair<int64_t, int64_t>{0, rank}, std::pair<int64_t, int64_t>{rank + 1, world}}) {
+      int64_t const offset = q0 * block * row_bytes, width = (q1 - q0) * block * row_bytes;
+      if (width > 0 && (why = blocks > 1 ? memcpy2d_async(gathered + offset, buffer + offset, slice_bytes, width,
+                                                          blocks, main)
+                                         : memcpy_async(gathered + offset, buffer + offset, width, main)).failed()) {
+        return why;
+      }
     }
   }
   return follow(main, side, static_cast<cudaEvent_t>(p.join_event));

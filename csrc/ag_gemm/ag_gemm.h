@@ -59,9 +59,6 @@ struct AllGatherGemmParams {
   long long timeout_ns = 5000000000LL;
   int* error_word = nullptr;      // host-mapped word, set to a nonzero code when a wait times out
   bool trap_on_timeout = false;   // and then trap (calls inside CUDA graphs: no host code runs to raise the code)
-  // And then set every flag of the call (world * chunks per rank, or * k_chunks) to the epoch, so that a stream
-  // waiting on them (push_call's copy of the gathered A) moves on; the error word still reports the timeout.
-  bool release_flags_on_timeout = false;
   // Tail split (cooperative variants; ag_gemm/scheduler.cuh): a partial last wave of tiles split along K into up to
   // split_max_parts parts, run in up to split_waves waves.  split_partials: device scratch of at least
   // tail_split_scratch_floats(sm_count, split_waves) floats, split_flags: as many uint32 flags as
@@ -131,11 +128,10 @@ Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 // AllGatherGemmParams), chunk by chunk (row chunks: ceil(shard_rows / chunks_per_rank) rows of the shard each, flag
 // rank * chunks_per_rank + c; column blocks with k_chunks > 1: ceil(ceil(k / k_tile) / k_chunks) K tiles each, flag
 // rank * k_chunks + c), each chunk's bytes then the epoch written into peer_flags[q][flag] (a stream write, whose
-// memory barrier orders it after the bytes); then, if `own_into`, the shard into this rank's rows of it; then, if
-// `gathered`, for peer q = rank + 1, rank + 2, ... (the order they push in): a wait until q's flags in gemms[0].flags
-// hold the epoch, then q's rows of `buffer` (this rank's, [world * shard_rows, k]) into the same rows of `gathered`.
-// On `main` the GEMMs (gemms[i].pdl and, with `gathered`, release_flags_on_timeout are set here, so that a GEMM that
-// gives up on a flag releases those waits); last `main` follows `side` (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
+// memory barrier orders it after the bytes); then, if `own_into`, the shard into this rank's rows of it.  On `main`
+// the GEMMs (gemms[i].pdl is set here), then, if `gathered`, the peers' rows of `buffer` (this rank's, [world *
+// shard_rows, k]) into the same rows of `gathered` (every GEMM has waited for them); last `main` follows `side`
+// (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
 constexpr int kMaxPushGemms = 8;
 struct PushCallParams {
   ArrivalParams arrival;                           // epoch, need, rank, world: the call's

@@ -35,11 +35,6 @@ Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream) 
                      stream_memops().wait_value32 != nullptr, "cuStreamWaitValue32");
 }
 
-Error stream_wait_value32_geq(void const* address, uint32_t value, void* stream) {
-  return memop_error(stream_wait_geq(static_cast<cudaStream_t>(stream), static_cast<uint32_t const*>(address), value),
-                     stream_memops().wait_value32 != nullptr, "cuStreamWaitValue32");
-}
-
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream) {
   cudaError_t status =
       cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));

@@ -12,8 +12,6 @@ namespace fluxinductor {
 Error stream_write_value32(void* address, uint32_t value, void* stream);
 // cuStreamWaitValue32(stream, address, value, EQ): `stream` waits until *address == value (device memory).
 Error stream_wait_value32_eq(void const* address, uint32_t value, void* stream);
-// cuStreamWaitValue32(stream, address, value, GEQ): `stream` waits until int32(*address - value) >= 0.
-Error stream_wait_value32_geq(void const* address, uint32_t value, void* stream);
 
 // cudaMemcpyAsync device-to-device (the copy engine, also for a peer's mapped memory).
 Error memcpy_async(void* dst, const void* src, int64_t bytes, void* stream);

@@ -16,10 +16,9 @@ a multiple of the kernel's tile M (the push, the default):
    shard itself (a second TMA descriptor, so the shard is never copied into the buffer first) and the peers' rows from
    ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the chunk
    flags its rows need.  Meanwhile the side stream, its pushes done, copies the shard into the gathered A (if asked;
-   else into ``buffer``'s own rows where other weights need them), then each peer's rows out of ``buffer`` into the
-   gathered A once that peer's flags say they landed (a GEMM that times out on a flag sets them all, releasing those
-   waits).  Then every other weight's GEMM runs on cuBLAS over the complete A (it could only start once every row had
-   arrived anyway).
+   else into ``buffer``'s own rows where other weights need them).  Then the peers' rows of the gathered A are copied
+   out of ``buffer``, and every other weight's GEMM runs on cuBLAS over the complete A (it could only start once
+   every row had arrived anyway).
 4. main stream waits for the side stream.
 
 Otherwise (the pull): main copies the shard into ``buffer[r*S:(r+1)*S]`` before the arrival, which then waits for
@@ -510,7 +509,7 @@ class _PushCall:
         gemm = self._gemm_args(peer_buffers[rank], weights[self.widest], biases[self.widest], out,
                                ws.flags[parity].data_ptr(), epoch, shard2d, main)
         # This rank's rows go, after the push, into the gathered A (or, for the other GEMMs, into the buffer) while the
-        # GEMM runs, and the peers' rows out of the buffer as their flags are raised (push_call).
+        # GEMM runs; the peers' rows are copied out of the buffer once the GEMM has waited for them (push_call).
         gathered = shard2d.new_empty((m, k)) if self.return_gathered else None
         buffer = ws.view(parity, rank, m, k, dtype) if self.rest and gathered is None else None
         a_full = gathered if gathered is not None else buffer

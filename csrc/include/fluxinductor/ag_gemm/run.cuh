@@ -53,9 +53,6 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
   schedule.timeout_ns = p.timeout_ns;
   schedule.error_word = p.error_word;
   schedule.trap_on_timeout = p.trap_on_timeout;
-  if (p.flags && p.release_flags_on_timeout) {
-    schedule.release_count = p.world * (p.k_chunks > 1 ? p.k_chunks : p.chunks_per_rank);
-  }
   if (p.flags && p.k_chunks > 1) {  // whole shards in column blocks of K tiles
     int constexpr kTileK = cute::size<2>(typename Config::TileShape{});
     int const k_tiles = (k + kTileK - 1) / kTileK;

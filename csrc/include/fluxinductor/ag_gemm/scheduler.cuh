@@ -57,9 +57,6 @@ struct AllGatherSchedule {
   long long timeout_ns = 5000000000LL;
   volatile int* error_word = nullptr;  // host-mapped; error_code on timeout
   int error_code = kErrorFlagTimeout;
-  // > 0: a wait that times out then sets flags[0, release_count) to the epoch (AllGatherGemmParams::
-  // release_flags_on_timeout), releasing the streams that wait on them.
-  int release_count = 0;
   // Trap after writing the code (a call inside a CUDA graph, where no host code runs to raise it: the context's error
   // stops the process instead of a result computed from rows that never came).
   bool trap_on_timeout = false;
@@ -174,11 +171,8 @@ CUTLASS_DEVICE bool poll_for_epoch(AllGatherSchedule const& schedule, uint32_t c
     if (detail::global_timer_ns() - start > schedule.timeout_ns) {
       if (schedule.error_word != nullptr) {
         *schedule.error_word = error_code;
+        __threadfence_system();
       }
-      for (int i = 0; i < schedule.release_count; ++i) {
-        const_cast<uint32_t volatile*>(schedule.flags)[i] = schedule.epoch;
-      }
-      __threadfence_system();
       if (schedule.trap_on_timeout) {
         stop_context(error_code);
       }
