@@ -30,21 +30,27 @@
 
 namespace fluxinductor::gemm_rs_split {
 
-// Where a stored tile is counted: counters[segment * bands + band], band = (m_block / band_tile_rows) * col_chunks +
-// n_block / chunk_col_tiles (SplitGemmParams).
+// Where a stored tile is counted: counters[band], band = (m_block / band_tile_rows) * col_chunks +
+// n_block / chunk_col_tiles, counters already at this segment's (SplitGemmParams: counters + segment * bands).
 struct BandCounting {
   uint32_t* counters = nullptr;
-  int segment = 0;
-  int bands = 1;
   int band_tile_rows = 1;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
 };
 
 // CUTLASS's sm90 TMA-store collective epilogue, plus one count per stored tile.  The warp that issues a tile's TMA
-// stores (warp 0 of the math threads) counts it at the start of the CTA's next epilogue, or in store_tail after the
-// last one: by then its bulk stores have long completed, so waiting for them costs nothing and the math warps never
-// wait on memory for the count.  Padding tiles of the cluster rounding store nothing and are not counted.
+// stores (warp 0 of the math threads) counts it at the start of the CTA's next epilogue, or in store_tail (after the
+// last one; the ping-pong kernel calls it after each): by then its bulk stores have long completed, so waiting for
+// them costs nothing and the math warps never wait on memory for the count.  Padding tiles of the cluster rounding
+// store nothing and are not counted.
+//
+// Registers: in the ping-pong 128x192 kernel each math warp group's 192 accumulators leave 40 registers for all else,
+// so the count keeps as little live as it can: the band, one int, through the store (found before it: with the
+// tile's coordinates kept through the store to find it after, the relay GEMM's kernel spilled 162 bytes), the
+// pending band until the count (-1 on every way out of count_stored_tile, so where store_tail follows each store
+// nothing stays live through the MMAs), and the counters pointer offset by the segment on the host (a parameter,
+// read where it is used).
 template <class Base>
 class CountingEpilogue : public Base {
  public:
@@ -75,20 +81,19 @@ class CountingEpilogue : public Base {
                             cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
                             typename Base::TensorStorage& shared_tensors, int subtile_idx = -1) {
     count_stored_tile();
+    int const m_block = int(cute::get<0>(tile_coord_mnkl));
+    int const n_block = int(cute::get<1>(tile_coord_mnkl));
+    bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
+                      n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
+    int const band = real && counting_.counters != nullptr
+                         ? (m_block / counting_.band_tile_rows) * counting_.col_chunks +
+                               n_block / counting_.chunk_col_tiles
+                         : -1;
     auto next = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl,
                             tile_shape_mnk, tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors,
                             subtile_idx);
     if (thread_idx < 32) {  // the TMA-store warp (sm90_epilogue_tma_warpspecialized.hpp: issue_tma_store)
-      int const m_block = int(cute::get<0>(tile_coord_mnkl));
-      int const n_block = int(cute::get<1>(tile_coord_mnkl));
-      bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
-                        n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
-      pending_ = nullptr;
-      if (real && counting_.counters != nullptr) {
-        int const band =
-            (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
-        pending_ = counting_.counters + counting_.segment * counting_.bands + band;
-      }
+      pending_band_ = band;
     }
     return next;
   }
@@ -105,21 +110,22 @@ class CountingEpilogue : public Base {
   // Bulk async-groups belong to the thread that committed them, so every lane of the warp waits for its own; then
   // the async-proxy writes are ordered before the count (generic proxy, system scope: the copy engine reads next).
   CUTLASS_DEVICE void count_stored_tile() {
-    if (pending_ == nullptr) {
-      return;  // the same for all 32 lanes of the TMA-store warp; null for every other thread
+    int const band = pending_band_;
+    pending_band_ = -1;
+    if (band < 0) {
+      return;  // the same for all 32 lanes of the TMA-store warp; -1 for every other thread
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     __syncwarp();
     if ((threadIdx.x & 31) == 0) {
       __threadfence_system();
-      atomicAdd(pending_, 1u);
+      atomicAdd(counting_.counters + band, 1u);
     }
-    pending_ = nullptr;
   }
 
   BandCounting counting_;
-  uint32_t* pending_ = nullptr;
+  int pending_band_ = -1;
 };
 
 // The relay and own GEMMs' per-band waits (band_wait: an AllGatherSchedule with rank = -1, every chunk remote; flags
@@ -337,8 +343,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
-    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_rows / Config::kTiling.tile_m,
-                                   p.col_chunks, p.chunk_col_tiles};
+    arguments.epilogue.counting = {p.counters != nullptr ? p.counters + p.segment * p.bands : nullptr,
+                                   p.band_rows / Config::kTiling.tile_m, p.col_chunks, p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
