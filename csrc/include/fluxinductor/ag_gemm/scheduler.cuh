@@ -12,7 +12,8 @@
 // TMA loads that follow see the copied bytes).  The wait gives up after timeout_ns of %globaltimer:
 // it writes an error code to a host-visible word and stops waiting (the host raises).
 //
-// rank = -1 makes every chunk remote: the split GEMM+RS transport's own GEMM waits this way for the peer's bands.
+// rank = -1 makes every chunk remote: the split GEMM+RS transport's relay and own GEMMs wait this way for their
+// source's bands (wait_for_tile_chunks, from their producer warps' loads: gemm_rs/split.cuh).
 #pragma once
 
 #include <cstdint>
@@ -197,6 +198,38 @@ CUTLASS_DEVICE bool wait_for_flag(AllGatherSchedule const& schedule, int flag) {
   return gave_up != 0;
 }
 
+// The flag of the chunk that holds call-order row `row` (before col_chunks' split).
+CUTLASS_DEVICE int chunk_flag_index(AllGatherSchedule const& s, int row) {
+  int const owner = row / s.shard_rows;
+  int const chunk = (row - owner * s.shard_rows) / s.chunk_rows;
+  return owner * s.chunks_per_rank + chunk;
+}
+
+// The wait before a tile's loads: until every chunk of another rank that the tile's rows (M block m_block of tile_m
+// rows, in call order) and its column block n_block touch has arrived, then a proxy fence for the TMA loads that
+// follow.  Called by a whole warp.  gave_up: set once a wait gave up (see poll_for_epoch); no wait after that.
+CUTLASS_DEVICE void wait_for_tile_chunks(AllGatherSchedule const& s, int m_block, int tile_m, int n_block,
+                                         bool& gave_up) {
+  // The mainloop's load issues from one elected lane; the other lanes return at once and reach this wait while
+  // that lane may still be issuing the previous tile.  Reconverge first, so the whole warp waits together (a
+  // warp entering the wait split hung the K-chunked producer: docs/design_ag_gemm.md).
+  __syncwarp();
+  int const first_row = m_block * tile_m;
+  if (gave_up || first_row >= s.total_rows) {
+    return;
+  }
+  int const last_row = min(first_row + tile_m, s.total_rows) - 1;
+  int const last_flag = chunk_flag_index(s, last_row);
+  int const col_chunk = s.col_chunks > 1 ? n_block / s.chunk_col_tiles : 0;
+  for (int flag = chunk_flag_index(s, first_row); flag <= last_flag && !gave_up; ++flag) {
+    if (flag / s.chunks_per_rank != s.rank) {
+      gave_up = gave_up || wait_for_flag(s, flag * s.col_chunks + col_chunk);
+    }
+  }
+  // The copy engine wrote A through the generic proxy; the TMA loads that follow use the async proxy.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // Whether kernels of these tiles take a batch-major A (AllGatherSchedule::batch_rows): those whose accumulators fit a
 // 128 x 256 tile.  With variant 6's 256 x 160 tiles the mapping in the tile walk made ptxas spill (10 bytes).
 template <class TileShape>
@@ -229,7 +262,19 @@ CUTLASS_HOST_DEVICE int call_order_row(AllGatherSchedule const& s, int row) {
 // Tag selecting AllGatherTileScheduler in CUTLASS's TileSchedulerSelector.
 struct AllGatherSchedulerTag {};
 
-template <class TileShape>
+// Tag selecting AllGatherTileScheduler without its waits (Waits = false): the same tile order, for kernels whose
+// producer warps wait in their own loads (the split GEMM+RS's, gemm_rs/split.cuh), with the tail split or without
+// (TailSplit: supports_tail_split() of the kernel's tiles; the ping-pong kernels never split).  Every warp group runs
+// the scheduler, so its wait is code in the consumer warp groups' tile loop too, where it never runs, and the tail
+// split's state stays in registers through their MMAs and epilogue.  In the ping-pong 128x192 kernel, whose math warp
+// groups hold 192 accumulator registers each out of 232, the wait alone made ptxas spill 82 bytes (still 24 with the
+// wait cut down to one flag load).
+template <bool TailSplit>
+struct TileOrderSchedulerTag {};
+
+// Waits: the producer warp group waits for each tile's chunks before it is handed out (AllGatherSchedule::flags).
+// TailSplit: the tail split runs when the schedule asks for it (false: never, whatever the schedule says).
+template <class TileShape, bool Waits = true, bool TailSplit = true>
 class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   static constexpr int kTileM = cute::size<0>(TileShape{});
@@ -376,21 +421,22 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   CUTLASS_DEVICE explicit AllGatherTileScheduler(Params const& params) : Base(params), schedule_(params.schedule) {
     dim3 cluster = cute::cluster_id_in_grid();
     dim3 clusters = cute::cluster_grid_dims();
-    unit_ = uint64_t(cluster.x) + uint64_t(clusters.x) * (uint64_t(cluster.y) + uint64_t(clusters.y) * cluster.z);
-    num_clusters_ = uint64_t(clusters.x) * clusters.y * clusters.z;
+    unit_ = cluster.x + clusters.x * (cluster.y + clusters.y * cluster.z);
+    num_clusters_ = clusters.x * clusters.y * clusters.z;
     dim3 in_cluster = cute::block_id_in_cluster();
     cta_m_in_cluster_ = int(in_cluster.x);
     cta_n_in_cluster_ = int(in_cluster.y);
     // Only the producer warp group (warp group 0 in the cooperative and ping-pong kernels) loads A.  With K chunks
     // the mainloop's producer waits instead, per block of the K loop.
-    waits_ = schedule_.flags != nullptr && threadIdx.x < 128 && schedule_.k_chunks <= 1;
+    waits_ = Waits && schedule_.flags != nullptr && threadIdx.x < 128 && schedule_.k_chunks <= 1;
     // Tail split: only after a full wave, with K tiles to share, and not with K chunks (their waits assume a tile's
     // K loop starts at 0).
     uint32_t const units = uint32_t(scheduler_params.problem_tiles_m_) * scheduler_params.problem_tiles_n_;
     uint32_t const clusters32 = uint32_t(num_clusters_);
     uint32_t const tail = units % clusters32;
     full_units_ = units - tail;
-    if (schedule_.split_partials != nullptr && schedule_.k_chunks <= 1 && units >= clusters32 && tail > 0) {
+    if (TailSplit && schedule_.split_partials != nullptr && schedule_.k_chunks <= 1 && units >= clusters32 &&
+        tail > 0) {
       int const parts =
           tail_split_parts(tail, clusters32, min(schedule_.split_max_parts, params.k_tiles), schedule_.split_waves);
       if (parts >= 2) {
@@ -409,7 +455,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   CUTLASS_DEVICE WorkTileInfo get_current_work() { return work_for_unit(unit_); }
 
   CUTLASS_DEVICE void advance_to_next_work(uint32_t advance_count = 1) {
-    unit_ += num_clusters_ * uint64_t(advance_count);
+    unit_ += num_clusters_ * advance_count;
   }
 
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
@@ -424,7 +470,7 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   }
 
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
-    return unit_ + num_clusters_ * uint64_t(advance_count) >= total_units();
+    return uint64_t(unit_) + num_clusters_ * advance_count >= total_units();
   }
 
  private:
@@ -469,8 +515,10 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     WorkTileInfo work{int(row * scheduler_params.cluster_shape_m_) + cta_m_in_cluster_,
                       int(col * scheduler_params.cluster_shape_n_) + cta_n_in_cluster_, 0, true,
                       k_start, k_count, part, parts, tail_index};
-    if (waits_) {
-      wait_for_tile(work.M_idx, work.N_idx);
+    if constexpr (Waits) {
+      if (waits_) {
+        wait_for_tile_chunks(schedule_, work.M_idx, kTileM, work.N_idx, gave_up_);
+      }
     }
     if constexpr (maps_batch_major<TileShape>()) {
       if (schedule_.batch_rows > 0) {  // the mainloop and the epilogue address A and the output by rows of A
@@ -480,38 +528,11 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     return work;
   }
 
-  CUTLASS_DEVICE int flag_index(int row) const {
-    int const owner = row / schedule_.shard_rows;
-    int const chunk = (row - owner * schedule_.shard_rows) / schedule_.chunk_rows;
-    return owner * schedule_.chunks_per_rank + chunk;
-  }
-
-  CUTLASS_DEVICE void wait_for_tile(int m_block, int n_block) {
-    // The mainloop's load issues from one elected lane; the other lanes return at once and reach this wait while
-    // that lane may still be issuing the previous tile.  Reconverge first, so the whole warp waits together (a
-    // warp entering the wait split hung the K-chunked producer: docs/design_ag_gemm.md).
-    __syncwarp();
-    int const first_row = m_block * kTileM;
-    if (gave_up_ || first_row >= schedule_.total_rows) {
-      return;
-    }
-    int const last_row = min(first_row + kTileM, schedule_.total_rows) - 1;
-    int const last_flag = flag_index(last_row);
-    int const col_chunk = schedule_.col_chunks > 1 ? n_block / schedule_.chunk_col_tiles : 0;
-    for (int flag = flag_index(first_row); flag <= last_flag && !gave_up_; ++flag) {
-      if (flag / schedule_.chunks_per_rank != schedule_.rank) {
-        wait_for_flag(flag * schedule_.col_chunks + col_chunk);
-      }
-    }
-    // The copy engine wrote A through the generic proxy; the TMA loads that follow use the async proxy.
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-  }
-
-  CUTLASS_DEVICE void wait_for_flag(int flag) { gave_up_ = gave_up_ || ag_gemm::wait_for_flag(schedule_, flag); }
-
   AllGatherSchedule schedule_{};
-  uint64_t unit_ = 0;
-  uint64_t num_clusters_ = 1;
+  // 32-bit (the tile counts are: see the constructor's units): one register less each through the consumer warp
+  // groups' MMAs and epilogue.
+  uint32_t unit_ = 0;
+  uint32_t num_clusters_ = 1;
   int cta_m_in_cluster_ = 0;
   int cta_n_in_cluster_ = 0;
   bool waits_ = false;
@@ -526,11 +547,17 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
 
 namespace cutlass::gemm::kernel::detail {
 
-// GemmUniversal picks its scheduler through this selector: our tag selects the all-gather scheduler.
+// GemmUniversal picks its scheduler through this selector: our tags select the all-gather scheduler, with or without
+// its waits.
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
 struct TileSchedulerSelector<fluxinductor::ag_gemm::AllGatherSchedulerTag, ArchTag, TileShape, ClusterShape,
                              SchedulerPipelineStageCount> {
   using Scheduler = fluxinductor::ag_gemm::AllGatherTileScheduler<TileShape>;
+};
+template <bool TailSplit, class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<fluxinductor::ag_gemm::TileOrderSchedulerTag<TailSplit>, ArchTag, TileShape,
+                             ClusterShape, SchedulerPipelineStageCount> {
+  using Scheduler = fluxinductor::ag_gemm::AllGatherTileScheduler<TileShape, /*Waits=*/false, TailSplit>;
 };
 
 }  // namespace cutlass::gemm::kernel::detail

@@ -9,8 +9,8 @@
 //  * a relay GEMM (more than two ranks) is both: it waits per band for the partial sum rank + 1 sent, adds it as
 //    its source C, and counts its tiles for the copy to rank - 1;
 //  * the own GEMM computes this rank's rows with rank + 1's partial sum as its source C:
-//    out = scale * acc + scale * C + scale * bias.  Its producer warps wait per band for the flag
-//    (AllGatherTileScheduler with every chunk remote) before loading A and C.
+//    out = scale * acc + scale * C + scale * bias.  Its producer warps wait per band for the flag before loading a
+//    tile's A and C (BandWaitingMainloop, BandWaitingEpilogue: the all-gather's per-tile wait, every chunk remote).
 //
 // Against the one-kernel transports the price is a launch per segment and its wave tail; the gain is a GEMM whose
 // epilogue is CUTLASS's (no staged stores through our own code, no reduction loop).  See docs/design_gemm_rs.md.
@@ -30,21 +30,27 @@
 
 namespace fluxinductor::gemm_rs_split {
 
-// Where a stored tile is counted: counters[segment * bands + band], band = (m_block / band_tile_rows) * col_chunks +
-// n_block / chunk_col_tiles (SplitGemmParams).
+// Where a stored tile is counted: counters[band], band = (m_block / band_tile_rows) * col_chunks +
+// n_block / chunk_col_tiles, counters already at this segment's (SplitGemmParams: counters + segment * bands).
 struct BandCounting {
   uint32_t* counters = nullptr;
-  int segment = 0;
-  int bands = 1;
   int band_tile_rows = 1;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
 };
 
 // CUTLASS's sm90 TMA-store collective epilogue, plus one count per stored tile.  The warp that issues a tile's TMA
-// stores (warp 0 of the math threads) counts it at the start of the CTA's next epilogue, or in store_tail after the
-// last one: by then its bulk stores have long completed, so waiting for them costs nothing and the math warps never
-// wait on memory for the count.  Padding tiles of the cluster rounding store nothing and are not counted.
+// stores (warp 0 of the math threads) counts it at the start of the CTA's next epilogue, or in store_tail (after the
+// last one; the ping-pong kernel calls it after each): by then its bulk stores have long completed, so waiting for
+// them costs nothing and the math warps never wait on memory for the count.  Padding tiles of the cluster rounding
+// store nothing and are not counted.
+//
+// Registers: in the ping-pong 128x192 kernel each math warp group's 192 accumulators leave 40 registers for all else,
+// so the count keeps as little live as it can: the band, one int, through the store (found before it: with the
+// tile's coordinates kept through the store to find it after, the relay GEMM's kernel spilled 162 bytes), the
+// pending band until the count (-1 on every way out of count_stored_tile, so where store_tail follows each store
+// nothing stays live through the MMAs), and the counters pointer offset by the segment on the host (a parameter,
+// read where it is used).
 template <class Base>
 class CountingEpilogue : public Base {
  public:
@@ -75,20 +81,19 @@ class CountingEpilogue : public Base {
                             cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma, int thread_idx,
                             typename Base::TensorStorage& shared_tensors, int subtile_idx = -1) {
     count_stored_tile();
+    int const m_block = int(cute::get<0>(tile_coord_mnkl));
+    int const n_block = int(cute::get<1>(tile_coord_mnkl));
+    bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
+                      n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
+    int const band = real && counting_.counters != nullptr
+                         ? (m_block / counting_.band_tile_rows) * counting_.col_chunks +
+                               n_block / counting_.chunk_col_tiles
+                         : -1;
     auto next = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl,
                             tile_shape_mnk, tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors,
                             subtile_idx);
     if (thread_idx < 32) {  // the TMA-store warp (sm90_epilogue_tma_warpspecialized.hpp: issue_tma_store)
-      int const m_block = int(cute::get<0>(tile_coord_mnkl));
-      int const n_block = int(cute::get<1>(tile_coord_mnkl));
-      bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
-                        n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
-      pending_ = nullptr;
-      if (real && counting_.counters != nullptr) {
-        int const band =
-            (m_block / counting_.band_tile_rows) * counting_.col_chunks + n_block / counting_.chunk_col_tiles;
-        pending_ = counting_.counters + counting_.segment * counting_.bands + band;
-      }
+      pending_band_ = band;
     }
     return next;
   }
@@ -105,21 +110,107 @@ class CountingEpilogue : public Base {
   // Bulk async-groups belong to the thread that committed them, so every lane of the warp waits for its own; then
   // the async-proxy writes are ordered before the count (generic proxy, system scope: the copy engine reads next).
   CUTLASS_DEVICE void count_stored_tile() {
-    if (pending_ == nullptr) {
-      return;  // the same for all 32 lanes of the TMA-store warp; null for every other thread
+    int const band = pending_band_;
+    pending_band_ = -1;
+    if (band < 0) {
+      return;  // the same for all 32 lanes of the TMA-store warp; -1 for every other thread
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     __syncwarp();
     if ((threadIdx.x & 31) == 0) {
       __threadfence_system();
-      atomicAdd(pending_, 1u);
+      atomicAdd(counting_.counters + band, 1u);
     }
-    pending_ = nullptr;
   }
 
   BandCounting counting_;
-  uint32_t* pending_ = nullptr;
+  int pending_band_ = -1;
+};
+
+// The relay and own GEMMs' per-band waits (band_wait: an AllGatherSchedule with rank = -1, every chunk remote; flags
+// null for the peer GEMM: no wait), in the producer warps' loads rather than in the tile scheduler (ag_gemm::
+// TileOrderSchedulerTag says why).  The mainloop's producer warp waits before a tile's loads of A and B, the
+// epilogue's before its loads of C, each as the scheduler's producer warps did when it handed the tile out.
+template <class Base>
+class BandWaitingMainloop : public Base {
+  static constexpr int kTileM = cute::size<0>(typename Base::TileShape{});
+
+ public:
+  struct Arguments : Base::Arguments {
+    ag_gemm::AllGatherSchedule band_wait{};
+  };
+  struct Params : Base::Params {
+    ag_gemm::AllGatherSchedule band_wait{};
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    params.band_wait = args.band_wait;
+    return params;
+  }
+
+  // Called by the producer warp, as the base's (blk_coord's M block in call order: the split GEMMs map no rows).
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState state, cute::tuple<TensorA, TensorB> const& load_inputs,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
+    ag_gemm::AllGatherSchedule const& s = params.band_wait;
+    if (s.flags != nullptr) {
+      ag_gemm::wait_for_tile_chunks(s, int(cute::get<0>(blk_coord)), kTileM, int(cute::get<1>(blk_coord)),
+                                    gave_up_);
+    }
+    Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, k_tile_count, thread_idx,
+               block_rank_in_cluster, shared_tensors);
+  }
+
+ private:
+  bool gave_up_ = false;
+};
+
+template <class Base>
+class BandWaitingEpilogue : public Base {
+ public:
+  struct Arguments : Base::Arguments {
+    ag_gemm::AllGatherSchedule band_wait{};
+  };
+  struct Params : Base::Params {
+    ag_gemm::AllGatherSchedule band_wait{};
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    params.band_wait = args.band_wait;
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE BandWaitingEpilogue(Params const& params, typename Base::TensorStorage& shared_tensors)
+      : Base(params, shared_tensors), band_wait_(&params.band_wait) {}
+
+  // Called by the epilogue's producer warp, as the base's.
+  template <class LoadPipeline, class LoadPipelineState, class ProblemShapeMNKL, class TileShapeMNK,
+            class TileCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE auto load(LoadPipeline load_pipeline, LoadPipelineState load_pipe_producer_state,
+                           ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_mnk,
+                           TileCoordMNKL tile_coord_mnkl, TiledMma tiled_mma, int thread_idx,
+                           typename Base::TensorStorage& shared_tensors, int subtile_idx = -1) {
+    ag_gemm::AllGatherSchedule const& s = *band_wait_;
+    if (s.flags != nullptr) {
+      ag_gemm::wait_for_tile_chunks(s, int(cute::get<0>(tile_coord_mnkl)), int(cute::size<0>(tile_shape_mnk)),
+                                    int(cute::get<1>(tile_coord_mnkl)), gave_up_);
+    }
+    return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl, tile_shape_mnk, tile_coord_mnkl,
+                      tiled_mma, thread_idx, shared_tensors, subtile_idx);
+  }
+
+ private:
+  ag_gemm::AllGatherSchedule const* band_wait_;
+  bool gave_up_ = false;
 };
 
 // The kernel types of each kSplitTilings entry.
@@ -154,22 +245,23 @@ using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::CollectiveOp;
 
 // A: row-major [rows, K]; B: K-major (LayoutB ColumnMajor: the transposed nn.Linear weight) or N-major (RowMajor);
-// the AG+GEMM tile scheduler.
+// the AG+GEMM tile order, its waits in the loads (BandWaitingMainloop, BandWaitingEpilogue).
 template <class Element, int Config, class CollectiveEpilogue, class LayoutB>
 struct SplitGemm {
   using LayoutTagB = LayoutB;
   using Tiles = SplitTiles<Config>;
   static constexpr SplitTiling kTiling = kSplitTilings[Config];
-  using Epilogue = CollectiveEpilogue;
-  using Mainloop = BlockedRowsMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+  using Epilogue = BandWaitingEpilogue<CollectiveEpilogue>;
+  using Mainloop = BandWaitingMainloop<BlockedRowsMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::RowMajor, 8,
       Element, LayoutB, 8,
       float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Tiles::KernelSchedule>::CollectiveOp>;                    // A by rows or, batch-major, by blocks
+      typename Tiles::KernelSchedule>::CollectiveOp>>;                   // A by rows or, batch-major, by blocks
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      ag_gemm::AllGatherSchedulerTag>;
+                                                      ag_gemm::TileOrderSchedulerTag<
+                                                          ag_gemm::supports_tail_split<Tiles>()>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -185,7 +277,7 @@ using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Con
 template <class Epilogue>
 struct IsCounting : cute::false_type {};
 template <class Base>
-struct IsCounting<CountingEpilogue<Base>> : cute::true_type {};
+struct IsCounting<BandWaitingEpilogue<CountingEpilogue<Base>>> : cute::true_type {};
 
 // Fills CUTLASS's arguments from the plain params and launches one of the GEMMs.
 template <class Config, class Element>
@@ -241,8 +333,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   typename Gemm::Arguments arguments{};
   arguments.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   arguments.problem_shape = {p.rows, p.n, p.k, 1};
-  arguments.mainloop = {{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
-                        p.block_rows, p.pitch_rows, p.rows_extent};
+  arguments.mainloop = {{{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
+                         p.block_rows, p.pitch_rows, p.rows_extent}};
   arguments.epilogue.thread.alpha = p.alpha;
   arguments.epilogue.thread.beta = p.beta;
   arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
@@ -251,12 +343,14 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
-    arguments.epilogue.counting = {p.counters, p.segment, p.bands, p.band_rows / Config::kTiling.tile_m,
-                                   p.col_chunks, p.chunk_col_tiles};
+    arguments.epilogue.counting = {p.counters != nullptr ? p.counters + p.segment * p.bands : nullptr,
+                                   p.band_rows / Config::kTiling.tile_m, p.col_chunks, p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
-  arguments.scheduler.schedule = schedule;
+  arguments.scheduler.schedule = schedule;  // tile order; its tail split's waits honour the abort word and timeout
+  arguments.mainloop.band_wait = schedule;
+  arguments.epilogue.band_wait = schedule;
 
   cutlass::Status status = Gemm::can_implement(arguments);
   if (status != cutlass::Status::kSuccess) {
