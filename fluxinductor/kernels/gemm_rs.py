@@ -288,9 +288,9 @@ def matmul_reduce_scatter(
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
     state = _state(group_name, a2d.device)
-    if batch_rows and batch_major_reason(a2d, batch_rows, state.world) is not None:
-        raise ValueError("fused matmul_reduce_scatter cannot read the batch-major operand: "
-                         f"{batch_major_reason(a2d, batch_rows, state.world)}")
+    batch_reason = batch_major_reason(a2d, batch_rows, state.world) if batch_rows else None
+    if batch_reason is not None:
+        raise ValueError(f"fused matmul_reduce_scatter cannot read the batch-major operand: {batch_reason}")
     if state.world > 1 and not _symm.capturing():  # (the call raises an earlier call's error first)
         return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
                           out, batch_rows)(a2d, weight, bias, out)
