@@ -56,14 +56,15 @@ void export_ag_gemm(py::module_& m) {
         "one eager push call of the AG+GEMM (ag_gemm.h push_call) enqueued whole: the side stream's fork, the "
         "arrival, the push with its flags, the shard into this rank's rows of `own_into` (0: none), the GEMMs "
         "(`gemms`: ag_gemm_run's arguments before the stream, one tuple per GEMM), the peers' rows of `buffer` into "
-        "`gathered` (0: none) and the join; batch_rows > 0: the buffers are batch-major (ag_gemm.h)",
+        "`gathered` (0: none) and the join; batch_rows > 0: the buffers are batch-major (ag_gemm.h); with "
+        "`gemm_writes_a` the first GEMM writes those rows instead of the copies where its variant can",
         py::arg("peer_arrivals"), py::arg("arrivals"), py::arg("passed"), py::arg("epoch"), py::arg("need"),
         py::arg("rank"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("shard"), py::arg("shard_rows"),
         py::arg("k"), py::arg("element_size"), py::arg("peer_buffers"), py::arg("peer_flags"),
         py::arg("chunks_per_rank"), py::arg("k_chunks"), py::arg("k_tile"), py::arg("batch_rows"), py::arg("gemms"),
         py::arg("own_into"),
         py::arg("gathered"), py::arg("buffer"), py::arg("fork_event"), py::arg("join_event"), py::arg("main_stream"),
-        py::arg("side_stream"));
+        py::arg("side_stream"), py::arg("gemm_writes_a") = true);
   m.def("ag_create_event", &api::ag_create_event,
         "a cudaEvent_t (timing off) on the current device, as an integer; never destroyed");
   m.def("ag_memcpy_async", &api::ag_memcpy_async, "cudaMemcpyAsync device-to-device (copy engine) on `stream`",

@@ -77,7 +77,17 @@ struct AllGatherGemmParams {
   // Launch as a programmatic dependent of the kernel before it on the stream (arrive_and_wait below): the GEMM may
   // start while that kernel still runs.  It reads nothing that kernel writes, so it never waits for it.
   bool pdl = false;
+  // Optional (with flags and a_local; variants whose A is not multicast, variant_stores_a): the tiles of N block 0
+  // also write the A tiles they load into a_out ([M, K] in A's layout, row stride ld_a_out): every row, or with
+  // a_out_local_only this rank's rows only.  Done when the kernel is.
+  void* a_out = nullptr;
+  int64_t ld_a_out = 0;
+  bool a_out_local_only = false;
 };
+
+// Whether a variant's kernel can write the A it loads (a_out): not where a cluster multicasts A, as a peer CTA's load
+// may then overwrite a stage that this CTA's store still reads.
+bool variant_stores_a(Variant variant);
 
 // The tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail runs in up to `waves` waves:
 // floats, and flags.  Each slot holds one CTA tile of fp32 accumulators, at most kMaxTailTileElements (the split is
@@ -132,6 +142,9 @@ Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 // the GEMMs (gemms[i].pdl is set here), then, if `gathered`, the peers' rows of `buffer` (this rank's, [world *
 // shard_rows, k]) into the same rows of `gathered` (every GEMM has waited for them); last `main` follows `side`
 // (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.
+// Where the first GEMM's variant can (variant_stores_a) and it reads this rank's rows from the shard, it writes
+// those rows into `own_into` itself, and with `gathered` (then own_into == gathered) the peers' rows too, in place
+// of both copies: a same-device copy runs on SMs, so the streams' copies wait for the GEMM.
 constexpr int kMaxPushGemms = 8;
 struct PushCallParams {
   ArrivalParams arrival;                           // epoch, need, rank, world: the call's
@@ -146,6 +159,7 @@ struct PushCallParams {
   void* own_into = nullptr;                        // [world * shard_rows, k] on this device, or null
   void* gathered = nullptr;                        // [world * shard_rows, k] on this device, or null
   const void* buffer = nullptr;                    // this rank's buffer, [world * shard_rows, k] (with `gathered`)
+  bool gemm_writes_a = true;                       // false: the streams copy, whatever the variant
   void* fork_event = nullptr;
   void* join_event = nullptr;
 };

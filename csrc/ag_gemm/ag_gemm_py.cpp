@@ -126,7 +126,8 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
                   const std::vector<int64_t>& peer_flags, int chunks_per_rank, int k_chunks, int k_tile,
                   int64_t batch_rows, const std::vector<py::tuple>& gemms, int64_t own_into, int64_t gathered,
                   int64_t buffer,
-                  int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream) {
+                  int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream,
+                  bool gemm_writes_a) {
   int const world = int(peer_arrivals.size());
   if (world < 1 || world > ag_gemm::kMaxArrivalWorld || peer_buffers.size() != peer_arrivals.size() ||
       peer_flags.size() != peer_arrivals.size()) {
@@ -165,6 +166,7 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
   p.own_into = reinterpret_cast<void*>(own_into);
   p.gathered = reinterpret_cast<void*>(gathered);
   p.buffer = reinterpret_cast<const void*>(buffer);
+  p.gemm_writes_a = gemm_writes_a;
   p.fork_event = reinterpret_cast<void*>(fork_event);
   p.join_event = reinterpret_cast<void*>(join_event);
   check_ok(ag_gemm::push_call(p, reinterpret_cast<void*>(main_stream), reinterpret_cast<void*>(side_stream)));

@@ -42,7 +42,8 @@ void ag_push_call(const std::vector<int64_t>& peer_arrivals, int64_t arrivals, i
                   const std::vector<int64_t>& peer_flags, int chunks_per_rank, int k_chunks, int k_tile,
                   int64_t batch_rows, const std::vector<pybind11::tuple>& gemms, int64_t own_into, int64_t gathered,
                   int64_t buffer,
-                  int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream);
+                  int64_t fork_event, int64_t join_event, int64_t main_stream, int64_t side_stream,
+                  bool gemm_writes_a);
 
 // Stream operations (csrc/common/stream_ops.h).
 void ag_stream_write_value32(int64_t address, uint32_t value, int64_t stream);

@@ -181,15 +181,18 @@ def push_shards(shard: Tensor, peer_buffers: Sequence[Tensor], peer_flags: Seque
 def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[int], peer_arrivals: Sequence[int],
               arrivals: Tensor, passed: Tensor, epoch: int, need: int, rank: int, gemms: Sequence[tuple],
               events: Tuple[int, int], main: int, side: int, chunks_per_rank: int, k_chunks: int,
-              own_into: int = 0, gathered: int = 0, timeout_s: Optional[float] = None, batch_rows: int = 0) -> None:
+              own_into: int = 0, gathered: int = 0, timeout_s: Optional[float] = None, batch_rows: int = 0,
+              gemm_writes_a: bool = True) -> None:
     """Enqueue one eager push call with one host call (csrc/ag_gemm/ag_gemm.h push_call): what :func:`all_gather_matmul`
     otherwise does step by step, i.e. ``side`` follows ``main``, the arrival (:func:`symm.arrive`) on ``main``,
     ``side`` waits for ``passed`` (:func:`symm.wait_passed`), :func:`push_shards` on ``side``, then the shard into this
     rank's rows of the A at address ``own_into`` (0: none) on ``side``; the GEMMs on ``main`` (``gemms``:
     :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), then the peers' rows of
-    this rank's buffer into the same rows of the gathered A at address ``gathered`` (0: none), and ``main`` follows
-    ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic dependent.  ``batch_rows`` >
-    0: every A is batch-major (:func:`push_shards`).
+    this rank's buffer into the same rows of the gathered A at address ``gathered`` (0: none; else ``own_into`` too),
+    and ``main`` follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic
+    dependent.  ``batch_rows`` > 0: every A is batch-major (:func:`push_shards`).  With ``gemm_writes_a``, where the
+    first GEMM's kernel variant can, that GEMM writes the rows those two copies would (from shared memory, as it loads
+    them) and the copies are left out: a same-device copy runs on SMs, so on either stream it waits for the GEMM.
 
     peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
     parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
@@ -201,7 +204,7 @@ def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[i
         peer_arrivals, arrivals.data_ptr(), passed.data_ptr(), epoch, need, rank, int(timeout_s * 1e9), error_device,
         shard.data_ptr(), shard.shape[0], shard.shape[1], shard.element_size(), peer_buffers, peer_flags,
         chunks_per_rank, k_chunks, _K_TILE, batch_rows, gemms, own_into, gathered, peer_buffers[rank] if gathered else 0,
-        events[0], events[1], main, side)
+        events[0], events[1], main, side, gemm_writes_a)
 
 
 def assemble_gathered(gathered: Tensor, buffer: Tensor, shard: Tensor, rank: int, batch_rows: int = 0) -> None:

@@ -123,7 +123,9 @@ def run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks=2, dtype=to
     k_chunks > 1: shards move in column blocks and the kernel waits per block of its K loop.  push: each rank pushes
     its shard into the others' buffers and its GEMM reads its own rows from the shard, so its own rows of its buffer
     stay NaN (a read of them would show).  one_call (with push): each rank's call is enqueued by ag_gemm.push_call, as
-    all_gather_matmul does, instead of step by step.  batch_rows > 0 (with push): each shard is [B, batch_rows, K]
+    all_gather_matmul does, instead of step by step; True or "gathered": the first GEMM writes the gathered A as it
+    loads it, "copies": the streams copy it, "buffer": no gathered A is asked for and the first GEMM writes this rank's
+    rows into its buffer (as for GEMMs of other weights), which then holds the whole A.  batch_rows > 0 (with push): each shard is [B, batch_rows, K]
     flattened, and the gathered A and the outputs are batch-major ([B, world * batch_rows, ...] flattened)."""
     if push:
         return _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, skip_pull_from, timeout_s,
@@ -227,6 +229,7 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     ag_gemm.assemble_gathered(gathered[0].clone(), buffers[0], shards[0], 0, batch_rows)
     torch.cuda.synchronize()
     events = [symm.push_events(device) for _ in range(world)] if one_call else None
+    mode = "gathered" if one_call is True else one_call
     for r in range(world):
         side[r].wait_stream(torch.cuda.current_stream())
         main[r].wait_stream(torch.cuda.current_stream())
@@ -236,13 +239,14 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
                                        k_chunks=k_chunks, sm_count=sm_count, timeout_s=timeout_s, a_local=shards[r],
                                        capturing=False, batch_rows=batch_rows)
                      for i, (w, b) in enumerate(zip(weights, biases))]
-            # The gathered A from the same call: this rank's rows from the shard (side stream), the peers' rows from the
-            # buffer once the GEMMs waited for them (main).
+            # The gathered A from the same call: written by the first GEMM as it loads it, or this rank's rows copied
+            # from the shard (side stream) and the peers' rows from the buffer once the GEMMs waited for them (main).
+            into = buffers[r] if mode == "buffer" else gathered[r]
             ag_gemm.push_call(shards[r], [x.data_ptr() for x in buffers], [f.data_ptr() for f in flags],
                               [arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch,
                               previous, r, gemms, events[r], main[r].cuda_stream, side[r].cuda_stream, chunks,
-                              k_chunks, own_into=gathered[r].data_ptr(), gathered=gathered[r].data_ptr(),
-                              timeout_s=timeout_s, batch_rows=batch_rows)
+                              k_chunks, own_into=into.data_ptr(), gathered=0 if mode == "buffer" else into.data_ptr(),
+                              timeout_s=timeout_s, batch_rows=batch_rows, gemm_writes_a=mode != "copies")
             continue
         symm.arrive([arrivals[q, r].data_ptr() for q in range(world)], arrivals[r], passed[r], epoch, previous, r,
                     main[r])
@@ -261,8 +265,11 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
         torch.cuda.current_stream().wait_stream(main[r])
     torch.cuda.synchronize()
     for r in range(world):
-        own = _own_rows(buffers[r], r, world, shard_rows, batch_rows)
-        assert own.isnan().all(), f"rank {r}: its own rows were written into its buffer"
+        if mode == "buffer":  # the first GEMM wrote this rank's rows: the buffer is the gathered A
+            gathered[r].copy_(buffers[r])
+        else:
+            own = _own_rows(buffers[r], r, world, shard_rows, batch_rows)
+            assert own.isnan().all(), f"rank {r}: its own rows were written into its buffer"
         written = [int(arrivals[q, r]) for q in range(world) if q != r]
         assert written == [_as_int32(epoch)] * (world - 1), f"rank {r}'s arrival on its peers: {written}"
     assert passed.tolist() == [_as_int32(epoch)] * world
@@ -281,12 +288,14 @@ def _push_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias, chunks, dtype, s
     (2, 512, 264, 16, 1, [136, 520]),   # more blocks than K tiles: the empty ones still raise their flags
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("one_call", [False, True], ids=["steps", "one_call"])
+@pytest.mark.parametrize("one_call", [False, "gathered", "copies", "buffer"],
+                         ids=["steps", "one_call", "one_call_copies", "one_call_buffer"])
 def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dtype, one_call):
     """The push: each rank copies its shard into the peers' buffers and raises their flags; its GEMM reads its own
     rows from the shard (the buffer's own rows stay NaN) and the peers' rows from the buffer; the gathered A is
     assembled from both.  Enqueued step by step from Python, and by one host call (ag_gemm.push_call, what
-    all_gather_matmul runs)."""
+    all_gather_matmul runs): the first GEMM writing the gathered A as it loads it, the streams copying it, or the GEMM
+    writing this rank's rows into its buffer (no gathered A asked for)."""
     torch.manual_seed(world + shard_rows + k_chunks)
     outputs, refs, gathered, full = run_ranks_on_one_gpu(world, shard_rows, k, ns, with_bias=True, chunks=chunks,
                                                          dtype=dtype, k_chunks=k_chunks, push=True, one_call=one_call)
@@ -303,7 +312,8 @@ def test_push_n_ranks_on_one_gpu(world, shard_rows, k, k_chunks, chunks, ns, dty
     (2, 128, 3, 1024, 4, 1, [520]),        # column blocks (one wave): every row block's columns in one 3-D copy
     (4, 256, 2, 512, 16, 1, [136, 264]),   # more column blocks than K tiles
 ])
-@pytest.mark.parametrize("one_call", [False, True], ids=["steps", "one_call"])
+@pytest.mark.parametrize("one_call", [False, "gathered", "copies", "buffer"],
+                         ids=["steps", "one_call", "one_call_copies", "one_call_buffer"])
 def test_batch_major_push_n_ranks_on_one_gpu(world, batch_rows, blocks, k, k_chunks, chunks, ns, one_call):
     """The push of [B, S/w, K] shards (B = blocks) into batch-major buffers, block b of rank q at rows (b * world + q)
     * batch_rows: each GEMM computes the gathered [B, S, K] in place, its outputs [B, S, N] with no permute, and the

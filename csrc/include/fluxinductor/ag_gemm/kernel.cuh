@@ -76,21 +76,45 @@ using Pingpong128x128Cluster1x2 = TileConfig<
 // row chunks (the scheduler waits per tile) or no flags it is the base, unchanged.  With `a_local` the tiles of this
 // rank's rows load A from there (a second pair of TMA descriptors over [shard_rows, K]) instead of from the
 // gathered buffer, so this rank's shard never has to be copied into it.
+//
+// With `a_out` the tiles of N block 0 also write the A tiles they load, from shared memory, into a_out ([M, K], the
+// gathered A's layout) with TMA stores: every row block (or, with a_out_local_only, only this rank's) once, so the
+// gathered A comes out of the GEMM with no copy on the streams (a same-device copy runs on SMs, behind the GEMM).
+// The producer stores a K tile once its load has landed, kStoreLag tiles behind the loads, and before reloading a
+// stage waits until the store from it has read shared memory.
 template <class Base>
 class KChunkWaitingMainloop : public Base {
   static constexpr int kTileM = cute::size<0>(typename Base::TileShape{});
+  static constexpr int kTileK = cute::size<2>(typename Base::TileShape{});
+  static constexpr int kStages = Base::DispatchPolicy::Stages;
+  static constexpr int kStoreLag = kStages > 2 ? kStages - 2 : 1;  // K tiles between a load and its store
+  // Not where a cluster multicasts A: a peer CTA's load could overwrite a stage this CTA's store still reads.
+  static constexpr bool kStoresA = cute::size<1>(typename Base::DispatchPolicy::ClusterShape{}) == 1;
+  using SmemLayoutAStage = decltype(typename Base::SmemLayoutA{}(cute::_, cute::_, cute::Int<0>{}));
+  using ElementAOut = typename Base::ElementA;
+  using TmaStoreA = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_STORE{},
+      cute::make_tensor(static_cast<ElementAOut*>(nullptr), cute::repeat_like(typename Base::StrideA{}, int32_t(0)),
+                        typename Base::StrideA{}),
+      SmemLayoutAStage{}));
 
  public:
   struct Arguments : Base::Arguments {
     AllGatherSchedule schedule{};
     void const* a_local = nullptr;  // [shard_rows, K], row stride lda_local; shard_rows a multiple of kTileM
     int64_t lda_local = 0;
+    void* a_out = nullptr;          // [M, K], row stride ld_a_out: where N block 0's tiles store the A they load
+    int64_t ld_a_out = 0;
+    bool a_out_local_only = false;  // only this rank's rows (the peers' are in A already)
   };
   struct Params : Base::Params {
     AllGatherSchedule schedule{};
     typename Base::Params local{};  // the base's params over a_local (only its A descriptor is used)
     int local_first_tile = 0;       // this rank's first M block in the gathered problem
     int local_tiles = 0;            // 0: every tile reads the gathered buffer
+    TmaStoreA store_a{};            // over a_out
+    int store_rows = 0;             // 0: no stores; 1: this rank's row blocks; 2: every row block
+    int store_m = 0, store_k = 0;
   };
 
   template <class ProblemShape>
@@ -108,6 +132,17 @@ class KChunkWaitingMainloop : public Base {
       params.local_first_tile = args.schedule.rank * args.schedule.shard_rows / kTileM;
       params.local_tiles = args.schedule.shard_rows / kTileM;
     }
+    if (kStoresA && args.a_out != nullptr && args.schedule.flags != nullptr) {
+      auto const m = cute::get<0>(problem_shape), k = cute::get<2>(problem_shape);
+      typename Base::StrideA stride{};
+      cute::get<0>(stride) = args.ld_a_out;
+      auto const out = cute::make_tensor(static_cast<ElementAOut*>(args.a_out),
+                                         cute::make_layout(cute::make_shape(m, k, 1), stride));
+      params.store_a = cute::make_tma_copy(cute::SM90_TMA_STORE{}, out, SmemLayoutAStage{});
+      params.store_rows = args.a_out_local_only ? 1 : 2;
+      params.store_m = m;
+      params.store_k = k;
+    }
     return params;
   }
 
@@ -115,6 +150,11 @@ class KChunkWaitingMainloop : public Base {
     Base::prefetch_tma_descriptors(params);
     if (params.local_tiles > 0) {
       Base::prefetch_tma_descriptors(params.local);
+    }
+    if constexpr (kStoresA) {
+      if (params.store_rows > 0) {
+        cute::prefetch_tma_descriptor(params.store_a.get_tma_descriptor());
+      }
     }
   }
 
@@ -133,7 +173,15 @@ class KChunkWaitingMainloop : public Base {
       }
     }
     int const local_block = block - params.local_first_tile;
-    if (params.local_tiles > 0 && local_block >= 0 && local_block < params.local_tiles) {
+    bool const local = params.local_tiles > 0 && local_block >= 0 && local_block < params.local_tiles;
+    if constexpr (kStoresA) {
+      if (params.store_rows > 0 && int(cute::get<1>(blk_coord)) == 0 && (params.store_rows == 2 || local)) {
+        load_storing(params, pipeline, state, load_inputs, blk_coord, local ? local_block : -1, block, k_tile_iter,
+                     k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+        return;
+      }
+    }
+    if (local) {
       // This rank's rows, from its own input: never waited for.
       auto const local_coord = cute::make_coord(local_block, cute::get<1>(blk_coord), cute::get<2>(blk_coord),
                                                 cute::get<3>(blk_coord));
@@ -170,6 +218,93 @@ class KChunkWaitingMainloop : public Base {
       }
       k_tile_count -= tiles;
     }
+  }
+
+  // The producer's end: every store of A done (its shared memory read and its global writes made), then the base's.
+  CUTLASS_DEVICE void load_tail(typename Base::MainloopPipeline pipeline, typename Base::PipelineState state) {
+    if (cutlass::canonical_lane_idx() == 0) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+    __syncwarp();
+    Base::load_tail(pipeline, state);
+  }
+
+ private:
+  // load() for a tile that stores its A: the K tiles one at a time (a block's flags waited for first with column
+  // blocks), each stored into a_out kStoreLag tiles later, once its load has landed.  Lane 0 issues and waits for
+  // the stores (bulk async groups are per thread); Base::load issues the loads from its elected lane.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_storing(Params const& params, typename Base::MainloopPipeline pipeline,
+                                   typename Base::PipelineState state,
+                                   cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                                   int local_block, int block, KTileIterator k_tile_iter, int k_tile_count,
+                                   int thread_idx, uint32_t block_rank_in_cluster,
+                                   typename Base::TensorStorage& shared_tensors) {
+    using namespace cute;
+    AllGatherSchedule const& s = params.schedule;
+    bool const lane0 = cutlass::canonical_lane_idx() == 0;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor mOut = params.store_a.get_tma_tensor(make_shape(params.store_m, params.store_k, 1));
+    Tensor gOut = local_tile(mOut(_, _, 0), make_shape(Int<kTileM>{}, Int<kTileK>{}),
+                             make_coord(int(get<0>(blk_coord)), _));                 // (BLK_M, BLK_K, k)
+    auto cta_store = params.store_a.get_slice(Int<0>{});
+    Tensor tSsA = cta_store.partition_S(sA);                                         // (TMA, TMA_M, TMA_K, PIPE)
+    Tensor tSgOut = cta_store.partition_D(gOut);                                     // (TMA, TMA_M, TMA_K, k)
+
+    auto const local_coord = make_coord(local_block, get<1>(blk_coord), get<2>(blk_coord), get<3>(blk_coord));
+    int const first_row = block * kTileM;
+    bool const chunked = local_block < 0 && s.flags != nullptr && s.k_chunks > 1 && first_row < s.total_rows;
+    int const first_owner = first_row / s.shard_rows;
+    int const last_owner = (min(first_row + kTileM, s.total_rows) - 1) / s.shard_rows;
+
+    typename Base::PipelineState stored = state;  // the oldest K tile loaded and not yet stored
+    int stored_k = int(*k_tile_iter);
+    int pending = 0;
+    auto store_one = [&]() {
+      if (lane0) {
+        // Its load has landed: the stage's full barrier, at the consumers' phase (a producer state's is inverted, as
+        // the stages start empty).  Waited on directly: the pipeline's consumer_wait traps in a producer thread.
+        cutlass::arch::ClusterTransactionBarrier::wait(pipeline.producer_get_barrier(stored), stored.phase() ^ 1u);
+        copy(params.store_a, tSsA(_, _, _, stored.index()), tSgOut(_, _, _, stored_k));
+        tma_store_arrive();
+      }
+      ++stored;
+      ++stored_k;
+      --pending;
+    };
+    bool gave_up = false;
+    for (int t = 0; k_tile_count > 0; ++t, --k_tile_count) {
+      int const k_tile = int(*k_tile_iter);
+      if (chunked && (t == 0 || k_tile % s.k_chunk_tiles == 0)) {  // the first K tile of a block: its flags
+        __syncwarp();
+        for (int owner = first_owner; owner <= last_owner && !gave_up; ++owner) {
+          if (owner != s.rank) {
+            gave_up = wait_for_flag(s, owner * s.k_chunks + k_tile / s.k_chunk_tiles);
+          }
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      }
+      if (lane0) {  // the store from the stage this load reuses has read it
+        tma_store_wait<kStages - 1 - kStoreLag>();
+      }
+      __syncwarp();
+      if (local_block >= 0) {
+        Base::load(params.local, pipeline, state, load_inputs, local_coord, k_tile_iter, 1, thread_idx,
+                   block_rank_in_cluster, shared_tensors);
+      } else {
+        Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, 1, thread_idx,
+                   block_rank_in_cluster, shared_tensors);
+      }
+      ++state;
+      ++k_tile_iter;
+      if (++pending > kStoreLag) {
+        store_one();
+      }
+    }
+    while (pending > 0) {
+      store_one();
+    }
+    __syncwarp();
   }
 };
 

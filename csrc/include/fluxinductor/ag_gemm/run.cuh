@@ -65,6 +65,10 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
                       ") that are a multiple of the tile's M (" + std::to_string(Config::kTileM) + ")");
   }
 
+  if (p.a_out != nullptr && cute::size<1>(typename Config::ClusterShape{}) != 1) {
+    return make_error("this kernel variant multicasts A, so it cannot write the A it loads (a_out)");
+  }
+
   if (schedule.batch_rows > 0 && !maps_batch_major<typename Config::TileShape>()) {
     return make_error("this kernel variant's tiles take no batch-major A (variant 6: use 0)");
   }
@@ -85,7 +89,7 @@ Error run_config(AllGatherGemmParams const& p, cudaStream_t stream) {
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
       {{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b}, schedule,
-       p.a_local, p.lda_local},
+       p.a_local, p.lda_local, p.a_out, p.ld_a_out, p.a_out_local_only},
       {{}, nullptr, stride_d, static_cast<Element*>(p.out), stride_d},
       hw_info};
   arguments.epilogue.thread.alpha = 1.0f;
