@@ -5,8 +5,9 @@ GEMM+RS: the split transport's peer and own GEMMs (cooperative 128x256 and ping-
 bf16 and fp16) and the fused transports' ping-pong 128x128 kernels.  The split transport's relay GEMM (more than two
 ranks) is left out: its ping-pong 128x192 kernel, source C plus the per-tile count, still spills 24 bytes.
 
-Their consumer warp groups hold large fp32 accumulators, which leaves ptxas little room: one `__trap()` in the tile
-wait's timeout path (a8d68af) made variant 6 spill 1.3 KB and run 4.7x slower on 2xH200, and variant 0 spill 32-44
+Their consumer warp groups hold large fp32 accumulators, which leaves ptxas little room, and their producer warps run
+in 40 registers (where the AG+GEMM's also stores the A tiles it loads): one `__trap()` in the tile wait's timeout path
+made variant 6 spill 1.3 KB and run 4.7x slower on 2xH200, and variant 0 spill 32-44
 bytes, unseen by every correctness test (docs/design_ag_gemm.md); in the split own GEMM's ping-pong 128x192 kernel
 (192 accumulator registers per math thread of 232), the band wait's code in the tile scheduler, run by every warp
 group, made it spill 82 bytes until the waits moved into the producer warps' loads (gemm_rs/split.cuh).  This
