@@ -12,7 +12,10 @@ Each row is one op at one *global* GEMM shape (M, K, N): the median time of the 
 cuBLAS then NCCL) and of each overlapped path the benchmark timed (``<path>_ms``; None where the path was
 unavailable; ``<path>_ok`` False where its output failed the check), any other measured numbers for the record, and
 the path the cost model's rule picks from them (``choice``; ``choice_with_asynctp`` with PyTorch's async-TP
-allowed).  A GEMM+RS row may name the split transport's faster GEMM configuration (``split_config``).
+allowed), and the run it came from (``measured``: the fields of its run's ``source`` that name the run; empty where
+that is not known, as for rows of a table written before rows carried it).  After a merge the table's ``source`` is
+the newest run's and ``earlier_sources`` keeps the others'.  A GEMM+RS row may name the split transport's faster
+GEMM configuration (``split_config``).
 
 This module writes tables from ``benchmarks/bench_ops.py`` results (:func:`table_from_bench`), loads them
 (:func:`load_table`, re-read when the file changes), merges a run's rows into a table (:func:`merge_tables`) and
@@ -83,9 +86,12 @@ def make_table(
     when that path's output failed the check) and any other measured numbers, which are kept for the record.
     """
     cm = _cost_model()
+    measured = _run_of(source)
     rows = []
     for e in entries:
         row = dict(e)
+        if measured and "measured" not in row:
+            row["measured"] = measured
         row["op"] = cm.canonical_op(row["op"])
         for field in ("m", "k", "n"):
             row[field] = int(row[field])
@@ -106,16 +112,29 @@ def make_table(
     }
 
 
+# The fields of a table's ``source`` that name the run each of its rows keeps as ``measured``.
+_RUN_FIELDS = ("bench_json", "git_sha", "timestamp")
+
+
+def _run_of(source: Optional[dict]) -> dict:
+    return {k: source[k] for k in _RUN_FIELDS if k in (source or {})}
+
+
 def merge_tables(old: Optional[dict], new: dict) -> dict:
-    """``new`` plus the rows of ``old`` (same device and world) for shapes ``new`` did not measure."""
+    """``new`` plus the rows of ``old`` (same device and world) for shapes ``new`` did not measure.  A kept row without
+    a ``measured`` gets an empty one (its run is not known: ``old`` may be a merge already), and ``old``'s sources go
+    into ``earlier_sources``."""
     cm = _cost_model()
     if not old or old.get("device_key") != new["device_key"] or old.get("world") != new["world"]:
         return new
     if cm.dtype_name(old.get("dtype", "")) != new["dtype"]:
         return new
     measured = {(r["op"], r["m"], r["k"], r["n"]) for r in new["entries"]}
-    kept = [r for r in old.get("entries", []) if (cm.canonical_op(r["op"]), r["m"], r["k"], r["n"]) not in measured]
+    kept = [r if "measured" in r else {**r, "measured": {}} for r in old.get("entries", [])
+            if (cm.canonical_op(r["op"]), r["m"], r["k"], r["n"]) not in measured]
     merged = dict(new)
+    earlier = [s for s in old.get("earlier_sources", []) + [old.get("source")] if s]
+    merged["earlier_sources"] = [s for i, s in enumerate(earlier) if s not in earlier[:i] and s != new["source"]]
     merged["entries"] = sorted(kept + new["entries"], key=lambda r: (cm.canonical_op(r["op"]), r["k"], r["n"], r["m"]))
     return merged
 

@@ -209,6 +209,16 @@ def test_make_table_and_merge(tmp_path):
     by_op = {r["op"]: r for r in merged["entries"]}
     assert by_op[RS]["fused_ms"] == 1.5 and by_op[RS]["choice"] == "fused"
     assert by_op[AG]["fused_ms"] == 1.0
+    # Each row says which run measured it; a kept row whose run is not known says so (its table may be a merge).
+    assert by_op[AG]["measured"] == {} and "measured" not in by_op[RS]  # tables made without a source
+    old_run = {"bench_json": "a.json", "git_sha": "abc", "timestamp": "t1"}
+    new_run = {"bench_json": "b.json", "git_sha": "def", "timestamp": "t2"}
+    third = cost_model.make_table(DEVICE, 2, "bf16", [_row(AG, 1024, 8192, 8192, 1.0, 2.0)], {**old_run, "iters": 20})
+    fourth = cost_model.make_table(DEVICE, 2, "bf16", [_row(RS, 4096, 8192, 28672, 1.2, 2.0)], new_run)
+    twice = cost_model.merge_tables(cost_model.merge_tables(merged, third), fourth)
+    runs = {(r["op"], r["m"]): r.get("measured") for r in twice["entries"]}
+    assert runs == {(AG, 4096): {}, (AG, 1024): old_run, (RS, 4096): new_run}
+    assert twice["source"] == new_run and twice["earlier_sources"] == [{**old_run, "iters": 20}]
     # Another world size is not merged into this one.
     other = cost_model.make_table(DEVICE, 4, "bf16", [_row(RS, 4096, 8192, 28672, 1.5, 2.0)])
     assert len(cost_model.merge_tables(merged, other)["entries"]) == 1
