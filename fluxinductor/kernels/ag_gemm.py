@@ -15,10 +15,11 @@ a multiple of the kernel's tile M (the push, the default):
    of the arrival so that it starts at once (it reads nothing the arrival writes), reading this rank's rows from the
    shard itself (a second TMA descriptor, so the shard is never copied into the buffer first) and the peers' rows from
    ``buffer``; its tile scheduler walks this rank's rows first, then q = r+1, ... and waits per tile for the chunk
-   flags its rows need.  Meanwhile the side stream, its pushes done, copies the shard into the gathered A (if asked;
-   else into ``buffer``'s own rows where other weights need them).  Then the peers' rows of the gathered A are copied
-   out of ``buffer``, and every other weight's GEMM runs on cuBLAS over the complete A (it could only start once
-   every row had arrived anyway).
+   flags its rows need.  It also writes the A tiles it loads into the gathered A (if asked; else this rank's rows
+   into ``buffer``'s own rows where other weights need them), from shared memory.  Then every other weight's GEMM
+   runs on cuBLAS over the complete A (it could only start once every row had arrived anyway).  Where the kernel
+   variant cannot write A (its cluster multicasts A) the side stream copies the shard there after its pushes and
+   the main stream the peers' rows out of ``buffer`` after the GEMM, each a same-device copy that runs on SMs.
 4. main stream waits for the side stream.
 
 Otherwise (the pull): main copies the shard into ``buffer[r*S:(r+1)*S]`` before the arrival, which then waits for
