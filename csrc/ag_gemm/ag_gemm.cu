@@ -88,8 +88,6 @@ Error all_gather_gemm_unsupported(AllGatherGemmParams const& p) {
   } else if (p.a_out && (!p.a_local || !aligned16(p.a_out) || p.ld_a_out % kAlign || p.ld_a_out < p.k)) {
     std::snprintf(out, size, "writing A out needs the local rows' A, a 16-byte aligned base and a row stride >= K "
                   "that is a multiple of 8 (got %lld)", (long long)p.ld_a_out);
-  } else if (p.a_out && !variant_stores_a(p.variant)) {
-    std::snprintf(out, size, "kernel variant %d multicasts A, so it cannot write the A it loads", int(p.variant));
   }
   return why;
 }
@@ -283,8 +281,8 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
   // The first GEMM writes the rows the copies below would (PushCallParams): this rank's into own_into, and with
   // `gathered` (== own_into) the peers' too.
   AllGatherGemmParams const& first = p.gemms[0];
-  bool const gemm_writes_a = p.gemm_writes_a && p.own_into && (!p.gathered || p.gathered == p.own_into) && first.a_local &&
-                             variant_stores_a(first.variant);
+  bool const gemm_writes_a = p.gemm_writes_a && p.own_into && (!p.gathered || p.gathered == p.own_into) &&
+                             first.a_local && variant_stores_a(first.variant);
   if (!gemm_writes_a && p.own_into &&
       (why = copy_shard_rows(static_cast<char*>(p.own_into), shard, rank, world, 0, p.shard_rows, block, row_bytes,
                              side)).failed()) {
@@ -303,7 +301,7 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
       return why;
     }
   }
-  if (p.gathered && !gemm_writes_a) {  // the blocks of ranks [0, rank) and (rank, world), in each of the shard_rows / block slices
+  if (p.gathered && !gemm_writes_a) {  // the blocks of ranks [0, rank) and (rank, world), in each block slice
     auto* gathered = static_cast<char*>(p.gathered);
     auto const* buffer = static_cast<char const*>(p.buffer);
     int64_t const slice_bytes = world * block * row_bytes, blocks = p.shard_rows / block;

@@ -86,7 +86,8 @@ struct AllGatherGemmParams {
 };
 
 // Whether a variant's kernel can write the A it loads (a_out): not where a cluster multicasts A, as a peer CTA's load
-// may then overwrite a stage that this CTA's store still reads.
+// may then overwrite a stage that this CTA's store still reads.  push_call decides by it; the launch itself refuses
+// a_out on such a kernel (ag_gemm/run.cuh).
 bool variant_stores_a(Variant variant);
 
 // The tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail runs in up to `waves` waves:

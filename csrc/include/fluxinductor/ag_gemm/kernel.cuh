@@ -195,20 +195,9 @@ class KChunkWaitingMainloop : public Base {
                  block_rank_in_cluster, shared_tensors);
       return;
     }
-    int const first_owner = first_row / s.shard_rows;
-    int const last_owner = (min(first_row + kTileM, s.total_rows) - 1) / s.shard_rows;
     bool gave_up = false;
     for (int kc = 0; kc < s.k_chunks && k_tile_count > 0; ++kc) {
-      // Base::load issues from one elected lane, which may still be at the previous block's loads: reconverge,
-      // so the whole warp waits for this block together.
-      __syncwarp();
-      for (int owner = first_owner; owner <= last_owner && !gave_up; ++owner) {
-        if (owner != s.rank) {
-          gave_up = wait_for_flag(s, owner * s.k_chunks + kc);
-        }
-      }
-      // The copy engine wrote A through the generic proxy; the TMA loads that follow use the async proxy.
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      wait_for_k_block(s, first_row, kc, gave_up);
       int const tiles = kc == s.k_chunks - 1 ? k_tile_count : min(s.k_chunk_tiles, k_tile_count);
       Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, tiles, thread_idx,
                  block_rank_in_cluster, shared_tensors);
@@ -230,6 +219,23 @@ class KChunkWaitingMainloop : public Base {
   }
 
  private:
+  // Waits until each peer owning rows of the tile at first_row has raised the flag of K block kc (after a timeout,
+  // gave_up, and no more waits), then orders the TMA loads that follow after the copy engine's writes.
+  CUTLASS_DEVICE static void wait_for_k_block(AllGatherSchedule const& s, int first_row, int kc, bool& gave_up) {
+    // Base::load issues from one elected lane, which may still be at the previous block's loads: reconverge, so the
+    // whole warp waits for this block together.
+    __syncwarp();
+    int const first_owner = first_row / s.shard_rows;
+    int const last_owner = (min(first_row + kTileM, s.total_rows) - 1) / s.shard_rows;
+    for (int owner = first_owner; owner <= last_owner && !gave_up; ++owner) {
+      if (owner != s.rank) {
+        gave_up = wait_for_flag(s, owner * s.k_chunks + kc);
+      }
+    }
+    // The copy engine wrote A through the generic proxy; the TMA loads that follow use the async proxy.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+
   // load() for a tile that stores its A: the K tiles one at a time (a block's flags waited for first with column
   // blocks), each stored into a_out kStoreLag tiles later, once its load has landed.  Lane 0 issues and waits for
   // the stores (bulk async groups are per thread); Base::load issues the loads from its elected lane.
@@ -254,8 +260,6 @@ class KChunkWaitingMainloop : public Base {
     auto const local_coord = make_coord(local_block, get<1>(blk_coord), get<2>(blk_coord), get<3>(blk_coord));
     int const first_row = block * kTileM;
     bool const chunked = local_block < 0 && s.flags != nullptr && s.k_chunks > 1 && first_row < s.total_rows;
-    int const first_owner = first_row / s.shard_rows;
-    int const last_owner = (min(first_row + kTileM, s.total_rows) - 1) / s.shard_rows;
 
     typename Base::PipelineState stored = state;  // the oldest K tile loaded and not yet stored
     int stored_k = int(*k_tile_iter);
@@ -276,13 +280,7 @@ class KChunkWaitingMainloop : public Base {
     for (int t = 0; k_tile_count > 0; ++t, --k_tile_count) {
       int const k_tile = int(*k_tile_iter);
       if (chunked && (t == 0 || k_tile % s.k_chunk_tiles == 0)) {  // the first K tile of a block: its flags
-        __syncwarp();
-        for (int owner = first_owner; owner <= last_owner && !gave_up; ++owner) {
-          if (owner != s.rank) {
-            gave_up = wait_for_flag(s, owner * s.k_chunks + k_tile / s.k_chunk_tiles);
-          }
-        }
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        wait_for_k_block(s, first_row, k_tile / s.k_chunk_tiles, gave_up);
       }
       if (lane0) {  // the store from the stage this load reuses has read it
         tma_store_wait<kStages - 1 - kStoreLag>();
