@@ -1,7 +1,8 @@
 """Measure, once, what the cost model could only estimate: the device's rates, and which path is fastest at a shape.
 
-Where no tuning table answers (another GPU, another world size, a shape far from every measured one), the cost
-model estimates from a roofline (:func:`fluxinductor.cost_model.roofline_ms`).  Under ``auto`` dispatch the fused op's
+Where no tuning table measured a shape (another GPU, another world size, a shape far from every measured one), the
+cost model estimates: from a roofline (:func:`fluxinductor.cost_model.roofline_ms`), or from the row of a similar
+shape or of a smaller M (a seed).  Under ``auto`` dispatch the fused op's
 first call of such a shape then comes here, on every rank of the group (the dispatcher decides a signature's path once,
 and the agreement check has made every rank's signature the same):
 
@@ -14,7 +15,8 @@ and the agreement check has made every rank's signature the same):
    whole call (device time, as the tables were measured; in a training or prefill step the host runs ahead).  A path's time is its median over the
    rounds, taken at the slowest rank (an all-reduce of the times with MAX), so every rank reaches the same verdict: the
    cost model's rule (a path must beat sequential by more than ``cost_model.MIN_GAIN``; a near tie keeps the first
-   candidate).
+   candidate).  The split GEMM+RS transport is timed in each of its GEMM configurations (:func:`split_candidate`);
+   the row keeps the fastest (``split_config``), which the dispatcher then runs.
 
 Both answers are kept in memory and in a cache on disk, ``<calibration_dir>/<device_key>_tp<world>.json`` (the tuning
 field ``calibration_dir``; default ``$XDG_CACHE_HOME/fluxinductor`` or ``~/.cache/fluxinductor``), so the next process
@@ -51,6 +53,8 @@ ROUNDS = 5
 _RATE_GEMM = (4096, 8192, 8192)
 _RATE_SMALL_BYTES = 4096
 _RATE_LARGE_BYTES = 16 << 20
+# The path timed per GEMM configuration (:func:`split_candidate`).
+_SPLIT = "fused_split"
 
 _lock = threading.Lock()
 _verdicts: Dict[tuple, Tuple[str, Dict[str, float]]] = {}  # (device_key, world, op, m, k, n, dtype, candidates) ->
@@ -278,7 +282,7 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
     names = list(candidates)
     path = cache_path(name, world)
     cached = next((r for r in _read_cache(path).get("entries", []) if _row_key(r) == (op, m, k, n, dtype)), {})
-    times = _agree([cached.get(f"{p}_ms") for p in names], device, group)
+    times = _agree([_cached_time(cached, p) for p in names], device, group)
     fresh = times is None
     if fresh:
         started = time.perf_counter()
@@ -290,10 +294,14 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
             for p, fn in candidates.items():
                 samples[p].append(timer(fn) * 1e3)
         times = _agree([statistics.median(samples[p]) for p in names], device, group)
-    by_path = dict(zip(names, times))
+    by_name = dict(zip(names, times))
+    by_path, configs = _fold(by_name)
     choice = _verdict(by_path)
     row = {"op": op, "m": m, "k": k, "n": n, "dtype": dtype, "choice": choice,
            **{f"{p}_ms": t for p, t in by_path.items()}}
+    if configs:
+        row["split_config"] = _split_config(configs)
+        row["fused_split_config_ms"] = configs
     if op in (cost_model.ALL_GATHER_MATMUL, cost_model.MATMUL_REDUCE_SCATTER):
         cost_model.add_calibrated_row(name, world, row)
     if fresh:
@@ -307,7 +315,46 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
                     {**row, "calibration_s": seconds}]
 
             _write_cache(path, name, world, update)
-    return choice, by_path
+    return choice, by_name
+
+
+def _split_config(configs: Dict[str, float]) -> int:
+    """The fastest configuration; the default (0) unless another beats it by more than ``cost_model.MIN_GAIN``, as
+    bench_ops keeps a table's ``split_config``."""
+    best = min(configs, key=lambda c: (configs[c], int(c)))
+    default = configs.get("0")
+    if default is not None and default - configs[best] <= cost_model.MIN_GAIN * default:
+        return 0
+    return int(best)
+
+
+def split_candidate(config: int) -> str:
+    """The candidate name that times the split GEMM+RS transport in one of its GEMM configurations; the path's time is
+    its fastest configuration's, and the row keeps which (``split_config``) and each one's (``fused_split_config_ms``),
+    as a table's row does."""
+    return f"{_SPLIT}@{int(config)}"
+
+
+def _cached_time(row: dict, name: str) -> Optional[float]:
+    path, _, config = name.partition("@")
+    if not config:
+        return row.get(f"{path}_ms")
+    return row.get(f"{path}_config_ms", {}).get(config)
+
+
+def _fold(by_name: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """(each path's time, the split transport's time per configuration): a path timed in several configurations takes
+    its fastest one's."""
+    by_path: Dict[str, float] = {}
+    configs: Dict[str, float] = {}
+    for name, t in by_name.items():
+        path, _, config = name.partition("@")
+        if config:
+            if path != _SPLIT:
+                raise ValueError(f"only the {_SPLIT} path is timed per configuration, not {path!r}")
+            configs[config] = t
+        by_path[path] = min(t, by_path.get(path, float("inf")))
+    return by_path, configs
 
 
 def _verdict(times: Dict[str, float]) -> str:

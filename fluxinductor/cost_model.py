@@ -46,6 +46,10 @@ A GEMM+RS row may also name the split transport's faster GEMM configuration, ``s
 :func:`split_config` gives the dispatcher the nearest row's (same K and N nearest in log M, else the nearest-flops
 rule above), None (the kernel's default, 0) where no row has one.
 
+A table measured a call's shape where it has rows of the same (K, N) at Ms on both sides of the call's (or rules the
+call out below its smallest M).  A row above the measured range, or of a similar shape, is only a *seed*: it decides
+as it did, but as an estimate (below), so the op's first call of the shape measures it.
+
 Where no table row answers (no table for this device or world size, no rows for the op, no measured shape near),
 :func:`decide` estimates from a roofline (:func:`roofline_ms`): the GEMM at the device's matmul rate, the collective
 at its link bandwidth plus one collective's latency, and the fused op as the longer of the two plus what the last
@@ -55,6 +59,8 @@ by every rank), else nominal ones for the device name (:func:`nominal_rates`).  
 (``Decision.estimated``): the pass rewrites on it, and under ``auto`` dispatch the op's first call of the shape times
 the paths and keeps the faster (:mod:`fluxinductor.calibration`); those measured rows
 (:func:`add_calibrated_row`) then answer like a table's, for the same (K, N) at that M or between two measured Ms.
+A calibrated GEMM+RS row also names the split transport's faster configuration, which :func:`split_config` prefers to
+the table's nearest row.
 
 ``FLUXINDUCTOR_TUNING_DIR`` replaces the packaged table folder (used by the tests, and to try a table
 before committing it).
@@ -536,11 +542,13 @@ def saving_ms(op: str, device_name: str, world: int, m: int, k: int, n: int, dty
             want, have = dtype_name(dtype), dtype_name(table.get("dtype", "bfloat16"))
             if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
                 return 0.0
-            if _choose_from_table(table, op, m_, k_, n_)[2]:
+            if _choose_from_table(table, op, m_, k_, n_, kinds=_MEASURED_KINDS)[2]:
                 return saving_from_table(table, op, m_, k_, n_, path)
         rows = _calibrated_rows(device_name, world, op, dtype)
         if rows and _basis(rows, canonical_op(op), m_, k_, n_)[0] in ("exact", "between"):
             return saving_from_table({"entries": rows}, op, m_, k_, n_, path)
+        if table is not None and _choose_from_table(table, op, m_, k_, n_, kinds=_SEED_KINDS)[2]:
+            return saving_from_table(table, op, m_, k_, n_, path)
         if dtype_name(dtype) not in _HALF_DTYPES:
             return 0.0
         seq, fused = roofline_ms(op, world, m_, k_, n_, dtype, rates_for(device_name, world))
@@ -603,20 +611,27 @@ def split_config_from_table(table: dict, m: int, k: int, n: int) -> Optional[int
 
 
 def split_config(device_name: str, world: int, m: int, k: int, n: int, dtype) -> Optional[int]:
-    """:func:`split_config_from_table` for this device's table at this world size (None without a table, or for a
-    dtype it does not cover), remembered like :func:`choose`'s answers."""
+    """The split transport's configuration for the GEMM+RS shape (M, K, N): a calibrated row's of this very shape
+    (:mod:`fluxinductor.calibration` times each configuration), else :func:`split_config_from_table` for this
+    device's table at this world size (None without either, or for a dtype the table does not cover), remembered like
+    :func:`choose`'s answers."""
     path = table_path(device_name, world)
     try:
         mtime = os.stat(path).st_mtime
     except OSError:
-        return None
+        mtime = None
+
     def compute() -> Optional[int]:
-        table = load_table(path)
+        for r in _calibrated_rows(device_name, world, MATMUL_REDUCE_SCATTER, dtype):
+            if (r["m"], r["k"], r["n"]) == (int(m), int(k), int(n)) and r.get("split_config") is not None:
+                return int(r["split_config"])
+        table = None if mtime is None else load_table(path)
         if table is None or dtype_name(dtype) != dtype_name(table.get("dtype", "bfloat16")):
             return None
         return split_config_from_table(table, int(m), int(k), int(n))
 
-    return _remembered(_split_configs, (path, mtime, int(m), int(k), int(n), str(dtype)), compute)
+    return _remembered(_split_configs, (path, mtime, _calibration_version, int(m), int(k), int(n), str(dtype)),
+                       compute)
 
 
 def _choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
@@ -625,7 +640,8 @@ def _choose(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype
 
 
 def _choose_answered(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
-                     path: str) -> Tuple[str, str, bool]:
+                     path: str, kinds: Tuple[str, ...] = ("exact", "between", "above", "similar", "below")
+                     ) -> Tuple[str, str, bool]:
     key = device_key(device_name)
     table = load_table(path)
     if table is None:
@@ -634,17 +650,24 @@ def _choose_answered(op: str, device_name: str, world: int, m: int, k: int, n: i
     have = dtype_name(table.get("dtype", "bfloat16"))
     if want != have and not (want in _HALF_DTYPES and have in _HALF_DTYPES):
         return "sequential", f"the tuning table for {key} tp{int(world)} was measured in {have}, not {want}", True
-    return _choose_from_table(table, op, int(m), int(k), int(n), tuple(paths))
+    return _choose_from_table(table, op, int(m), int(k), int(n), tuple(paths), kinds)
 
 
 _decisions: Dict[tuple, Decision] = {}
 
 
+# The table answers that measured the call's own (K, N) around its M (or rule it out below the measured range);
+# the others ("above" the range, a "similar" shape's row) are seeds (module docstring).
+_MEASURED_KINDS = ("exact", "between", "below")
+_SEED_KINDS = ("above", "similar")
+
+
 def decide(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype,
            paths: Tuple[str, ...] = PATHS) -> Decision:
-    """:func:`choose`, then where no table row answers, the calibrated rows (the same (K, N) at this M or between two
-    measured Ms), then the roofline estimate (module docstring).  Remembered like :func:`choose`'s answers, and
-    forgotten whenever a measured row or measured rates are added."""
+    """The table where it measured this (K, N) around this M; else the calibrated rows (the same (K, N) at this M or
+    between two measured Ms); else an estimate: the table's row above the measured range or of a similar shape (a
+    seed), or the roofline (module docstring).  Remembered like :func:`choose`'s answers, and forgotten whenever a
+    measured row or measured rates are added."""
     table_file = table_path(device_name, world)
     try:
         mtime = os.stat(table_file).st_mtime
@@ -667,7 +690,8 @@ def _calibrated_rows(device_name: str, world: int, op: str, dtype) -> List[dict]
 
 def _decide_all(op: str, device_name: str, world: int, m: int, k: int, n: int, dtype, paths: Tuple[str, ...],
                 table_file: str) -> Decision:
-    choice, reason, answered = _choose_answered(op, device_name, world, m, k, n, dtype, paths, table_file)
+    choice, reason, answered = _choose_answered(op, device_name, world, m, k, n, dtype, paths, table_file,
+                                                _MEASURED_KINDS)
     if answered:
         return Decision(choice, reason, False)
     rows = _calibrated_rows(device_name, world, op, dtype)
@@ -675,6 +699,10 @@ def _decide_all(op: str, device_name: str, world: int, m: int, k: int, n: int, d
         c, r, found = _choose_from_table({"entries": rows}, op, m, k, n, paths, kinds=("exact", "between"))
         if found:
             return Decision(c, f"calibrated on this device: {r}", False)
+    seed, seed_reason, answered = _choose_answered(op, device_name, world, m, k, n, dtype, paths, table_file,
+                                                   _SEED_KINDS)
+    if answered:
+        return Decision(seed, f"{seed_reason} (a seed: this shape was not measured)", True)
     return _estimate(op, device_name, world, m, k, n, dtype, paths, reason)
 
 

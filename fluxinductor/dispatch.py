@@ -130,13 +130,16 @@ def _internode_measured(op: str, device: torch.device, group_name: str, world: i
 
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
                      fused_eligible: bool = True, split_eligible: bool = True, group_name: Optional[str] = None,
-                     run_path: Optional[Callable[[str], Callable[[], object]]] = None) -> Tuple[str, str]:
+                     run_path: Optional[Callable[[str], Callable[[], object]]] = None,
+                     split_configs: Tuple[int, ...] = ()) -> Tuple[str, str]:
     """(path, reason): the cost model's choice among the paths that can run here.
 
-    Where that choice is only the roofline's estimate (no table row answers) and ``run_path`` can run each path on the
-    call's operands (``run_path(path)`` returns a zero-argument callable), the call is measured instead, once per
-    signature and agreed by every rank (:mod:`fluxinductor.calibration`): first the device's rates, and if the roofline
-    with them still leaves a fused path in the running, every candidate on the call itself."""
+    Where that choice is only an estimate (no table measured the shape: a seed row or the roofline) and ``run_path``
+    can run each path on the call's operands (``run_path(path)`` returns a zero-argument callable), the call is
+    measured instead, once per signature and agreed by every rank (:mod:`fluxinductor.calibration`): first the
+    device's rates, and if the estimate with them still leaves a fused path in the running, every candidate on the
+    call itself; the split transport in each of ``split_configs`` (``run_path`` gets
+    ``calibration.split_candidate(config)``) where there are two or more."""
     name = _device_name(device.index)
     paths = overlapped_paths(op, fused_eligible, split_eligible)
     decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
@@ -148,7 +151,11 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
         calibration.ensure_rates(device, group_name, world)
         decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
         if decision.path != "sequential":
-            candidates = {p: run_path(p) for p in ("sequential",) + paths}
+            names = ("sequential",) + paths
+            if "fused_split" in paths and len(split_configs) > 1:
+                at = names.index("fused_split")
+                names = names[:at] + tuple(calibration.split_candidate(c) for c in split_configs) + names[at + 1:]
+            candidates = {p: run_path(p) for p in names}
             path, reason = calibration.choose_measured(op, device, group_name, world, m, k, n, dtype, candidates)
             return path, f"calibration chose {path}: {reason}"
     return decision.path, f"cost model chose {decision.path}: {decision.reason}"
@@ -672,7 +679,9 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
             if path == "asynctp":
                 return lambda: _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name,
                                                               world)
-            config = _split_config_choice(a.device, world, m, k, n, a.dtype)
+            path, _, measured_config = path.partition("@")  # calibration.split_candidate
+            config = int(measured_config) if measured_config else _split_config_choice(a.device, world, m, k, n,
+                                                                                        a.dtype)
             batch = batch_rows if batch_rows and kernels.batch_major_reason(a2d, batch_rows, world) is None else 0
             return lambda: kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
                                                          transport=_TRANSPORTS[path], split_config_choice=config,
@@ -680,7 +689,8 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
 
         path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, m, k, n, a.dtype,
                                         fused_eligible=why is None, split_eligible=split_eligible,
-                                        group_name=group_name, run_path=run_path)
+                                        group_name=group_name, run_path=run_path,
+                                        split_configs=kernels.split_configs(a.dtype) if split_eligible else ())
         if path == "asynctp":
             return path, reason, transport, None
         if path in _TRANSPORTS:

@@ -53,7 +53,7 @@ from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
     _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature)
 from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - gemm_rs.ErrorWord for the GPU tests
 from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
-    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, split_reason, tail_split_parts)
+    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, split_configs, split_reason, tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 

@@ -5,7 +5,7 @@ with :mod:`.gemm_rs_copy`'s resources) runs in csrc/gemm_rs/gemm_rs.cu run_split
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -36,6 +36,14 @@ def resolve_split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> in
     forced = settings.tuning.gemm_rs_split_config
     config = forced if forced is not None else (0 if chosen is None else int(chosen))
     return config if dtype == torch.bfloat16 else 0
+
+
+def split_configs(dtype: torch.dtype) -> Tuple[int, ...]:
+    """The configurations a calibration times for a call: each one the dtype has, or none (the call's own choice
+    stands) where ``settings.tuning.gemm_rs_split_config`` forces one or the dtype has only one."""
+    if settings.tuning.gemm_rs_split_config is not None or dtype != torch.bfloat16:
+        return ()
+    return SPLIT_CONFIGS
 
 
 def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:

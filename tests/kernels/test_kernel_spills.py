@@ -12,7 +12,8 @@ bytes, unseen by every correctness test (docs/design_ag_gemm.md); in the split o
 (192 accumulator registers per math thread of 232), the band wait's code in the tile scheduler, run by every warp
 group, made it spill 82 bytes until the waits moved into the producer warps' loads (gemm_rs/split.cuh).  This
 compiles their translation units as the build does (CMakeLists.txt's flags) with ptxas's report and fails on any
-spill.  Needs nvcc (CI's machine has it) and the nvidia-cutlass headers (the test extras install the wheel)."""
+spill, and on any kernel whose wgmma ptxas serialized.  Needs nvcc (CI's machine has it) and the nvidia-cutlass
+headers (the test extras install the wheel)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,7 @@ def test_default_kernels_have_no_spills(unit, tmp_path):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills, "ptxas printed no spill report:\n" + report[-2000:]
     assert all(s == ("0", "0") for s in spills), f"a kernel of csrc/{unit} spills registers:\n" + report[-3000:]
+    # ptxas serializes a kernel's wgmma (waits for each before the next) where a call crosses the wgmma pipeline, as
+    # the device assert's call does in a build without NDEBUG.
+    serialized = [line for line in report.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+    assert not serialized, f"ptxas serialized the wgmma of a kernel of csrc/{unit}:\n" + serialized[0][:2000]

@@ -92,7 +92,7 @@ def _job(rank: int, world: int) -> Dict[str, object]:
 
     name = dist.group.WORLD.group_name
     declined = types.SimpleNamespace(unsupported_reason=lambda *args: "a stand-in kernel module declines every call",
-                                     split_reason=lambda *args: None)
+                                     split_reason=lambda *args: None, split_configs=lambda dtype: ())
     dispatch._kernels_for = lambda op, operand: declined
     dispatch._peers_reason = lambda group_name, device: None
     exchanges = count_calls(dist, "all_gather_object")

@@ -126,6 +126,40 @@ def test_calibrated_rows_answer_at_their_m_and_between_not_elsewhere():
     assert cost_model.calibration_digest() != "([], [])"
 
 
+def test_a_row_above_the_range_or_of_a_similar_shape_is_a_seed():
+    """The table decides where it measured the call's (K, N) around its M; a row above the measured Ms or of a similar
+    shape only seeds an estimate (the first call measures the shape), until a calibrated row of the shape answers."""
+    bf16, h200 = torch.bfloat16, "NVIDIA H200"
+    assert not cost_model.decide(RS, h200, 2, 4096, 8192, 8192, bf16).estimated  # a row of the shape
+    assert not cost_model.decide(RS, h200, 2, 6144, 8192, 28672, bf16).estimated  # between two rows' Ms
+    above = cost_model.decide(RS, h200, 2, 32768, 8192, 28672, bf16)
+    assert above.estimated and above.path == "fused_split" and "above the range" in above.reason
+    similar = cost_model.decide(RS, h200, 2, 16384, 4096, 4096, bf16)
+    assert similar.estimated and similar.path == "fused_split" and "a seed" in similar.reason
+    assert cost_model.split_config(h200, 2, 16384, 4096, 4096, bf16) == 0  # the similar row's configuration
+    # What the pass weighs comes from the seed too, until the shape is measured.
+    assert cost_model.saving_ms(RS, h200, 2, 16384, 4096, 4096, bf16, "fused_split") > 0
+    cost_model.add_calibrated_row(h200, 2, {"op": RS, "m": 16384, "k": 4096, "n": 4096, "dtype": "bfloat16",
+                                            "choice": "fused", "sequential_ms": 1.0, "fused_ms": 0.8,
+                                            "fused_split_ms": 0.9, "split_config": 2})
+    measured = cost_model.decide(RS, h200, 2, 16384, 4096, 4096, bf16)
+    assert (measured.path, measured.estimated) == ("fused", False) and "calibrated" in measured.reason
+    assert cost_model.split_config(h200, 2, 16384, 4096, 4096, bf16) == 2
+    assert cost_model.saving_ms(RS, h200, 2, 16384, 4096, 4096, bf16, "fused_split") == pytest.approx(0.1)
+    # The table's own rows are not overridden by a calibrated row of their shape.
+    cost_model.add_calibrated_row(h200, 2, {"op": RS, "m": 4096, "k": 8192, "n": 8192, "dtype": "bfloat16",
+                                            "sequential_ms": 1.0, "fused_ms": 2.0, "split_config": 2})
+    assert cost_model.decide(RS, h200, 2, 4096, 8192, 8192, bf16).path == "fused_split"
+
+
+def test_split_configuration_kept_only_where_it_beats_the_default():
+    assert calibration._split_config({"0": 1.0, "2": 0.995}) == 0  # within MIN_GAIN: the default
+    assert calibration._split_config({"0": 1.0, "2": 0.9}) == 2
+    assert calibration._split_config({"0": 0.9, "2": 1.0}) == 0
+    with pytest.raises(ValueError, match="per configuration"):
+        calibration._fold({"fused@2": 1.0})
+
+
 def test_split_veto_uses_the_roofline_without_a_table():
     assert cost_model.split_all_reduce_veto(H100, 2, 64, 8192, 8192, torch.bfloat16) is not None
     assert cost_model.split_all_reduce_veto(H100, 2, 16384, 28672, 8192, torch.bfloat16) is None
@@ -244,6 +278,46 @@ def _dispatch_job(rank, world, cache, fused_s):
     rates = cost_model.rates_for(H100, world)
     return (big, n_big, small, len(calls) - n_big, (rates.source, rates.matmul_tflops),
             os.path.exists(calibration.cache_path(H100, world)))
+
+
+def _split_configs_job(rank, world, cache):
+    import torch.distributed as dist
+
+    from fluxinductor import calibration, dispatch, settings
+
+    settings.set_tuning(calibration_dir=cache)
+    dispatch._device_name.cache_clear()
+    dispatch._device_name = lambda index: H100
+    calibration._device_name = lambda device: H100
+    calibration._measure_rates = lambda device, group, world, timer: [700.0, 200.0, 0.04]
+    calls: list = []
+    seconds = {"sequential": 0.05, "fused": 0.045, "fused_copy": 0.045, calibration.split_candidate(0): 0.04,
+               calibration.split_candidate(2): 0.02}
+
+    def run_path(path):
+        return _sleeper(seconds[path], calls, path)
+
+    device = torch.device("cpu")
+    path, reason = dispatch._cost_model_says(RS, device, world, 16384, 8192, 28672, torch.bfloat16,
+                                             fused_eligible=True, split_eligible=True,
+                                             group_name=dist.group.WORLD.group_name, run_path=run_path,
+                                             split_configs=(0, 2))
+    dist.barrier()  # rank 0 writes the cache
+    with open(calibration.cache_path(H100, world)) as f:
+        (row,) = json.load(f)["entries"]
+    return path, reason, sorted(set(calls)), cost_model.split_config(H100, world, 16384, 8192, 28672,
+                                                                      torch.bfloat16), row
+
+
+def test_calibration_times_each_split_configuration_and_keeps_the_fastest(tmp_path):
+    results = run_ranks(_split_configs_job, 2, str(tmp_path), timeout=180)
+    for path, reason, called, config, row in results:
+        assert path == "fused_split" and "fused_split@2" in reason, reason
+        assert called == ["fused", "fused_copy", "fused_split@0", "fused_split@2", "sequential"]
+        assert config == 2  # the dispatcher runs the faster configuration
+        assert row["split_config"] == 2 and row["choice"] == "fused_split"
+        assert row["fused_split_ms"] == pytest.approx(row["fused_split_config_ms"]["2"])
+        assert row["fused_split_config_ms"]["0"] > row["fused_split_ms"]
 
 
 @pytest.mark.parametrize("fused_s, expected", [(0.01, "fused"), (0.05, "sequential")])

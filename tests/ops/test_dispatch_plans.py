@@ -42,6 +42,7 @@ def counted(flux_settings, monkeypatch):
         return counts.choice, f"cost model chose {counts.choice}: test"
 
     module = types.SimpleNamespace(unsupported_reason=unsupported_reason, split_reason=lambda *args: None,
+                                   split_configs=lambda dtype: (),
                                    matmul_reduce_scatter=matmul_reduce_scatter, all_gather_matmul=all_gather_matmul)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)

@@ -26,7 +26,7 @@ def fake_kernels(flux_settings, monkeypatch):
     from fluxinductor.kernels import gemm_rs
 
     module = types.SimpleNamespace(unsupported_reason=lambda *args: None, matmul_reduce_scatter=matmul_reduce_scatter,
-                                   split_reason=gemm_rs.split_reason)
+                                   split_reason=gemm_rs.split_reason, split_configs=gemm_rs.split_configs)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
     monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)  # tests/kernels/test_peers.py
@@ -169,13 +169,14 @@ def test_transport_notes_are_logged_once_and_are_not_fallbacks(caplog):
 
 def test_split_config_from_the_table_reaches_the_kernel(flux_settings, fake_kernels, tmp_path, monkeypatch):
     """A table row that recorded the split GEMMs' faster configuration (split_config) hands it to the kernel for
-    its shape and the shapes nearest it; rows without one (older tables) leave the kernel's default."""
+    its shape and the shapes nearest it (above the measured Ms too, when calibration is off); rows without one
+    (older tables) leave the kernel's default."""
     from fluxinductor import cost_model
 
     rows = [dict(op="matmul_reduce_scatter", m=m, k=64, n=8, fused_ms=2.9, fused_split_ms=2.5, sequential_ms=2.6,
                  split_config=config) for m, config in ((64, 0), (256, 2))]
     rows.append(dict(op="matmul_reduce_scatter", m=64, k=64, n=16, fused_ms=2.9, fused_split_ms=2.5, sequential_ms=2.6))
-    flux_settings(tuning_dir=str(tmp_path))
+    flux_settings(tuning_dir=str(tmp_path), calibrate=False)
     cost_model.clear_cache()
     table = cost_model.make_table("NVIDIA H200", 2, torch.float32, rows, source={"test": True})
     cost_model.write_table(str(tmp_path / "nvidia_h200_tp2.json"), table, merge=False)

@@ -79,7 +79,7 @@ def counted(flux_settings, monkeypatch, group_name):
         return check(*args, **kwargs)
 
     module = types.SimpleNamespace(
-        unsupported_reason=lambda *args: None, split_reason=lambda *args: None,
+        unsupported_reason=lambda *args: None, split_reason=lambda *args: None, split_configs=lambda dtype: (),
         prepare_all_gather_matmul=prepare_all_gather_matmul, all_gather_matmul=all_gather_matmul,
         prepare_matmul_reduce_scatter=prepare_matmul_reduce_scatter, matmul_reduce_scatter=matmul_reduce_scatter)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
