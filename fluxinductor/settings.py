@@ -230,8 +230,9 @@ class Tuning:
     asynctp: bool = _knob(False, _parse_bool, "Offer PyTorch's async-TP ops to the `auto` dispatcher (experimental).",
                           "bool")
     calibrate: bool = _knob(True, _parse_bool, "Under `auto` dispatch, time the fused paths against the sequential one "
-                            "at the first call of a shape no tuning table covers, and keep the faster "
-                            "(fluxinductor/calibration.py); off: the roofline estimate decides alone.", "bool")
+                            "at the first call of a shape no tuning table measured, and keep the fastest "
+                            "(fluxinductor/calibration.py); off: the estimate (a similar shape's table row, or the "
+                            "roofline) decides alone.", "bool")
     calibration_dir: Optional[str] = _knob(None, _path, "Folder of the calibration cache (one JSON per device and "
                                            "world size); None: `$XDG_CACHE_HOME/fluxinductor` or "
                                            "`~/.cache/fluxinductor`.", "path or None")
