@@ -280,15 +280,15 @@ def _dispatch_job(rank, world, cache, fused_s):
             os.path.exists(calibration.cache_path(H100, world)))
 
 
-def _split_configs_job(rank, world, cache):
+def _split_configs_job(rank, world, cache, device_name, shape):
     import torch.distributed as dist
 
     from fluxinductor import calibration, dispatch, settings
 
     settings.set_tuning(calibration_dir=cache)
     dispatch._device_name.cache_clear()
-    dispatch._device_name = lambda index: H100
-    calibration._device_name = lambda device: H100
+    dispatch._device_name = lambda index: device_name
+    calibration._device_name = lambda device: device_name
     calibration._measure_rates = lambda device, group, world, timer: [700.0, 200.0, 0.04]
     calls: list = []
     seconds = {"sequential": 0.05, "fused": 0.045, "fused_copy": 0.045, calibration.split_candidate(0): 0.04,
@@ -298,19 +298,24 @@ def _split_configs_job(rank, world, cache):
         return _sleeper(seconds[path], calls, path)
 
     device = torch.device("cpu")
-    path, reason = dispatch._cost_model_says(RS, device, world, 16384, 8192, 28672, torch.bfloat16,
+    estimate = cost_model.decide(RS, device_name, world, *shape, torch.bfloat16)
+    path, reason = dispatch._cost_model_says(RS, device, world, *shape, torch.bfloat16,
                                              fused_eligible=True, split_eligible=True,
                                              group_name=dist.group.WORLD.group_name, run_path=run_path,
                                              split_configs=(0, 2))
     dist.barrier()  # rank 0 writes the cache
-    with open(calibration.cache_path(H100, world)) as f:
+    with open(calibration.cache_path(device_name, world)) as f:
         (row,) = json.load(f)["entries"]
-    return path, reason, sorted(set(calls)), cost_model.split_config(H100, world, 16384, 8192, 28672,
-                                                                      torch.bfloat16), row
+    assert estimate.estimated, estimate
+    return path, reason, sorted(set(calls)), cost_model.split_config(device_name, world, *shape, torch.bfloat16), row
 
 
-def test_calibration_times_each_split_configuration_and_keeps_the_fastest(tmp_path):
-    results = run_ranks(_split_configs_job, 2, str(tmp_path), timeout=180)
+@pytest.mark.parametrize("device_name, shape", [
+    (H100, (16384, 8192, 28672)),  # no table: the roofline's estimate
+    ("NVIDIA H200", (16384, 4096, 4096)),  # the packaged table's similar row (configuration 0) seeds it
+])
+def test_calibration_times_each_split_configuration_and_keeps_the_fastest(tmp_path, device_name, shape):
+    results = run_ranks(_split_configs_job, 2, str(tmp_path), device_name, shape, timeout=180)
     for path, reason, called, config, row in results:
         assert path == "fused_split" and "fused_split@2" in reason, reason
         assert called == ["fused", "fused_copy", "fused_split@0", "fused_split@2", "sequential"]
