@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from fluxinductor import cost_model, settings
+from fluxinductor import cost_model, settings, tuning_table
 from fluxinductor.log import logger as log
 from fluxinductor.log import note_once
 
@@ -300,8 +300,7 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
     row = {"op": op, "m": m, "k": k, "n": n, "dtype": dtype, "choice": choice,
            **{f"{p}_ms": t for p, t in by_path.items()}}
     if configs:
-        row["split_config"] = _split_config(configs)
-        row["fused_split_config_ms"] = configs
+        row.update(split_config=_split_config(configs), fused_split_config_ms=configs)
     if op in (cost_model.ALL_GATHER_MATMUL, cost_model.MATMUL_REDUCE_SCATTER):
         cost_model.add_calibrated_row(name, world, row)
     if fresh:
@@ -319,41 +318,47 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
 
 
 def _split_config(configs: Dict[str, float]) -> int:
-    """The fastest configuration; the default (0) unless another beats it by more than ``cost_model.MIN_GAIN``, as
-    bench_ops keeps a table's ``split_config``."""
-    best = min(configs, key=lambda c: (configs[c], int(c)))
-    default = configs.get("0")
-    if default is not None and default - configs[best] <= cost_model.MIN_GAIN * default:
-        return 0
-    return int(best)
+    """The configuration a row keeps (``tuning_table.kept_split_config``, as bench_ops keeps a table's), from the
+    row's times per configuration."""
+    return tuning_table.kept_split_config({int(c): t for c, t in configs.items()})
 
 
 def split_candidate(config: int) -> str:
-    """The candidate name that times the split GEMM+RS transport in one of its GEMM configurations; the path's time is
-    its fastest configuration's, and the row keeps which (``split_config``) and each one's (``fused_split_config_ms``),
-    as a table's row does."""
+    """The candidate name that times the split GEMM+RS transport in one of its GEMM configurations; the row keeps one
+    configuration (``split_config``), the path's time is that one's, and each one's is kept too
+    (``fused_split_config_ms``), as a table's row does."""
     return f"{_SPLIT}@{int(config)}"
 
 
-def _cached_time(row: dict, name: str) -> Optional[float]:
+def parse_candidate(name: str) -> Tuple[str, Optional[int]]:
+    """(path, configuration or None) of a candidate name (:func:`split_candidate`)."""
     path, _, config = name.partition("@")
-    if not config:
+    return path, int(config) if config else None
+
+
+def _cached_time(row: dict, name: str) -> Optional[float]:
+    path, config = parse_candidate(name)
+    if config is None:
         return row.get(f"{path}_ms")
-    return row.get(f"{path}_config_ms", {}).get(config)
+    return row.get(f"{path}_config_ms", {}).get(str(config))
 
 
 def _fold(by_name: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, float]]:
     """(each path's time, the split transport's time per configuration): a path timed in several configurations takes
-    its fastest one's."""
+    the time of the one the row keeps."""
     by_path: Dict[str, float] = {}
     configs: Dict[str, float] = {}
     for name, t in by_name.items():
-        path, _, config = name.partition("@")
-        if config:
-            if path != _SPLIT:
-                raise ValueError(f"only the {_SPLIT} path is timed per configuration, not {path!r}")
-            configs[config] = t
-        by_path[path] = min(t, by_path.get(path, float("inf")))
+        path, config = parse_candidate(name)
+        if config is None:
+            by_path[path] = t
+        elif path != _SPLIT:
+            raise ValueError(f"only the {_SPLIT} path is timed per configuration, not {path!r}")
+        else:
+            configs[str(config)] = t
+            by_path.setdefault(path, t)  # the path's place among the candidates (near ties keep the first)
+    if configs:
+        by_path[_SPLIT] = configs[str(_split_config(configs))]
     return by_path, configs
 
 

@@ -679,9 +679,11 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
             if path == "asynctp":
                 return lambda: _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name,
                                                               world)
-            path, _, measured_config = path.partition("@")  # calibration.split_candidate
-            config = int(measured_config) if measured_config else _split_config_choice(a.device, world, m, k, n,
-                                                                                        a.dtype)
+            from fluxinductor import calibration
+
+            path, config = calibration.parse_candidate(path)
+            if config is None:
+                config = _split_config_choice(a.device, world, m, k, n, a.dtype)
             batch = batch_rows if batch_rows and kernels.batch_major_reason(a2d, batch_rows, world) is None else 0
             return lambda: kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
                                                          transport=_TRANSPORTS[path], split_config_choice=config,

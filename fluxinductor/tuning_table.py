@@ -168,18 +168,22 @@ def table_file(directory: str, table: dict) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+def kept_split_config(times: Dict[int, float]) -> int:
+    """The split transport's configuration a row keeps, from the times of those that ran (and passed): 2 only where it
+    beat 0 by more than the cost model's noise margin (or 0 has no time), else 0, the default."""
+    if 2 in times and (0 not in times or times[2] < times[0] * (1.0 - _cost_model().MIN_GAIN)):
+        return 2
+    return 0
+
+
 def split_columns(contenders: Dict[str, dict], ok: Callable[[str], Optional[bool]]) -> dict:
     """A row's split transport columns from bench_ops ``contenders`` (name -> record with ``ms``): the faster
     configuration's time (configuration 2 only where it beat 0 by more than the cost model's noise margin and
     passed its check), which one (``split_config``), and both times for the record.  ``ok(name)``: whether that
     contender's output passed its check (None where it has no time)."""
-    min_gain = _cost_model().MIN_GAIN
     times = {cfg: contenders.get(name, {}).get("ms") for cfg, name in _SPLIT_CONTENDERS}
     oks = {cfg: ok(name) for cfg, name in _SPLIT_CONTENDERS}
-    usable = {cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False}
-    config = 0
-    if 2 in usable and (0 not in usable or usable[2] < usable[0] * (1.0 - min_gain)):
-        config = 2
+    config = kept_split_config({cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False})
     cols = {"fused_split_ms": times[config], "fused_split_ok": oks[config]}
     if times[2] is not None or oks[2] is not None:
         cols.update(split_config=config, fused_split_config_ms={str(cfg): t for cfg, t in times.items()})
