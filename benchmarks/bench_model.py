@@ -55,9 +55,10 @@ Order.  Per (model, phase): every mode is compiled and checked first (one call, 
 ``--warmup`` untimed steps), in the order eager, inductor, nocomm, flux, flux_fused, asynctp (fluxinductor before
 async-TP, as in bench_ops.py, so async-TP's symmetric-memory workspace is allocated last); no
 ``torch._dynamo.reset()`` between modes (once per model, before its modes are built).  Then the modes that compiled
-are timed in ``--rounds`` rounds (default 5 on CUDA, 2 on CPU or with --quick), the order rotated by one each
-round (recorded: ``rounds[].order``), each mode ``--round-warmup`` untimed steps then ``--iters`` timed steps per
-round.  These machines are noisy (the GPU's clock drifts under load): alternating spreads drift over all modes
+are run in turn, untimed, for ``--settle-s`` seconds (default 3 on CUDA: the GPU reaches its power cap before any
+step is timed; ``rounds[].settle``), then timed in ``--rounds`` rounds (default 5 on CUDA, 2 on CPU or with
+--quick), the order rotated by one each round (recorded: ``rounds[].order``, and when each mode's round began,
+``rounds[].start_s``), each mode ``--round-warmup`` untimed steps then ``--iters`` timed steps per round.  These machines are noisy (the GPU's clock drifts under load): alternating spreads drift over all modes
 alike, and the spread says how far apart two modes must be to count.  The FX graph cache and the AOTAutograd cache
 are off so every mode really compiles and runs its passes; dynamo's recompile limit is raised (every mode adds
 cache entries to the model's forward) and automatic dynamic shapes are off (every step has static shapes; a
@@ -187,6 +188,7 @@ class Ctx(RunContext):
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
         self.rounds = args.rounds if args.rounds is not None else (5 if self.is_cuda and not args.quick else 2)
         self.round_warmup = args.round_warmup
+        self.settle_s = args.settle_s if args.settle_s is not None else (3.0 if self.is_cuda else 0.0)
         # The hidden-host figure: CUDA only, off with --sleep-cycles 0.
         self.hidden = self.is_cuda and self.sleep_cycles > 0
         self.sleep_ms: Optional[float] = None  # --sleep-cycles on the idle GPU, measured at the start
@@ -200,6 +202,7 @@ class Ctx(RunContext):
             self.compile_kwargs["dynamic"] = True
         self.cudagraphs = args.compile_mode == "reduce-overhead"
         self.flux_options = parse_tuning(args.flux_options)
+        self.t0 = time.monotonic()  # the run's start: rounds record when each mode's round began (``start_s``)
 
     def before_step(self, model: nn.Module, x: torch.Tensor) -> None:
         """Before every step, outside the timed region: gradients dropped; with CUDA graph trees a new step begun
@@ -510,6 +513,25 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
     return None
 
 
+def settle(ctx: Ctx, conts: List[Contender], x: torch.Tensor, grad) -> dict:
+    """Untimed steps of every contender in turn (``ctx.iters`` each, as a round's), until rank 0 has run them for
+    ``ctx.settle_s`` seconds; every rank runs the same steps.  An idle GPU starts at its top clock, and when its power
+    first reaches the cap the clock falls below where it then settles for most of a second (2×H200, S 16384: 1410
+    MHz at 680 W, then 1590–1965): without this, a round-1 contender that ran then lost up to 2 ms a step, and the
+    first contender of round 1 ran at the top clock.  Returns the steps run and the seconds taken (rank 0's)."""
+    start, steps = time.monotonic(), 0
+    while True:
+        for cont in conts:
+            with cont.make_context():
+                time_iterations(ctx, lambda: _step(cont.fn, x, grad), ctx.iters, 0,  # noqa: B023
+                                before_iter=lambda: ctx.before_step(cont.model, x))  # noqa: B023
+            _drop_grads(cont.model, x)
+            steps += ctx.iters
+        elapsed = time.monotonic() - start
+        if not ctx.gather({"more": elapsed < ctx.settle_s})[0]["more"]:
+            return {"steps": steps, "s": round(elapsed, 3)}
+
+
 def summarize(ctx: Ctx, cont: Contender, record: dict) -> None:
     """Gather every rank's round times of ``cont`` into ``record``: host-exposed ``ms`` (median over all steps of
     each step's maximum over ranks), its ``spread`` and ``round_median_ms``, and the hidden-host figures."""
@@ -588,12 +610,19 @@ def run_phase(ctx: Ctx, conts: Dict[str, object], model_name: str, phase: str, m
     gc.collect()
 
     live = [m for m in RUN_ORDER if m in records and records[m]["error"] is None]
-    rounds_entry = {"model": model_name, "phase": phase, "order": []}
+    rounds_entry = {"model": model_name, "phase": phase, "order": [], "start_s": []}
     data["rounds"].append(rounds_entry)
+    if ctx.settle_s > 0 and live:
+        with watchdog(timeout):
+            rounds_entry["settle"] = settle(ctx, [conts[m] for m in live], x, grad)
+        log(f"{model_name} {phase} settled: {rounds_entry['settle']['steps']} untimed steps in "
+            f"{rounds_entry['settle']['s']:.1f} s")
     for r in range(ctx.rounds):
         order = [m for m in live[r % len(live):] + live[:r % len(live)] if records[m]["error"] is None] if live else []
         rounds_entry["order"].append(order)
+        rounds_entry["start_s"].append({})
         for mode in order:
+            rounds_entry["start_s"][-1][mode] = round(time.monotonic() - ctx.t0, 3)
             with watchdog(timeout):
                 error = time_round(ctx, conts[mode], x, grad)
             _, error = agree(ctx, {"error": error})
@@ -857,6 +886,10 @@ def build_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps per mode after its first call (default 5; --quick 1)")
     p.add_argument("--round-warmup", type=int, default=1, help="untimed steps per mode at the start of each round")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="before a phase's timed rounds, run the modes in turn, untimed, for at least this many "
+                        "seconds, so that the GPU reaches its power cap before any step is timed (default 3 on "
+                        "cuda, 0 on cpu)")
     p.add_argument("--iters", type=int, default=None,
                    help="timed steps per mode per round (default 10; --quick 3), host exposed; as many again with "
                         "the host hidden on cuda")
@@ -965,6 +998,7 @@ def main(argv=None) -> int:
                      "compile_mode": args.compile_mode, "dynamic": args.dynamic, "tokens": sweep,
                      "tokens_skipped": [],
                      "flux_options": ctx.flux_options, "warmup": ctx.warmup, "round_warmup": ctx.round_warmup,
+                     "settle_s": ctx.settle_s,
                      "rounds": ctx.rounds, "iters": ctx.iters, "host_exposed": True,
                      "order": "per (model, phase): every mode compiled and checked in RUN_ORDER, then timed in "
                               "rounds, the order rotated by one each round (rounds[].order)",
@@ -979,7 +1013,8 @@ def main(argv=None) -> int:
                                 "exact": {m: not nocomm_approximation(m, args.tp) for m in models}},
                      "gain_formula": "G = (T_inductor - T_mode) / (T_inductor - T_nocomm), host-exposed medians",
                      "fx_graph_cache": False, "autograd_cache": False, "dynamo": dynamo_settings,
-                     "contender_timeout_s": args.contender_timeout},
+                     "contender_timeout_s": args.contender_timeout,
+                     "start_unix_s": round(time.time() - (time.monotonic() - ctx.t0), 3)},
         "results": [],
         "rounds": [],
     }
@@ -987,7 +1022,7 @@ def main(argv=None) -> int:
 
     def log(msg: str) -> None:
         if ctx.rank == 0:
-            print(f"[bench_model] {msg}", flush=True)
+            print(f"[bench_model {time.monotonic() - ctx.t0:.1f}s] {msg}", flush=True)
 
     def save() -> None:
         if ctx.rank == 0:

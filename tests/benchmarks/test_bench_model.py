@@ -164,7 +164,8 @@ def test_bench_model_cpu_decode_rounds_gain(tmp_path):
     modes = ["inductor", "nocomm", "flux", "asynctp"]  # compile order
     data, stdout = _run(tmp_path, "decode", [
         "--models", "llama2", "--layers", "1", "--tp", "plain", "--seq", "1", "--batch", "8", "--phases", "fwd",
-        "--modes", "inductor,asynctp,flux,nocomm", "--compile-mode", "reduce-overhead", "--rounds", "3"])
+        "--modes", "inductor,asynctp,flux,nocomm", "--compile-mode", "reduce-overhead", "--rounds", "3",
+        "--settle-s", "0.01"])
     _check_common(data, stdout, n_rows=4)
     s = data["settings"]
     assert s["rounds"] == 3 and s["compile_mode"] == "reduce-overhead" and s["models"]["llama2"]["seq"] == 1
@@ -176,6 +177,13 @@ def test_bench_model_cpu_decode_rounds_gain(tmp_path):
     (entry,) = data["rounds"]
     assert (entry["model"], entry["phase"]) == ("llama2", "fwd")
     assert entry["order"] == [modes[r:] + modes[:r] for r in range(3)]
+    # Before the rounds every mode ran a round's steps, untimed (at least once: the settle outlasts 0.01 s).
+    assert s["settle_s"] == 0.01 and entry["settle"]["steps"] >= len(modes) * 3 and entry["settle"]["s"] >= 0.01
+    assert entry["settle"]["steps"] % (len(modes) * 3) == 0
+    # When each mode's round began: in the round's order, after the settle.
+    starts = [[rnd[m] for m in order] for rnd, order in zip(entry["start_s"], entry["order"])]
+    flat = [t for rnd in starts for t in rnd]
+    assert flat == sorted(flat) and len(set(flat)) == len(flat) and flat[0] > 0
     # nocomm: the same per-rank work, no collective (plain TP: exact).
     _no_collectives(rows["nocomm"], 1)
     assert s["nocomm"]["exact"] == {"llama2": True} and s["nocomm"]["approximation"] == {"llama2": None}
