@@ -55,16 +55,17 @@ Order.  Per (model, phase): every mode is compiled and checked first (one call, 
 ``--warmup`` untimed steps), in the order eager, inductor, nocomm, flux, flux_fused, asynctp (fluxinductor before
 async-TP, as in bench_ops.py, so async-TP's symmetric-memory workspace is allocated last); no
 ``torch._dynamo.reset()`` between modes (once per model, before its modes are built).  Then the modes that compiled
-are run in turn, untimed, for ``--settle-s`` seconds (default 3 on CUDA: the GPU reaches its power cap before any
-step is timed; ``rounds[].settle``), then timed in ``--rounds`` rounds (default 5 on CUDA, 2 on CPU or with
+run untimed rounds for ``--settle-s`` seconds (default 5 on CUDA: the GPU's clock settles at its power cap before
+any step is timed; ``rounds[].settle``), then timed in ``--rounds`` rounds (default 5 on CUDA, 2 on CPU or with
 --quick), the order rotated by one each round (recorded: ``rounds[].order``, and when each mode's round began,
-``rounds[].start_s``), each mode ``--round-warmup`` untimed steps then ``--iters`` timed steps per round.  These machines are noisy (the GPU's clock drifts under load): alternating spreads drift over all modes
-alike, and the spread says how far apart two modes must be to count.  The FX graph cache and the AOTAutograd cache
+``rounds[].start_s``), each mode ``--round-warmup`` untimed steps then ``--iters`` timed steps per round.  These
+machines are noisy (the GPU's clock drifts under load): alternating spreads drift over all modes alike, and the
+spread says how far apart two modes must be to count.  The FX graph cache and the AOTAutograd cache
 are off so every mode really compiles and runs its passes; dynamo's recompile limit is raised (every mode adds
 cache entries to the model's forward) and automatic dynamic shapes are off (every step has static shapes; a
 recompile must not turn a mode's graph dynamic).  ``compiles_while_timed`` counts graphs compiled during a
-mode's timed rounds (0 expected), ``graphs_compiled_first_call`` those compiled by its first call in a phase (at
-least 1 for a compiled mode: it did not inherit another mode's code).
+mode's settling and timed rounds (0 expected), ``graphs_compiled_first_call`` those compiled by its first call in a
+phase (at least 1 for a compiled mode: it did not inherit another mode's code).
 
 Timing (``host_exposed``: true).  Each step: gradients dropped (and, with ``--compile-mode reduce-overhead``,
 ``torch.compiler.cudagraph_mark_step_begin()``), ``dist.barrier`` + ``cuda.synchronize``, then CUDA events around
@@ -188,7 +189,7 @@ class Ctx(RunContext):
         self.warmup, self.iters, self.sleep_cycles = args.warmup, args.iters, args.sleep_cycles
         self.rounds = args.rounds if args.rounds is not None else (5 if self.is_cuda and not args.quick else 2)
         self.round_warmup = args.round_warmup
-        self.settle_s = args.settle_s if args.settle_s is not None else (3.0 if self.is_cuda else 0.0)
+        self.settle_s = args.settle_s if args.settle_s is not None else (5.0 if self.is_cuda else 0.0)
         # The hidden-host figure: CUDA only, off with --sleep-cycles 0.
         self.hidden = self.is_cuda and self.sleep_cycles > 0
         self.sleep_ms: Optional[float] = None  # --sleep-cycles on the idle GPU, measured at the start
@@ -473,9 +474,10 @@ def hidden_sleep_cycles(ctx: Ctx, host_ms: float) -> int:
     return ctx.hidden_cycles
 
 
-def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str]:
+def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad, record: bool = True) -> Optional[str]:
     """One round of ``cont``: ``ctx.round_warmup`` untimed steps, ``ctx.iters`` host-exposed steps, then (CUDA, sleep
-    on) ``ctx.iters`` host-hidden steps, appended to the contender's lists.  Returns this rank's error, if any."""
+    on) ``ctx.iters`` host-hidden steps, appended to the contender's lists (``record``; else dropped: a settling
+    round).  Returns this rank's error, if any."""
     import fluxinductor
     from fluxinductor.log import rewrite_stats_delta
 
@@ -501,6 +503,9 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
         return f"while timing: {type(e).__name__}: {e}"
     finally:
         _drop_grads(cont.model, x)
+    cont.compiles += _compiled_graphs() - graphs0
+    if not record:
+        return None
     cont.exposed.append(times)
     cont.host.append(host)
     if hidden is not None:
@@ -509,27 +514,26 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad) -> Optional[str
         cont.sleeps.append(sleeps)
     if cont.is_flux:
         _add_counts(cont.fallbacks, rewrite_stats_delta(fluxinductor.rewrite_stats(), s0)["fallbacks"])
-    cont.compiles += _compiled_graphs() - graphs0
     return None
 
 
 def settle(ctx: Ctx, conts: List[Contender], x: torch.Tensor, grad) -> dict:
-    """Untimed steps of every contender in turn (``ctx.iters`` each, as a round's), until rank 0 has run them for
-    ``ctx.settle_s`` seconds; every rank runs the same steps.  An idle GPU starts at its top clock, and when its power
-    first reaches the cap the clock falls below where it then settles for most of a second (2×H200, S 16384: 1410
-    MHz at 680 W, then 1590–1965): without this, a round-1 contender that ran then lost up to 2 ms a step, and the
-    first contender of round 1 ran at the top clock.  Returns the steps run and the seconds taken (rank 0's)."""
-    start, steps = time.monotonic(), 0
+    """Untimed rounds of every contender in turn (a round's steps, host exposed and hidden, their times dropped), until
+    rank 0 has run them for ``ctx.settle_s`` seconds; every rank runs the same rounds.  An idle GPU starts at its top
+    clock; once its power reaches the cap the clock falls for some seconds below where the rounds' mix of steps and
+    sleeps then holds it (2×H200, S 16384: 1425–1770 MHz for the first 3 s at 690 W, then 1650–1965): without this the
+    contenders of round 1 ran 0.5–2 ms a step slower, and the first of them, before the cap, faster.  Stops early where
+    a contender fails (the rounds then record it).  Returns the rounds run and the seconds taken (rank 0's)."""
+    start, rounds = time.monotonic(), 0
     while True:
         for cont in conts:
-            with cont.make_context():
-                time_iterations(ctx, lambda: _step(cont.fn, x, grad), ctx.iters, 0,  # noqa: B023
-                                before_iter=lambda: ctx.before_step(cont.model, x))  # noqa: B023
-            _drop_grads(cont.model, x)
-            steps += ctx.iters
+            error = time_round(ctx, cont, x, grad, record=False)
+            if agree(ctx, {"error": error})[1] is not None:
+                return {"rounds": rounds, "s": round(time.monotonic() - start, 3), "stopped": "a contender failed"}
+        rounds += 1
         elapsed = time.monotonic() - start
         if not ctx.gather({"more": elapsed < ctx.settle_s})[0]["more"]:
-            return {"steps": steps, "s": round(elapsed, 3)}
+            return {"rounds": rounds, "s": round(elapsed, 3)}
 
 
 def summarize(ctx: Ctx, cont: Contender, record: dict) -> None:
@@ -615,7 +619,7 @@ def run_phase(ctx: Ctx, conts: Dict[str, object], model_name: str, phase: str, m
     if ctx.settle_s > 0 and live:
         with watchdog(timeout):
             rounds_entry["settle"] = settle(ctx, [conts[m] for m in live], x, grad)
-        log(f"{model_name} {phase} settled: {rounds_entry['settle']['steps']} untimed steps in "
+        log(f"{model_name} {phase} settled: {rounds_entry['settle']['rounds']} untimed rounds in "
             f"{rounds_entry['settle']['s']:.1f} s")
     for r in range(ctx.rounds):
         order = [m for m in live[r % len(live):] + live[:r % len(live)] if records[m]["error"] is None] if live else []
@@ -887,9 +891,9 @@ def build_args(argv=None) -> argparse.Namespace:
                    help="untimed steps per mode after its first call (default 5; --quick 1)")
     p.add_argument("--round-warmup", type=int, default=1, help="untimed steps per mode at the start of each round")
     p.add_argument("--settle-s", type=float, default=None,
-                   help="before a phase's timed rounds, run the modes in turn, untimed, for at least this many "
-                        "seconds, so that the GPU reaches its power cap before any step is timed (default 3 on "
-                        "cuda, 0 on cpu)")
+                   help="before a phase's timed rounds, run untimed rounds of every mode for at least this many "
+                        "seconds, so that the GPU's clock settles at its power cap before any step is timed "
+                        "(default 5 on cuda, 0 on cpu)")
     p.add_argument("--iters", type=int, default=None,
                    help="timed steps per mode per round (default 10; --quick 3), host exposed; as many again with "
                         "the host hidden on cuda")
