@@ -519,12 +519,13 @@ def time_round(ctx: Ctx, cont: Contender, x: torch.Tensor, grad, record: bool = 
 
 def settle(ctx: Ctx, conts: List[Contender], x: torch.Tensor, grad) -> dict:
     """Untimed rounds of every contender in turn (a round's steps, host exposed and hidden, their times dropped), until
-    rank 0 has run them for ``ctx.settle_s`` seconds; every rank runs the same rounds.  An idle GPU starts at its top
-    clock; once its power reaches the cap the clock falls for some seconds below where the rounds' mix of steps and
-    sleeps then holds it (2×H200, S 16384: 1425–1770 MHz for the first 3 s at 690 W, then 1650–1965): without this the
-    contenders of round 1 ran 0.5–2 ms a step slower, and the first of them, before the cap, faster
-    (``benchmarks/results/settle_ab/``).  Stops early where
-    a contender fails (the rounds then record it).  Returns the rounds run and the seconds taken (rank 0's)."""
+    rank 0 has run them for ``ctx.settle_s`` seconds; every rank runs the same rounds.  Stops early where a contender
+    fails (the timed rounds then record it).  Returns the rounds run and the seconds taken (rank 0's).
+
+    An idle GPU starts at its top clock; once its power reaches the cap the clock falls for some seconds below where
+    the rounds' mix of steps and sleeps then holds it (2×H200, S 16384: 1425–1770 MHz for the first 3 s at 690 W, then
+    1650–1965).  Without this the contenders of round 1 ran 0.5–2 ms a step slower, and the first of them, before the
+    cap, faster (``benchmarks/results/settle_ab/``)."""
     start, rounds = time.monotonic(), 0
     while True:
         for cont in conts:
@@ -1005,8 +1006,9 @@ def main(argv=None) -> int:
                      "flux_options": ctx.flux_options, "warmup": ctx.warmup, "round_warmup": ctx.round_warmup,
                      "settle_s": ctx.settle_s,
                      "rounds": ctx.rounds, "iters": ctx.iters, "host_exposed": True,
-                     "order": "per (model, phase): every mode compiled and checked in RUN_ORDER, then timed in "
-                              "rounds, the order rotated by one each round (rounds[].order)",
+                     "order": "per (model, phase): every mode compiled and checked in RUN_ORDER, untimed rounds for "
+                              "settle_s seconds (rounds[].settle), then timed in rounds, the order rotated by one "
+                              "each round (rounds[].order)",
                      "hidden_host": ({"iters": ctx.iters, "sleep_cycles": ctx.sleep_cycles, "sleep_ms": sleep_ms,
                                       "method": "the same rounds, after the host-exposed steps: torch.cuda._sleep "
                                                 "before the start event, so the events measure device time"}
