@@ -523,8 +523,8 @@ def settle(ctx: Ctx, conts: List[Contender], x: torch.Tensor, grad) -> dict:
     fails (the timed rounds then record it).  Returns the rounds run and the seconds taken (rank 0's).
 
     An idle GPU starts at its top clock; once its power reaches the cap the clock falls for some seconds below where
-    the rounds' mix of steps and sleeps then holds it (2×H200, S 16384: 1425–1770 MHz for the first 3 s at 690 W, then
-    1650–1965).  Without this the contenders of round 1 ran 0.5–2 ms a step slower, and the first of them, before the
+    the rounds' mix of steps and sleeps then holds it (2×H200, S 16384: a median of 1635 MHz over the first 3 s at 690
+    W, 1830 in the rounds after).  Without this the contenders of round 1 ran 0.5–2 ms a step slower, and the first of them, before the
     cap, faster (``benchmarks/results/settle_ab/``)."""
     start, rounds = time.monotonic(), 0
     while True:
