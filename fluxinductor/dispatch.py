@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fluxinductor import agreement, cost_model, settings
+from fluxinductor import agreement, calibration, cost_model, settings
 from fluxinductor.kernels import loader, symm
 from fluxinductor.log import record_fallback
 
@@ -120,8 +120,6 @@ def _internode_measured(op: str, device: torch.device, group_name: str, world: i
     the ``fused`` dispatch: the inter-node path."""
     if mode() != "auto" or not settings.tuning.calibrate or symm.capturing():
         return "internode", None
-    from fluxinductor import calibration
-
     path, reason = calibration.choose_measured(f"internode_{op}", device, group_name, world, m, k, n, dtype,
                                                {"sequential": sequential, "internode": fused})
     return ("internode", None) if path == "internode" else ("decomposed", f"inter-node path: calibration chose "
@@ -146,8 +144,6 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
     fused_paths = tuple(p for p in paths if p != "asynctp")
     if (decision.estimated and run_path is not None and fused_paths and settings.tuning.calibrate
             and not symm.capturing()):
-        from fluxinductor import calibration
-
         calibration.ensure_rates(device, group_name, world)
         decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
         if decision.path != "sequential":
@@ -679,8 +675,6 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
             if path == "asynctp":
                 return lambda: _asynctp_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name,
                                                               world)
-            from fluxinductor import calibration
-
             path, config = calibration.parse_candidate(path)
             if config is None:
                 config = _split_config_choice(a.device, world, m, k, n, a.dtype)
