@@ -11,6 +11,11 @@ bench_model's no-communication replica (the same per-rank work and DTensor wrapp
 bench_model's ``--tokens`` shape (plain TP: N one-token sequences; sequence parallel: one sequence of N tokens).
 With FLUXINDUCTOR_DISPATCH=fused it shows how much of a flux step's host time the fused ops' Python (dispatch,
 checks, launches) takes against inductor's.
+
+``--timeline N``: then N host-exposed flux steps (barrier, synchronize, step: what bench_model times), each fused op's
+host time stamped without a profiler: its entry (``dispatch.replay_key``, the op's first call) and the extension call
+that enqueues it (``ag_push_call`` / ``gemm_rs_run``).  Rank 0 prints, per op of the step, the medians of: entry after
+the step's start, Python before the extension call, the extension call; the JSON keeps them per rank.
 """
 
 from __future__ import annotations
@@ -62,6 +67,68 @@ def host_steps(fn, x, steps: int, prof=None):
     return times
 
 
+_EXT_CALLS = ("ag_push_call", "gemm_rs_run", "ag_gemm_run", "one_shot_all_reduce")
+
+
+def timeline(fn, x, steps: int) -> list:
+    """Per op of a host-exposed step (in call order): medians over ``steps`` steps of µs from the step's start to the
+    op's entry, from the entry to its extension call, and in that call (module docstring)."""
+    from fluxinductor import dispatch
+    from fluxinductor.kernels import loader
+
+    ext = loader.extension()
+    clock = time.perf_counter_ns
+    stamps: list = []
+    original_key = dispatch.replay_key
+
+    def key_hook(op, *args):
+        stamps.append((op, "entry", clock()))
+        return original_key(op, *args)
+
+    def ext_hook(name, call):
+        def hooked(*args):
+            stamps.append((name, "ext", clock()))
+            out = call(*args)
+            stamps.append((name, "ext_end", clock()))
+            return out
+        return hooked
+
+    originals = {name: getattr(ext, name) for name in _EXT_CALLS if hasattr(ext, name)}
+    dispatch.replay_key = key_hook
+    for name, call in originals.items():
+        setattr(ext, name, ext_hook(name, call))
+    per_step = []
+    try:
+        for _ in range(steps):
+            dist.barrier()
+            torch.cuda.synchronize()
+            stamps.clear()
+            t0 = clock()
+            fn(x)
+            ops, current = [], None
+            for name, what, t in stamps:
+                if what == "entry":
+                    current = {"op": name, "entry_us": (t - t0) / 1e3}
+                    ops.append(current)
+                elif current is not None and what == "ext" and "ext_start" not in current:
+                    current["ext_start"] = t
+                    current["python_us"] = (t - t0) / 1e3 - current["entry_us"]
+                elif current is not None and what == "ext_end":
+                    current["ext_us"] = (t - current.pop("ext_start")) / 1e3 + current.get("ext_us", 0.0)
+            per_step.append(ops)
+            torch.cuda.synchronize()
+    finally:
+        dispatch.replay_key = original_key
+        for name, call in originals.items():
+            setattr(ext, name, call)
+    rows = []
+    for i in range(min(len(ops) for ops in per_step)):
+        calls = [ops[i] for ops in per_step]
+        rows.append({"op": calls[0]["op"], **{key: statistics.median(c.get(key, float("nan")) for c in calls)
+                                              for key in ("entry_us", "python_us", "ext_us")}})
+    return rows
+
+
 def pieces(stats: pstats.Stats, steps: int) -> dict:
     """µs per step: ``step``, all the profiled time, and each of :data:`PIECES` (cumulative time; the outermost call
     of a recursive function).  ``step`` is the profile's total, not a function's cumulative time: cProfile can count
@@ -85,6 +152,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=28)
+    p.add_argument("--timeline", type=int, default=0, help="then this many host-exposed flux steps, each fused op's "
+                   "host time stamped (module docstring)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dist.init_process_group("nccl")
@@ -120,6 +189,20 @@ def main() -> None:
             profiles[backend] = cProfile.Profile()
             host_steps(fn, x, args.steps, profiles[backend])
     result = {}
+    if args.timeline and "flux" in fns:
+        with torch.inference_mode():
+            rows = timeline(fns["flux"], x, args.timeline)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, rows)
+        result["flux_timeline_by_rank"] = everyone
+        if rank == 0:
+            print(f"=== flux timeline: per op, medians of {args.timeline} host-exposed steps, us "
+                  "(entry after the step's start / Python before the extension call / the extension call), ranks "
+                  + " | ".join(str(r) for r in range(world)), flush=True)
+            for i, row in enumerate(rows):
+                print(f"  {i:2d} {row['op']:24s} " + " | ".join(
+                    f"{r[i]['entry_us']:8.1f} {r[i]['python_us']:6.1f} {r[i]['ext_us']:6.1f}" for r in everyone),
+                    flush=True)
     for backend in backends:
         stats = pstats.Stats(profiles[backend])
         result[backend] = {"host_ms_median": statistics.median(times[backend]), "host_ms_min": min(times[backend]),

@@ -240,6 +240,25 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     return why;
   }
 
+  // The first GEMM writes the rows the copies below would (PushCallParams): this rank's into own_into, and with
+  // `gathered` (== own_into) the peers' too.
+  AllGatherGemmParams const& first = p.gemms[0];
+  bool const gemm_writes_a = p.gemm_writes_a && p.own_into && (!p.gathered || p.gathered == p.own_into) &&
+                             first.a_local && variant_stores_a(first.variant);
+  // The GEMMs are enqueued before the pushes: where the GPU waits for this host (a step's first op), the first GEMM
+  // starts on its own rows while the host enqueues the copies; its peers' rows wait for their flags either way.
+  for (int i = 0; i < p.gemm_count; ++i) {
+    AllGatherGemmParams gemm = p.gemms[i];
+    gemm.pdl = pdl && i == 0;
+    if (i == 0 && gemm_writes_a) {
+      gemm.a_out = p.own_into;
+      gemm.ld_a_out = p.k;
+      gemm.a_out_local_only = p.gathered == nullptr;
+    }
+    if ((why = all_gather_gemm(gemm, main)).failed()) {
+      return why;
+    }
+  }
   int64_t const row_bytes = p.k * p.element_size;
   int64_t const block = p.batch_rows > 0 ? p.batch_rows : p.shard_rows;
   auto const* shard = static_cast<char const*>(p.shard);
@@ -278,29 +297,12 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
     }
   }
 
-  // The first GEMM writes the rows the copies below would (PushCallParams): this rank's into own_into, and with
-  // `gathered` (== own_into) the peers' too.
-  AllGatherGemmParams const& first = p.gemms[0];
-  bool const gemm_writes_a = p.gemm_writes_a && p.own_into && (!p.gathered || p.gathered == p.own_into) &&
-                             first.a_local && variant_stores_a(first.variant);
   if (!gemm_writes_a && p.own_into &&
       (why = copy_shard_rows(static_cast<char*>(p.own_into), shard, rank, world, 0, p.shard_rows, block, row_bytes,
                              side)).failed()) {
     return why;
   }
 
-  for (int i = 0; i < p.gemm_count; ++i) {
-    AllGatherGemmParams gemm = p.gemms[i];
-    gemm.pdl = pdl && i == 0;
-    if (i == 0 && gemm_writes_a) {
-      gemm.a_out = p.own_into;
-      gemm.ld_a_out = p.k;
-      gemm.a_out_local_only = p.gathered == nullptr;
-    }
-    if ((why = all_gather_gemm(gemm, main)).failed()) {
-      return why;
-    }
-  }
   if (p.gathered && !gemm_writes_a) {  // the blocks of ranks [0, rank) and (rank, world), in each block slice
     auto* gathered = static_cast<char*>(p.gathered);
     auto const* buffer = static_cast<char const*>(p.buffer);
