@@ -42,7 +42,9 @@ ranks.
 Order (``--interleave``, default): per shape, every contender but auto is checked (gemm, comm, nccl_seq, then
 fluxinductor's, then asynctp), then timed in ``--rounds`` rounds (default 4), each round a share of every
 contender's calls, the order rotated by one per round.  An H200 under sustained GEMM load slows down within
-seconds to a minute; timed one after another, the contenders that ran first (cuBLAS) had the cooler GPU.  Then auto,
+seconds to a minute; timed one after another, the contenders that ran first (cuBLAS) had the cooler GPU.  Before a
+phase's first shape is timed, its contenders run untimed, in turn, for ``--settle-s`` seconds (default 5 on CUDA, 0 on
+CPU; the shape's ``settle`` in the JSON), so that the first round does not run at an idle GPU's top clock.  Then auto,
 every shape, in its own phase.  ``--no-interleave``: phases, every shape per phase: (gemm, comm,
 nccl_seq), then (fused_nocomm, split_nocomm, fused, fused_copy, fused_split), then (asynctp), then (auto), each
 contender's calls back to back.  Either way fluxinductor allocates before async-TP: torch's symmetric memory lets a
@@ -147,6 +149,7 @@ class Ctx(RunContext):
         self.iters = args.iters
         self.b_layout = args.b_layout
         self.seed = args.seed
+        self.settle_s = args.settle_s if args.settle_s is not None else (5.0 if self.is_cuda else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,11 +278,34 @@ def round_sizes(iters: int, rounds: int) -> List[int]:
     return [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
 
 
-def measure_interleaved(ctx: Ctx, problem: Problem, names: Sequence[str], rounds: int) -> Dict[str, dict]:
+def settle(ctx: Ctx, op: str, fns: Dict[str, Callable[[], object]], settle_s: float) -> dict:
+    """Untimed calls of every contender in ``fns`` in turn (two each, timed as the rounds time them, the times
+    dropped) until rank 0 has run them for ``settle_s`` seconds; every rank runs the same calls.  Stops early where a
+    contender fails (the timed rounds then record it).  Returns the turns run and the seconds rank 0 took.
+
+    An idle GPU starts at its top clock and slows once its power reaches the cap: the first shape's first round ran
+    cuBLAS at 3.19-3.22 ms against 3.25 in later rounds (4096x12288x49152, 2xH200), against the fused ops; the model
+    benchmark measured the transient (``bench_model.settle``, ``benchmarks/results/settle_ab/``)."""
+    start, turns = time.monotonic(), 0
+    while True:
+        for name, fn in fns.items():
+            if not time_contender(ctx, op, name, fn, {"error": None}, 0, 2):
+                return {"rounds": turns, "s": round(time.monotonic() - start, 3), "stopped": f"{name} failed"}
+        turns += 1
+        elapsed = time.monotonic() - start
+        first = ctx.gather({"more": elapsed < settle_s, "s": elapsed})[0]
+        if not first["more"]:
+            return {"rounds": turns, "s": round(first["s"], 3)}
+
+
+def measure_interleaved(ctx: Ctx, problem: Problem, names: Sequence[str], rounds: int,
+                        settle_s: float = 0.0) -> Tuple[Dict[str, dict], Optional[dict]]:
     """Check every contender, then time them in ``rounds`` rounds, each round a share of every contender's calls,
     the order rotated by one per round.  The GPU's clock drifts over a run (heat, power); timed one contender
     after another, the first ones ran on a cooler GPU.  Interleaved, every contender sees the same drift.  The
-    first round has ``ctx.warmup`` warm-ups per contender, later rounds one."""
+    first round has ``ctx.warmup`` warm-ups per contender, later rounds one.  With ``settle_s`` > 0 the checked
+    contenders first run untimed for that long (:func:`settle`).  Returns the records and the settle's summary
+    (None without one)."""
     records: Dict[str, dict] = {}
     fns: Dict[str, Callable[[], object]] = {}
     for name in names:
@@ -287,6 +313,7 @@ def measure_interleaved(ctx: Ctx, problem: Problem, names: Sequence[str], rounds
         if fn is not None:
             fns[name] = fn
     live = list(fns)
+    settled = settle(ctx, problem.op, fns, settle_s) if settle_s > 0 and live else None
     for r, size in enumerate(round_sizes(ctx.iters, rounds)):
         if not live:
             break
@@ -297,7 +324,7 @@ def measure_interleaved(ctx: Ctx, problem: Problem, names: Sequence[str], rounds
     for name in live:
         if records[name]["error"] is None:
             summarize(records[name])
-    return records
+    return records, settled
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,6 +364,7 @@ def run_environment(ctx: Ctx, args: argparse.Namespace, tuning_values: dict) -> 
         "iters": ctx.iters,
         "order": (f"interleaved, {len(round_sizes(ctx.iters, args.rounds))} rounds" if args.interleave
                   else "phases"),
+        "settle_s": ctx.settle_s if args.interleave else 0.0,
     }, tuning_values=tuning_values)
 
 
@@ -482,6 +510,9 @@ def build_args(argv=None) -> argparse.Namespace:
                         "calls each, the order rotated per round, so clock drift over the run hits all alike; "
                         "--no-interleave: each contender's calls back to back, in phases (every shape per phase)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per shape with --interleave (default 4)")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="with --interleave: before a phase's first shape is timed, run its contenders untimed for "
+                        "this many seconds (default 5 on CUDA, 0 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     add_tuning_argument(p)
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout, seconds")
@@ -583,7 +614,7 @@ def main(argv=None) -> int:
                     cost_model.clear_cache()
                 except Exception:  # noqa: BLE001
                     pass
-            for op, shape in work:
+            for index, (op, shape) in enumerate(work):
                 entry = by_key[(op, shape)]
                 problem = Problem(op, shape, ctx)
                 label = f"{OP_LABEL[op]} {shape[0]}x{shape[1]}x{shape[2]}"
@@ -592,7 +623,11 @@ def main(argv=None) -> int:
                     mark(f"{label} {','.join(group)}")
                     with watchdog(args.contender_timeout * len(group)):
                         if together:
-                            records = measure_interleaved(ctx, problem, group, args.rounds)
+                            records, settled = measure_interleaved(ctx, problem, group, args.rounds,
+                                                                   ctx.settle_s if index == 0 else 0.0)
+                            if settled is not None:
+                                entry["settle"] = settled
+                                log(f"{label} settled: {settled['rounds']} untimed turns in {settled['s']:.1f} s")
                         else:
                             records = {group[0]: measure(ctx, problem, group[0])}
                     for name in group:

@@ -39,7 +39,7 @@ def _run(tmp_path, world: int, extra=()):
 
 
 def test_bench_ops_cpu_two_ranks(flux_settings, tmp_path, monkeypatch):
-    data, stdout, out = _run(tmp_path, 2)
+    data, stdout, out = _run(tmp_path, 2, ("--settle-s", "0.05"))
 
     env = data["environment"]
     for field in ("device", "world", "torch", "cuda", "nccl", "git_sha", "timestamp", "dtype", "timer", "iters"):
@@ -47,6 +47,13 @@ def test_bench_ops_cpu_two_ranks(flux_settings, tmp_path, monkeypatch):
     assert env["world"] == 2 and env["backend"] == "gloo" and env["timer"] == "perf_counter"
     assert env["git_sha"]  # from git, or FLUXINDUCTOR_GIT_SHA where there is no git
     assert data["complete"] is True
+
+    # Only the first shape of the interleaved phase settles (auto runs alone, after it).
+    assert env["settle_s"] == 0.05
+    settled = data["results"][0]["settle"]
+    assert settled["rounds"] >= 1 and settled["s"] >= 0.05 and "stopped" not in settled
+    assert all("settle" not in r for r in data["results"][1:])
+    assert "settled: " in stdout
 
     ops = {(r["op"], r["M"], r["K"], r["N"]) for r in data["results"]}
     assert len(ops) == 4 and {op for op, *_ in ops} == {"AG+GEMM", "GEMM+RS"}
@@ -213,8 +220,9 @@ def _measure_fake_contenders(rank, world, interleaved=False):
     ctx.warmup, ctx.iters, ctx.b_layout, ctx.seed, ctx.broken = 1, 3, "t", 0, None
     problem = _FakeProblem(rank)
     if interleaved:
-        return bench_ops.measure_interleaved(
-            ctx, problem, ("ok", "raises_on_rank1", "wrong_shape", "nan", "fused", "auto"), rounds=2)
+        records, settled = bench_ops.measure_interleaved(
+            ctx, problem, ("ok", "raises_on_rank1", "wrong_shape", "nan", "fused", "auto"), rounds=2, settle_s=0.05)
+        return {**records, "settled": settled}
     return {name: bench_ops.measure(ctx, problem, name)
             for name in ("ok", "raises_on_rank1", "wrong_shape", "nan", "fused", "auto", "ok")}
 
@@ -235,6 +243,9 @@ def test_measure_error_paths_on_two_ranks(interleaved):
         assert res["nan"]["rel_err"] == float("inf")
         assert res["fused"]["error"] is None and res["fused"]["path"] == "fused" and res["fused"]["ms"] > 0
         assert res["auto"]["error"] is None and res["auto"]["path"].startswith("decomposed: cost model")
+        if interleaved:  # the contenders that passed their check ran untimed first, on every rank alike
+            assert res["settled"]["rounds"] >= 1 and res["settled"]["s"] >= 0.05 and "stopped" not in res["settled"]
+            assert res["settled"] == results[0]["settled"]
 
 
 def test_round_sizes():
