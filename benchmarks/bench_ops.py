@@ -284,7 +284,7 @@ def settle(ctx: Ctx, op: str, fns: Dict[str, Callable[[], object]], settle_s: fl
     contender fails (the timed rounds then record it).  Returns the turns run and the seconds rank 0 took.
 
     An idle GPU starts at its top clock and slows once its power reaches the cap: the first shape's first round ran
-    cuBLAS at 3.19-3.22 ms against 3.25 in later rounds (4096x12288x49152, 2xH200), against the fused ops; the model
+    cuBLAS at 3.19-3.23 ms against 3.22-3.26 in later rounds (4096x12288x49152, 2xH200), against the fused ops; the model
     benchmark measured the transient (``bench_model.settle``, ``benchmarks/results/settle_ab/``)."""
     start, turns = time.monotonic(), 0
     while True:
