@@ -245,19 +245,27 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
   AllGatherGemmParams const& first = p.gemms[0];
   bool const gemm_writes_a = p.gemm_writes_a && p.own_into && (!p.gathered || p.gathered == p.own_into) &&
                              first.a_local && variant_stores_a(first.variant);
-  // The GEMMs are enqueued before the pushes: where the GPU waits for this host (a step's first op), the first GEMM
-  // starts on its own rows while the host enqueues the copies; its peers' rows wait for their flags either way.
-  for (int i = 0; i < p.gemm_count; ++i) {
-    AllGatherGemmParams gemm = p.gemms[i];
-    gemm.pdl = pdl && i == 0;
-    if (i == 0 && gemm_writes_a) {
-      gemm.a_out = p.own_into;
-      gemm.ld_a_out = p.k;
-      gemm.a_out_local_only = p.gathered == nullptr;
+  auto launch_gemms = [&]() -> Error {
+    for (int i = 0; i < p.gemm_count; ++i) {
+      AllGatherGemmParams gemm = p.gemms[i];
+      gemm.pdl = pdl && i == 0;
+      if (i == 0 && gemm_writes_a) {
+        gemm.a_out = p.own_into;
+        gemm.ld_a_out = p.k;
+        gemm.a_out_local_only = p.gathered == nullptr;
+      }
+      if (Error error = all_gather_gemm(gemm, main); error.failed()) {
+        return error;
+      }
     }
-    if ((why = all_gather_gemm(gemm, main)).failed()) {
-      return why;
-    }
+    return {};
+  };
+  // With k_chunks == 1 the host enqueues the GEMMs before the pushes: where the GPU waits for this host (a step's
+  // first op), the first GEMM starts on its own rows while the host enqueues the copies, and its peers' rows wait for
+  // their flags either way.  One-wave calls (k_chunks > 1) push first: every tile waits for the pushes' first column
+  // block, so their start is the critical path.
+  if (pdl && (why = launch_gemms()).failed()) {
+    return why;
   }
   int64_t const row_bytes = p.k * p.element_size;
   int64_t const block = p.batch_rows > 0 ? p.batch_rows : p.shard_rows;
@@ -300,6 +308,9 @@ Error push_call(PushCallParams const& p, void* main_handle, void* side_handle) {
   if (!gemm_writes_a && p.own_into &&
       (why = copy_shard_rows(static_cast<char*>(p.own_into), shard, rank, world, 0, p.shard_rows, block, row_bytes,
                              side)).failed()) {
+    return why;
+  }
+  if (!pdl && (why = launch_gemms()).failed()) {
     return why;
   }
 

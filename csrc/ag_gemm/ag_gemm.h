@@ -142,9 +142,10 @@ Error all_gather_gemm(AllGatherGemmParams const& params, void* stream);
 // memory barrier orders it after the bytes); then, if `own_into`, the shard into this rank's rows of it.  On `main`
 // the GEMMs (gemms[i].pdl is set here), then, if `gathered`, the peers' rows of `buffer` (this rank's, [world *
 // shard_rows, k]) into the same rows of `gathered` (every GEMM has waited for them); last `main` follows `side`
-// (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.  The
-// host enqueues the GEMMs before the side stream's copies, so that a GPU waiting for the host starts the first GEMM
-// on this rank's rows sooner.
+// (join_event).  The events are the caller's (cudaEventDisableTiming), reused by every call on these streams.  With
+// k_chunks == 1 the host enqueues the GEMMs before the side stream's copies, so that a GPU waiting for the host starts
+// the first GEMM on this rank's rows sooner; one-wave calls enqueue the copies first (their start is the critical
+// path).
 // Where the first GEMM's variant can (variant_stores_a) and it reads this rank's rows from the shard, it writes
 // those rows into `own_into` itself, and with `gathered` (then own_into == gathered) the peers' rows too, in place
 // of both copies: a same-device copy runs on SMs, so the streams' copies wait for the GEMM.
