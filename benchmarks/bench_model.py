@@ -133,6 +133,7 @@ from harness import (
     environment,
     exit_now,
     parse_tuning,
+    settle as settle_turns,
     time_iterations,
     watchdog,
     write_json,
@@ -526,16 +527,12 @@ def settle(ctx: Ctx, conts: List[Contender], x: torch.Tensor, grad) -> dict:
     the rounds' mix of steps and sleeps then holds it (2×H200, S 16384: a median of 1635 MHz over the first 3 s at 690
     W, 1830 in the rounds after).  Without this the contenders of round 1 ran 0.5–2 ms a step slower, and the first of them, before the
     cap, faster (``benchmarks/results/settle_ab/``)."""
-    start, rounds = time.monotonic(), 0
-    while True:
-        for cont in conts:
-            error = time_round(ctx, cont, x, grad, record=False)
-            if agree(ctx, {"error": error})[1] is not None:
-                return {"rounds": rounds, "s": round(time.monotonic() - start, 3), "stopped": "a contender failed"}
-        rounds += 1
-        elapsed = time.monotonic() - start
-        if not ctx.gather({"more": elapsed < ctx.settle_s})[0]["more"]:
-            return {"rounds": rounds, "s": round(elapsed, 3)}
+
+    def turn(cont: Contender):
+        return lambda: None if agree(ctx, {"error": time_round(ctx, cont, x, grad, record=False)})[1] is None \
+            else "a contender failed"
+
+    return settle_turns(ctx, [turn(cont) for cont in conts], ctx.settle_s)
 
 
 def summarize(ctx: Ctx, cont: Contender, record: dict) -> None:

@@ -87,6 +87,7 @@ from harness import (
     exit_now,
     parse_tuning,
     per_rank_summary,
+    settle as settle_turns,
     time_iterations,
     watchdog,
     write_json,
@@ -286,16 +287,11 @@ def settle(ctx: Ctx, op: str, fns: Dict[str, Callable[[], object]], settle_s: fl
     An idle GPU starts at its top clock and slows once its power reaches the cap: the first shape's first round ran
     cuBLAS at 3.19-3.23 ms against 3.22-3.26 in later rounds (4096x12288x49152, 2xH200), against the fused ops; the model
     benchmark measured the transient (``bench_model.settle``, ``benchmarks/results/settle_ab/``)."""
-    start, turns = time.monotonic(), 0
-    while True:
-        for name, fn in fns.items():
-            if not time_contender(ctx, op, name, fn, {"error": None}, 0, 2):
-                return {"rounds": turns, "s": round(time.monotonic() - start, 3), "stopped": f"{name} failed"}
-        turns += 1
-        elapsed = time.monotonic() - start
-        first = ctx.gather({"more": elapsed < settle_s, "s": elapsed})[0]
-        if not first["more"]:
-            return {"rounds": turns, "s": round(first["s"], 3)}
+
+    def turn(name: str, fn: Callable[[], object]):
+        return lambda: None if time_contender(ctx, op, name, fn, {"error": None}, 0, 2) else f"{name} failed"
+
+    return settle_turns(ctx, [turn(name, fn) for name, fn in fns.items()], settle_s)
 
 
 def measure_interleaved(ctx: Ctx, problem: Problem, names: Sequence[str], rounds: int,

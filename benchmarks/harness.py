@@ -236,6 +236,24 @@ def agree(ctx: RunContext, local: dict) -> Tuple[List[dict], Optional[str]]:
     return everyone, (first if len(failed) == ctx.world else f"rank(s) {failed}: {first}")
 
 
+def settle(ctx: RunContext, turns: Sequence[Callable[[], Optional[str]]], settle_s: float) -> dict:
+    """Run ``turns`` in order, again and again, until rank 0 has run them for ``settle_s`` seconds: untimed work that
+    brings the GPU to the clock a timed run holds it at.  Each turn is collective and returns the same answer on every
+    rank: None, or why the settle stops (the timed rounds then record the failure).  Every rank runs the same turns.
+    Returns the rounds run and the seconds rank 0 took, with ``stopped`` where a turn stopped it."""
+    start, rounds = time.monotonic(), 0
+    while True:
+        for turn in turns:
+            stopped = turn()
+            if stopped is not None:
+                return {"rounds": rounds, "s": round(time.monotonic() - start, 3), "stopped": stopped}
+        rounds += 1
+        elapsed = time.monotonic() - start
+        first = ctx.gather({"more": elapsed < settle_s, "s": elapsed})[0]
+        if not first["more"]:
+            return {"rounds": rounds, "s": round(first["s"], 3)}
+
+
 @contextlib.contextmanager
 def watchdog(seconds: float) -> Iterator[None]:
     """Dump every thread's stack and exit if the block runs longer than ``seconds``: a contender that hangs (a flag

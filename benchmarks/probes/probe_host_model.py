@@ -82,21 +82,21 @@ def timeline(fn, x, steps: int) -> list:
     original_key = dispatch.replay_key
 
     def key_hook(op, *args):
-        stamps.append((op, "entry", clock()))
+        stamps.append((op, clock(), None))  # the op's entry
         return original_key(op, *args)
 
-    def ext_hook(name, call):
+    def ext_hook(call):
         def hooked(*args):
-            stamps.append((name, "ext", clock()))
+            start = clock()
             out = call(*args)
-            stamps.append((name, "ext_end", clock()))
+            stamps.append((None, start, clock()))  # an extension call
             return out
         return hooked
 
     originals = {name: getattr(ext, name) for name in _EXT_CALLS if hasattr(ext, name)}
     dispatch.replay_key = key_hook
     for name, call in originals.items():
-        setattr(ext, name, ext_hook(name, call))
+        setattr(ext, name, ext_hook(call))
     per_step = []
     try:
         for _ in range(steps):
@@ -105,16 +105,13 @@ def timeline(fn, x, steps: int) -> list:
             stamps.clear()
             t0 = clock()
             fn(x)
-            ops, current = [], None
-            for name, what, t in stamps:
-                if what == "entry":
-                    current = {"op": name, "entry_us": (t - t0) / 1e3}
-                    ops.append(current)
-                elif current is not None and what == "ext" and "ext_start" not in current:
-                    current["ext_start"] = t
-                    current["python_us"] = (t - t0) / 1e3 - current["entry_us"]
-                elif current is not None and what == "ext_end":
-                    current["ext_us"] = (t - current.pop("ext_start")) / 1e3 + current.get("ext_us", 0.0)
+            ops = []
+            for op, start, end in stamps:
+                if op is not None:
+                    ops.append({"op": op, "entry_us": (start - t0) / 1e3})
+                elif ops:
+                    ops[-1].setdefault("python_us", (start - t0) / 1e3 - ops[-1]["entry_us"])
+                    ops[-1]["ext_us"] = ops[-1].get("ext_us", 0.0) + (end - start) / 1e3
             per_step.append(ops)
             torch.cuda.synchronize()
     finally:
