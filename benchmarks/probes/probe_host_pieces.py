@@ -119,9 +119,19 @@ def main(argv=None) -> int:
         "symm.capturing": symm.capturing,
     }
     rows = []
-    from fluxinductor import settings
+    from fluxinductor import ops, settings
 
     settings.configure(dispatch="fused")
+    # The op's layers above the kernel module, once a replay of the signature is remembered: the replay's key and
+    # lookup, the remembered call on its own, and the custom op's wrapper (its refusal of inputs needing a gradient).
+    op(shard, [weight], [None], 1, group_name, False)
+    key_args = ("all_gather_matmul", group_name, (1, False, 1), (shard, weight, None))
+    remembered = dispatch.replay(dispatch.replay_key(*key_args))
+    if remembered is not None:
+        collective["replay (remembered call alone)"] = lambda: remembered(shard, [weight], [None])
+        local["replay_key + lookup"] = lambda: dispatch.replay(dispatch.replay_key(*key_args))
+    local["custom-op wrapper's refusal check"] = lambda: ops._refuse_grad("all_gather_matmul", shard, [weight],
+                                                                            [None], 1, group_name, False)
     for name, fn in collective.items():
         rows.append({"piece": name, "host_us": least_us(fn, args.calls, args.reps, True),
                      "b2b_us": back_to_back_us(fn, args.calls, args.reps)})
