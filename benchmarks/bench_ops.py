@@ -27,9 +27,8 @@ Contenders (``--contenders``), each timed on the same inputs:
   fused_split2  GEMM+RS only: ``fused_split`` in configuration 2 (ping-pong 128x192, bf16); the tuning table keeps
                 the faster of the two per shape (``split_config``) and the dispatcher runs that one
   fused_nocomm  fluxinductor.kernels.{ag_gemm,gemm_rs}.gemm_only(a, b, None): the fused kernel, communication off
-  split_nocomm  GEMM+RS only: gemm_rs.gemm_only(a, b, None, split=True): the split transport's GEMMs at this
-                world size, communication off (configuration 0): at two ranks one GEMM over both segments where
-                the call allows it, else one per segment; split2_nocomm: the same in configuration 2
+  split_nocomm  GEMM+RS only: gemm_rs.gemm_only(a, b, None, split=True): the split transport's two GEMMs,
+                communication off (configuration 0); split2_nocomm: the same in configuration 2
   auto          torch.ops.fluxinductor.* with FLUXINDUCTOR_DISPATCH=auto (cost model; what users get)
 
 Timing (docs/performance.md): CUDA events around each call, dist.barrier + cuda synchronize before each

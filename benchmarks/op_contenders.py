@@ -170,9 +170,7 @@ class Problem:
                 gemm_only = importlib.import_module("fluxinductor.kernels.gemm_rs").gemm_only
                 split = name != "fused_nocomm"
                 config = 2 if name == "split2_nocomm" else 0
-                world = ctx.world
-                return (lambda: gemm_only(a, b, None, split=split, split_config_choice=config, world=world)), \
-                    self.ref_partial
+                return (lambda: gemm_only(a, b, None, split=split, split_config_choice=config)), self.ref_partial
         raise ValueError(f"unknown contender {name!r}")
 
 

@@ -220,10 +220,6 @@ class Tuning:
                                                 "Split GEMM+RS transport's GEMM configuration (0 cooperative "
                                                 "128x256, 2 ping-pong 128x192, 1 tuning builds); None: the cost "
                                                 "model's per shape.", "int or None")
-    gemm_rs_split_one_launch: bool = _knob(True, _parse_bool, "Split GEMM+RS transport on two ranks: both row "
-                                           "segments in one GEMM launch where the call allows it (a sum, rank-major "
-                                           "rows, whole 2048-row groups per rank); off: one launch per segment.",
-                                           "bool")
     gemm_rs_config: int = _knob(0, _int(0, 6), "GEMM+RS kernel configuration (1..6 only in tuning builds).", "int")
     gemm_rs_swizzle: Optional[int] = _knob(None, _optional(_choice(1, 2, 4, 8)),
                                            "GEMM+RS tile-order swizzle inside a segment; None: the measured default "

@@ -477,15 +477,15 @@ void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args
   gemm->split_error_code = kGemmRsSplitTimeout;
 }
 
-// The split transport's copy stream, one ring step: per band in order, wait for its tile count (counters of
-// `step`), copy the block (2-D, copy engine) from `outbox` (a segment, row pitch n) into rank `to`'s slot `slot_index`,
-// then raise that rank's flag of (step, band) to the epoch (send_band).
+// The split transport's copy stream, one ring step: per band in order, wait for its tile count, copy the block
+// (2-D, copy engine) from outbox segment `step` into slot `step` of rank `to`, then raise that rank's flag of
+// (step, band) to the epoch (send_band).
 int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_rs_split::SplitTiling tiling,
-                         int segment_rows, int step, int to, int slot_index, char const* outbox, size_t element_bytes,
-                         int64_t flags_per_src) {
+                         int segment_rows, int step, int to, size_t element_bytes, int64_t flags_per_src) {
   size_t const pitch = size_t(args.n) * element_bytes;
+  char const* outbox = static_cast<char const*>(args.outbox) + size_t(step) * segment_rows * pitch;
   char* to_base = static_cast<char*>(args.buffers[to]);
-  char* slot = to_base + args.data_offset + size_t(slot_index) * segment_rows * pitch;
+  char* slot = to_base + args.data_offset + size_t(step) * segment_rows * pitch;
   for (int rb = 0; rb < bands.row_bands; ++rb) {
     int const r0 = rb * bands.rows;
     int const r1 = r0 + bands.rows < segment_rows ? r0 + bands.rows : segment_rows;
@@ -517,15 +517,10 @@ int enqueue_split_copies(GemmRsArgs const& args, SplitBands const& bands, gemm_r
 // Each outbox segment goes to rank - 1's slot s band by band on the copy stream, beside the later steps.  Rank - 1
 // needs it one step later, so every band has a whole segment's GEMM time to arrive; with two ranks this is the
 // peer GEMM, one copy, the own GEMM.  Every rank sends (world-1) segments, as a direct reduce-scatter would.
-int run_split_pair(GemmRsArgs const& args, cudaStream_t stream);
-
 int run_split(GemmRsArgs const& args, cudaStream_t stream) {
   namespace split = gemm_rs_split;
   if (args.world < 2 || args.outbox == nullptr) {
     return fail("the split transport takes two or more ranks and the copy-engine resources");
-  }
-  if (args.split_pair) {
-    return run_split_pair(args, stream);
   }
   int const segment_rows = args.m / args.world;
   int const to = (args.rank + args.world - 1) % args.world;  // the rank this one's partial sums go to
@@ -602,9 +597,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       return fail(message);
     }
     if (!last) {
-      if (int sent = enqueue_split_copies(args, bands, tiling, segment_rows, step, to, step,
-                                          static_cast<char const*>(args.outbox) + step * segment_bytes,
-                                          element_bytes, flags_per_src);
+      if (int sent = enqueue_split_copies(args, bands, tiling, segment_rows, step, to, element_bytes, flags_per_src);
           sent != 0) {
         return sent;
       }
@@ -614,97 +607,9 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
 }
 
 
-// Two ranks, one launch (GemmRsArgs::split_pair): the ring's peer and own GEMMs as one GEMM over all m rows, the
-// relay GEMM's kernel (counting, a source C, per-band waits).  The tile walk starts at the peer's segment; its tiles
-// are counted per band and copied from out's peer rows into the peer's own slot as in the ring; then the walk wraps
-// to this rank's rows, which wait per band and add C = the slots as one [m, n] tensor: this rank's slot holds the
-// peer's partial sum, the other zeros.  Against the ring: one launch and one wave tail instead of two, where half
-// the rows each leave a partial last wave (4096 x 4096 x 8192 per rank on one H200: two cuBLAS GEMMs of half the rows
-// take 1.05x one GEMM of all of them).
-int run_split_pair(GemmRsArgs const& args, cudaStream_t stream) {
-  namespace split = gemm_rs_split;
-  if (args.world != 2 || args.batch_rows != 0 || args.out_scale != 1.f || args.ldo != args.n) {
-    return fail("a one-launch split call takes two ranks, a rank-major A, a sum and an [m, n] out of row stride n");
-  }
-  int const segment_rows = args.m / 2;
-  int const peer = 1 - args.rank;
-  size_t const element_bytes = 2;
-  int const config = split_config(args);
-  if (config < 0) {
-    return config;
-  }
-  split::SplitTiling const tiling = split::kSplitTilings[config];
-  if (segment_rows % tiling.group_rows() != 0) {
-    return fail("a one-launch split call needs whole tile-order groups of " + std::to_string(tiling.group_rows()) +
-                " rows per rank, not " + std::to_string(segment_rows));
-  }
-  SplitBands const bands = split_bands(segment_rows, args.n, args.bands, tiling);
-  TileMN const layout_tile = current_tile(args.tuning_config);
-  int64_t const flags_per_src = int64_t((segment_rows + layout_tile.m - 1) / layout_tile.m) *
-                                ((args.n + layout_tile.n - 1) / layout_tile.n);
-  if (bands.count() > flags_per_src) {
-    return fail("the split transport needs a flag per band within the buffer layout's flags per rank");
-  }
-  char* local = static_cast<char*>(args.buffers[args.rank]);
-  size_t const segment_bytes = size_t(segment_rows) * args.n * element_bytes;
-  if (args.split_pair_zero) {
-    cudaError_t const zeroed = cudaMemsetAsync(local + args.data_offset + peer * segment_bytes, 0, segment_bytes,
-                                               stream);
-    if (zeroed != cudaSuccess) {
-      return fail(std::string("zeroing the one-launch split call's other slot failed: ") +
-                  cudaGetErrorString(zeroed));
-    }
-  }
-  if (int rc = launch_hello(args, stream); rc != 0) {
-    return rc;
-  }
-  JoinEvents* join = nullptr;
-  if (int rc = start_copy_stream(args, Bands{1, bands.count()}, stream, &join); rc != 0) {
-    return rc;
-  }
-  split::SplitGemmParams g = split_gemm_params(args, config);
-  g.rows = args.m;
-  g.a = args.a;
-  g.bias = args.bias;
-  g.c = local + args.data_offset;
-  g.beta = 1.f;
-  g.d = args.out;
-  g.ldd = args.ldo;
-  g.band_rows = bands.rows;
-  g.col_chunks = bands.col_chunks;
-  g.chunk_col_tiles = bands.chunk_col_tiles;
-  g.first_row = peer * segment_rows;
-  g.counters = args.counters;
-  g.segment = 0;
-  g.bands = bands.count();
-  g.count_first_block = peer * segment_rows / tiling.tile_m;
-  g.count_blocks = segment_rows / tiling.tile_m;
-  // This rank's bands (segment `rank` of the wait) are the flags of step 0, [band].
-  g.flags = reinterpret_cast<uint32_t const*>(local + args.flags_offset - size_t(args.rank) * bands.count() * 4);
-  g.wait_segment_rows = segment_rows;
-  g.wait_skip_segment = peer;
-  g.epoch = args.epoch;
-  g.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
-  g.abort_value = kRsAborted;
-  g.error_code = kGemmRsTileTimeout;
-  set_tail_split(&g, args, 0);
-  std::string message;
-  if (split::run_relay_gemm(g, stream, &message) != 0) {
-    return fail(message);
-  }
-  char const* outbox = static_cast<char const*>(args.out) + size_t(peer) * segment_bytes;
-  if (int sent = enqueue_split_copies(args, bands, tiling, segment_rows, 0, peer, peer, outbox, element_bytes,
-                                      flags_per_src);
-      sent != 0) {
-    return sent;
-  }
-  return join_copy_stream(args, join, stream);
-}
-
 // World 1 (gemm_only's split mode, benchmarks): the split transport's two GEMMs with communication off.  Rows
 // [0, m/2) with bias, then rows [m/2, m) with bias and the zeros at args.outbox ([m/2 or more rows, n]) as source C,
-// so out = A @ B + bias at the split transport's GEMM cost (two launches, the second reading C).  With split_pair,
-// run_split_pair's one GEMM over all rows, reading [m, n] zeros at args.outbox.
+// so out = A @ B + bias at the split transport's GEMM cost (two launches, the second reading C).
 int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   if (args.m < 2 || args.outbox == nullptr) {
     return fail("the split transport's GEMMs need M >= 2 and a zero source buffer");
@@ -719,15 +624,6 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   gemm_rs_split::SplitGemmParams gemm = split_gemm_params(args, config);
   gemm.bias = args.bias;
   gemm.ldd = args.ldo;
-  if (args.split_pair) {  // run_split_pair's one GEMM: all rows, the [m, n] zeros at outbox as its source
-    gemm.rows = args.m;
-    gemm.a = args.a;
-    gemm.d = args.out;
-    gemm.c = args.outbox;
-    gemm.beta = 1.f;
-    set_tail_split(&gemm, args, 0);
-    return gemm_rs_split::run_relay_gemm(gemm, stream, &message) != 0 ? fail(message) : 0;
-  }
   gemm_rs_split::SplitGemmParams first = gemm;
   first.rows = first_rows;
   first.a = args.a;

@@ -77,13 +77,6 @@ struct GemmRsArgs {
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
   bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent
   int split_config = 0;               // the split GEMMs' configuration (gemm_rs/split.h kSplitTilings; same on every rank)
-  // Two ranks, one GEMM for both segments (run_split_pair in gemm_rs.cu; sum only, rank-major A, m / 2 whole tile-order
-  // groups): out is [m, n] (row stride n), this rank's rows of it the result, the peer's the outbox the copy engine
-  // sends from.  The peer's partial sum lands in this rank's own slot (slot `rank`) and the other slot must hold zeros:
-  // split_pair_zero zeroes it first (the caller's to ask after any other transport's call or a new layout).  With
-  // world 1 (gemm_only) one GEMM over m rows reads the [m, n] zeros at outbox as its source.
-  bool split_pair = false;
-  bool split_pair_zero = false;
   // Tuning (fluxinductor.settings.tuning; same on every rank):
   int tuning_config = 0;  // tuning builds: the kernel configuration (0 the default; 1..6 gemm_rs.cu TuningShape*)
   int swizzle = 0;        // tile-order swizzle inside a segment (1, 2, 4, 8); 0: the measured default

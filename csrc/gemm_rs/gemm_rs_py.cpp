@@ -16,7 +16,7 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
                  int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl,
                  int64_t tail_split_partials, int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts,
                  int tail_split_waves, int split_config, bool out_float, bool capture, int tuning_config,
-                 int swizzle, int raster, int batch_rows, bool split_pair, bool split_pair_zero) {
+                 int swizzle, int raster, int batch_rows) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.out_float = out_float;
@@ -56,8 +56,6 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
   args.swizzle = swizzle;
   args.raster = raster;
   args.batch_rows = batch_rows;
-  args.split_pair = split_pair;
-  args.split_pair_zero = split_pair_zero;
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }

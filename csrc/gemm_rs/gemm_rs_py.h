@@ -17,7 +17,7 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
                  int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl,
                  int64_t tail_split_partials, int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts,
                  int tail_split_waves, int split_config, bool out_float, bool capture, int tuning_config,
-                 int swizzle, int raster, int batch_rows, bool split_pair, bool split_pair_zero);
+                 int swizzle, int raster, int batch_rows);
 
 // (tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel of tuning configuration `tuning_config`: they fix its
 // flag layout.

@@ -64,16 +64,6 @@ struct SplitGemmParams {
   int32_t error_code = 0;
   int64_t timeout_ns = 0;
   bool pdl = false;                 // launch as a programmatic dependent of the GEMM before it
-  // Two segments in one launch (gemm_rs.cu run_split_pair): the tile walk starts at row first_row (a multiple of the
-  // cluster's rows) and wraps; only the tiles of the count_blocks M blocks from count_first_block are counted, their
-  // bands numbered from that block (count_blocks 0: every tile, from block 0); with wait_segment_rows > 0 the rows are
-  // segments of that many, segment s's band b waited for at flags[s * row bands * col_chunks + b], and segment
-  // wait_skip_segment does not wait.
-  int first_row = 0;
-  int count_first_block = 0;
-  int count_blocks = 0;
-  int wait_segment_rows = 0;
-  int wait_skip_segment = -1;
   // Tail split (cooperative configurations; ag_gemm/scheduler.cuh AllGatherSchedule): a partial last wave's tiles
   // split along K into up to split_max_parts parts over up to split_waves waves.  The scratch (ag_gemm.h
   // tail_split_scratch_floats / flag_count for sm_count and split_waves) belongs to this launch until it ends, so the

@@ -53,8 +53,7 @@ from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
     _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature)
 from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - gemm_rs.ErrorWord for the GPU tests
 from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
-    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, one_launch, resolve_split_config, split_configs, split_reason,
-    tail_split_parts)
+    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, split_configs, split_reason, tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
@@ -98,8 +97,6 @@ def launch(
     split_config: Optional[int] = None,
     capture: bool = False,
     batch_rows: int = 0,
-    pair: bool = False,
-    pair_zero: bool = False,
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
@@ -114,9 +111,6 @@ def launch(
     handshake sets its words back to 0 and failed waits trap; the caller zeroes this rank's flags after it.
     ``batch_rows`` > 0: ``a`` is batch-major ([B, S, K] flattened, scattered on S; :func:`batch_major_reason`), and
     ``out`` this rank's [B, S/world, N].
-    ``pair`` (split, :func:`one_launch`): both segments in one GEMM; ``out`` is [m, N] contiguous, this rank's rows of
-    it the result and the peer's the outbox; with world 1 ``split_source`` is [m, N] zeros.  ``pair_zero``: zero the
-    slot this rank does not receive in first (its group's ``zero_slot`` is not this layout).
     """
     b_k_major, ldb = _weight_layout(weight)
     n = weight.shape[1]
@@ -151,7 +145,7 @@ def launch(
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), True, *tails,  # True: split_pdl
         config, out.dtype != a.dtype, capture, tuning.gemm_rs_config,
         0 if tuning.gemm_rs_swizzle is None else tuning.gemm_rs_swizzle,
-        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster, batch_rows, pair and split, pair_zero,
+        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster, batch_rows,
     )
 
 
@@ -312,7 +306,6 @@ def matmul_reduce_scatter(
     capturing = world > 1  # here: 2 or more ranks only under capture
     sig = signature(m, n, k, world, a2d.dtype, "store" if out.dtype == a2d.dtype else f"store/{out.dtype}")
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
-    state.zero_slot = None  # the stores transport writes every peer's slot
     launch(a2d, weight, bias, out, m=m, world=world, rank=state.rank, buffers=state.buffer_ptrs,
            epoch=CAPTURE_EPOCH if capturing else 0, sig=sig, error_address=state.error.device,
            out_scale=(1.0 / world) if reduce_op == "avg" else 1.0, capture=capturing)
@@ -368,12 +361,7 @@ class _EagerCall:
                 mode = "copy"
         self.mode = mode
         self.config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
-        # Both segments in one launch: the result is a view of an [M, N] output whose peer rows are the outbox.
-        self.pair = mode == "split" and out is None and one_launch(world, self.m, self.out_scale, batch_rows)
-        self.layout = (self.m, n, a2d.dtype)
         transport_sig = f"{mode}{self.config or ''}/{bands()}" if mode != "store" else "store"
-        if self.pair:
-            transport_sig += "/one-launch"
         if self.out_dtype != a2d.dtype:
             transport_sig += f"/{self.out_dtype}"
         self.batch_rows = batch_rows
@@ -386,22 +374,14 @@ class _EagerCall:
         state = _state(self.group_name, self.device)
         state.raise_if_error()
         a2d, bias = _prepare(a2d, bias)
-        pair = self.pair and out is None
-        if pair:
-            out = torch.empty((self.m, self.out_shape[1]), dtype=self.out_dtype, device=self.device)
-        elif out is None:
+        if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         state.agree(self.sig)
         state.reserve(self.nbytes)
-        pair_zero = pair and state.zero_slot != self.layout
         launch(a2d, weight, bias, out, m=self.m, world=state.world, rank=state.rank, buffers=state.buffer_ptrs,
                epoch=state.next_epoch(), sig=self.sig, error_address=state.error.device, out_scale=self.out_scale,
                copy=state.copy_workspace() if self.mode != "store" else None, split=self.mode == "split",
-               split_config=self.config, batch_rows=self.batch_rows, pair=pair, pair_zero=pair_zero)
-        state.zero_slot = self.layout if pair else None
-        if pair:
-            rows = self.out_shape[0]
-            return out[state.rank * rows:(state.rank + 1) * rows]
+               split_config=self.config, batch_rows=self.batch_rows)
         return out
 
 
@@ -413,13 +393,10 @@ _split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
               split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0,
-              split_config_choice: Optional[int] = None, out_dtype: Optional[torch.dtype] = None,
-              world: int = 2) -> Tensor:
+              split_config_choice: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
 
-    ``split``: the split transport's GEMMs on ``world`` ranks instead: where such a call runs them as one launch
-    (:func:`one_launch`), that GEMM over all rows reading [M, N] zeros as its source;
-    else two (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
+    ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
     buffer as their source, as the transport's second GEMM reads the peer's partial); ``tail_split`` and
     ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`; ``split_config_choice`` as for
     :func:`matmul_reduce_scatter`.  A kernel error (a tail split's
@@ -441,17 +418,15 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     if split and out.dtype != a2d.dtype:
         raise ValueError(f"gemm_only cannot run: {split_reason(2, weight, bias, out)}")
     zeros = None
-    pair = split and one_launch(world, m, 1.0, 0)
     if split:
-        rows = m if pair else m - m // 2
         key = (a2d.device.index, a2d.dtype, n)
         zeros = _split_zeros.get(key)
-        if zeros is None or zeros.shape[0] < rows:
+        if zeros is None or zeros.shape[0] < m - m // 2:
             zeros = _split_zeros[key] = _symm.persistent(
-                lambda: torch.zeros((rows, n), dtype=a2d.dtype, device=a2d.device), a2d.device)
+                lambda: torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device), a2d.device)
     launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
            error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
-           tail_split=tail_split, split_config=split_config_choice, pair=pair)
+           tail_split=tail_split, split_config=split_config_choice)
     return out
 
 

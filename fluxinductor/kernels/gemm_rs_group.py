@@ -35,9 +35,6 @@ class _GroupState:
         self.agree_calls = 0
         self.generation = _generations.get(group_name, 0)  # store keys of a reset state never collide
         self.copy: Optional[CopyEngineWorkspace] = None
-        # The (m, n, dtype) whose one-launch split calls last left the slot they do not receive in holding zeros
-        # (gemm_rs.cu run_split_pair); any other call, or a new buffer, may write it.
-        self.zero_slot: Optional[tuple] = None
         with torch.cuda.device(device):
             self.error = ErrorWord()
 
@@ -92,7 +89,6 @@ class _GroupState:
         buffer.zero_()  # hello words, status and flags start below every epoch
         handle.barrier(channel=0, timeout_ms=timeout_ns() // 1_000_000)  # peers zeroed before anyone writes
         self.buffer, self.handle, self.capacity = buffer, handle, capacity
-        self.zero_slot = None
         self.buffer_ptrs = [int(p) for p in handle.buffer_ptrs]
 
     def copy_workspace(self) -> CopyEngineWorkspace:

@@ -46,19 +46,6 @@ def split_configs(dtype: torch.dtype) -> Tuple[int, ...]:
     return SPLIT_CONFIGS
 
 
-# One launch for both segments of a two-rank call (csrc/gemm_rs/gemm_rs.cu run_split_pair): each rank's rows whole
-# tile-order groups (gemm_rs/split.h: 8 cluster rows of 2 x 128 rows in both configurations), so the walk reaches this
-# rank's rows only after every peer tile.
-PAIR_GROUP_ROWS = 2048
-
-
-def one_launch(world: int, m: int, out_scale: float, batch_rows: int) -> bool:
-    """Whether a split call runs both segments as one GEMM: two ranks, a sum (the peer's rows take no scale), rank-major
-    rows, whole groups per rank, and ``settings.tuning.gemm_rs_split_one_launch`` (every rank decides the same)."""
-    return (settings.tuning.gemm_rs_split_one_launch and world == 2 and out_scale == 1.0 and not batch_rows
-            and (m // 2) % PAIR_GROUP_ROWS == 0)
-
-
 def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
     """None when the split transport can run this call, else why not (then ``copy`` runs)."""
     if world < 2:

@@ -4,7 +4,6 @@ Checks (each rank asserts; a failure exits non-zero):
   * random non-zero inputs, M not a multiple of the tile, odd N, both weight layouts, bias or not, sum and
     avg, bf16 and fp16: relative error vs an fp32 reference <= 1e-2, output poisoned with NaN first;
   * [B, S, K] operands scattered on S, read batch-major in place where S/world is whole tiles;
-  * the split transport's one launch for both segments (two ranks), among calls of other transports and layouts;
   * unsupported shapes give a reason (odd K);
   * 1000 back-to-back calls: no deadlock, no memory growth, last result correct;
   * ranks disagreeing on shapes: RuntimeError on both ranks, not a hang (new shape: the store check;
@@ -105,34 +104,6 @@ def check_correctness(group_name, device, rank, world):
     a = torch.randn(63, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
     assert "do not split" in gemm_rs.unsupported_reason(a, w, None, "sum", group_name)
-
-
-def check_one_launch(group_name, device, rank, world):
-    """The split transport's one launch for both segments (two ranks, settings.tuning.gemm_rs_split_one_launch): the
-    result is this rank's rows of an [M, N] output; calls of one layout alternate with calls of other transports (which
-    write the slot a one-launch call needs zeroed) and of another layout, and with the setting off (one launch per
-    segment).  Every result, poisoned first where the call takes an output, against the fp32 reference."""
-    from fluxinductor import settings
-    from fluxinductor.kernels import gemm_rs
-
-    if world != 2:
-        return
-    sequence = [("split", 4096, 1032, True), ("split", 4096, 1032, True), ("store", 4096, 1032, True),
-                ("split", 4096, 1032, True), ("copy", 4096, 1032, True), ("split", 8192, 520, True),
-                ("split", 4096, 1032, True), ("split", 4096, 1032, False), ("split", 4096, 1032, True)]
-    for i, (transport, m, n, one) in enumerate(sequence):
-        gen = torch.Generator(device=device).manual_seed(31 * i + rank)
-        a = torch.randn(m, 264, device=device, generator=gen).to(torch.bfloat16)
-        w = make_weight(264, n, True, torch.bfloat16, device, gen)
-        bias = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(i)).to(torch.bfloat16)
-        with settings.override(gemm_rs_split_one_launch=one):
-            out = gemm_rs.matmul_reduce_scatter(a, w, bias, "sum", group_name, transport=transport)
-        gemm_rs.check_error(group_name)
-        err = rel(out, reference(a, w, bias, "sum", world, rank))
-        whole = out.untyped_storage().nbytes() == m * n * out.element_size()
-        assert whole == (transport == "split" and one), f"call {i} {transport}: the output's storage"
-        assert err <= 1e-2, f"call {i} {transport} m={m} n={n} one launch={one}: rel err {err}"
-    log(f"one-launch split calls among other transports and layouts: {len(sequence)} calls correct")
 
 
 def check_batch_major(group_name, device, rank, world):
@@ -373,8 +344,6 @@ def main():
                 check_many_calls(group_name, device, rank, world)
                 check_disagreement(group_name, device, rank, world)
                 gemm_rs_reset(group_name)
-        with settings.override(gemm_rs_push=None):
-            check_one_launch(group_name, device, rank, world)
         log("all checks passed")
     if args.bench:
         configs = [None]

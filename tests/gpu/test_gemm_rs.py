@@ -158,26 +158,20 @@ def _sm_budget(world, split):
 
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
-              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0,
-              pair=False):
+              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (settings.tuning.gemm_rs_push="copy").
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
     environment's).  streams: each rank's stream (default: new ones).  out_dtype (float32): the reduction autocast
     makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference.
     batch_rows > 0: A is batch-major ([B, S, K] flattened, m = B * S), rank r's result its blocks of batch_rows rows
-    ([B, S/world, N]), read in place.  pair: the split transport's one launch for both segments (two ranks): each
-    rank's output is [m, N], its own rows the result; the slots are poisoned before the first call, which zeroes the
-    one a rank does not receive in, and later calls rely on it staying zero."""
+    ([B, S/world, N]), read in place."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
     sm_budget = _sm_budget(world, split)
-    _, data_offset, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
+    _, _, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
-    if pair:
-        for b in buffers:
-            b[data_offset:].fill_(0xFF)  # NaN in bf16 and fp16
     pointers = [b.data_ptr() for b in buffers]
     streams = streams or [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
@@ -197,7 +191,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
         ref = sum(partials)
         if reduce_op == "avg":
             ref = ref / world
-        outs = [torch.full((m if pair else m // world, n), float("nan"), dtype=out_dtype or dtype, device=device)
+        outs = [torch.full((m // world, n), float("nan"), dtype=out_dtype or dtype, device=device)
                 for _ in range(world)]
         torch.cuda.synchronize()
         for r in range(world):
@@ -206,13 +200,11 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
                     a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
                     error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
                     timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r], split=split,
-                    tail_split=tail_split, batch_rows=batch_rows, pair=pair, pair_zero=pair and call == 1,
+                    tail_split=tail_split, batch_rows=batch_rows,
                 )
         torch.cuda.synchronize()
         assert error.read() == 0, gemm_rs.error_message(error.read())
         rows = m // world
-        if pair:
-            outs = [outs[r][r * rows:(r + 1) * rows] for r in range(world)]
         if batch_rows:  # rank r's rows: its block of every batch
             ref = ref.view(-1, world, batch_rows, n).transpose(0, 1).reshape(m, n)
         for r in range(world):
@@ -476,48 +468,6 @@ def test_split_config_n_ranks_one_gpu(flux_settings, config, world, rows, n, ban
     assert relative_error(out, a.float() @ w.float() + bias.float()) < 1e-2
     _lone_rank_call("split", torch.bfloat16, timeout=50_000_000, world=3)  # loads its relay GEMM
     assert _simulate(world, world * rows, 264, n, reduce_op="avg", split=True, calls=3) < 1e-2
-
-
-@_gpu
-@pytest.mark.parametrize("config,tail_parts", [("0", "4"), ("0", "1"), ("2", "4")])
-@pytest.mark.parametrize("rows,k,n,bands,k_major,dtype", [
-    (2048, 264, 520, 4, True, torch.bfloat16),    # one tile-order group per rank, a partial column tile
-    (6144, 136, 1032, 32, False, torch.bfloat16),  # three groups: three row bands, an N-major weight
-    (4096, 72, 2048, 3, True, torch.float16),     # two row bands x three column chunks (fp16: configuration 0)
-])
-def test_split_one_launch_two_ranks_one_gpu(flux_settings, config, tail_parts, rows, k, n, bands, k_major, dtype):
-    """The split transport's one launch for both segments of a two-rank call (csrc/gemm_rs/gemm_rs.cu run_split_pair):
-    the walk starts at the peer's rows, whose tiles are counted and sent band by band from the output's peer rows;
-    this rank's rows wait per band and add the slots as their source, the one not received in zeroed by the first
-    call (the slots start as NaN).  Against the fp32 reference over three calls, with the tail split off and on, in
-    both configurations."""
-    from fluxinductor.kernels import gemm_rs
-
-    assert gemm_rs.one_launch(2, 2 * rows, 1.0, 0)
-    flux_settings(gemm_rs_bands=str(bands))
-    flux_settings(gemm_rs_tail_split=tail_parts)
-    flux_settings(gemm_rs_split_config=config)
-    # Loads this configuration's relay GEMM (the one launch's kernel) before simulated ranks wait on each other.
-    _lone_rank_call("split", dtype, timeout=50_000_000, world=3, k_major=k_major)
-    assert _simulate(2, 2 * rows, k, n, dtype=dtype, k_major=k_major, split=True, pair=True, calls=3) < 1e-2
-
-
-@_gpu
-@pytest.mark.parametrize("m", [4096, 12288])
-def test_gemm_only_split_one_launch(m):
-    """gemm_only(split=True) where two ranks would run one launch: that GEMM over all rows, communication off (and
-    the two GEMMs of four ranks' ring), against the fp32 reference with the output poisoned."""
-    from fluxinductor.kernels import gemm_rs
-
-    assert gemm_rs.one_launch(2, m, 1.0, 0) and not gemm_rs.one_launch(4, m, 1.0, 0)
-    a = torch.randn(m, 264, dtype=torch.bfloat16, device="cuda")
-    w = make_weight(264, 1032, True, torch.bfloat16, "cuda")
-    bias = torch.randn(1032, dtype=torch.bfloat16, device="cuda")
-    for world in (2, 4):
-        out = torch.full((m, 1032), float("nan"), dtype=torch.bfloat16, device="cuda")
-        gemm_rs.gemm_only(a, w, bias, out=out, split=True, world=world)
-        gemm_rs.check_gemm_only()
-        assert relative_error(out, a.float() @ w.float() + bias.float()) < 1e-2, world
 
 
 @_gpu

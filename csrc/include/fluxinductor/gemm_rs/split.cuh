@@ -32,15 +32,11 @@ namespace fluxinductor::gemm_rs_split {
 
 // Where a stored tile is counted: counters[band], band = (m_block / band_tile_rows) * col_chunks +
 // n_block / chunk_col_tiles, counters already at this segment's (SplitGemmParams: counters + segment * bands).
-// Only the tiles of the `blocks` M blocks from first_block are counted, their row band counted from it (blocks = 0:
-// every tile; SplitGemmParams::count_blocks).
 struct BandCounting {
   uint32_t* counters = nullptr;
   int band_tile_rows = 1;
   int col_chunks = 1;
   int chunk_col_tiles = 1;
-  int first_block = 0;
-  int blocks = 0;
 };
 
 // CUTLASS's sm90 TMA-store collective epilogue, plus one count per stored tile.  The warp that issues a tile's TMA
@@ -87,12 +83,10 @@ class CountingEpilogue : public Base {
     count_stored_tile();
     int const m_block = int(cute::get<0>(tile_coord_mnkl));
     int const n_block = int(cute::get<1>(tile_coord_mnkl));
-    int const counted_block = m_block - counting_.first_block;
     bool const real = m_block * int(cute::size<0>(tile_shape_mnk)) < int(cute::get<0>(problem_shape_mnkl)) &&
-                      n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl)) &&
-                      (counting_.blocks == 0 || unsigned(counted_block) < unsigned(counting_.blocks));
+                      n_block * int(cute::size<1>(tile_shape_mnk)) < int(cute::get<1>(problem_shape_mnkl));
     int const band = real && counting_.counters != nullptr
-                         ? (counted_block / counting_.band_tile_rows) * counting_.col_chunks +
+                         ? (m_block / counting_.band_tile_rows) * counting_.col_chunks +
                                n_block / counting_.chunk_col_tiles
                          : -1;
     auto next = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl,
@@ -308,18 +302,12 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   schedule.total_rows = p.rows;
   schedule.shard_rows = p.rows;
   schedule.group_cluster_rows = Config::kTiling.group_cluster_rows;
-  schedule.first_cluster_row = p.first_row / (Config::kTiling.tile_m * Config::kTiling.cluster_m);
   if (p.flags != nullptr) {  // relay and own GEMM: every band waits for rank + 1's partial sum
-    // The wait's rows: one segment, every band remote (rank -1), or with wait_segment_rows the segments of a
-    // two-segment launch, the skipped one as this "rank"'s (wait_for_tile_chunks waits for no chunk of its own).
-    int const segment_rows = p.wait_segment_rows > 0 ? p.wait_segment_rows : p.rows;
     schedule.flags = p.flags;
     schedule.epoch = p.epoch;
-    schedule.rank = p.wait_segment_rows > 0 ? p.wait_skip_segment : -1;
-    schedule.world = (p.rows + segment_rows - 1) / segment_rows;
-    schedule.shard_rows = segment_rows;
+    schedule.rank = -1;
     schedule.chunk_rows = p.band_rows;
-    schedule.chunks_per_rank = (segment_rows + p.band_rows - 1) / p.band_rows;
+    schedule.chunks_per_rank = (p.rows + p.band_rows - 1) / p.band_rows;
     schedule.col_chunks = p.col_chunks;
     schedule.chunk_col_tiles = p.chunk_col_tiles;
     schedule.timeout_ns = p.timeout_ns;
@@ -356,8 +344,7 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
     arguments.epilogue.counting = {p.counters != nullptr ? p.counters + p.segment * p.bands : nullptr,
-                                   p.band_rows / Config::kTiling.tile_m, p.col_chunks, p.chunk_col_tiles,
-                                   p.count_first_block, p.count_blocks};
+                                   p.band_rows / Config::kTiling.tile_m, p.col_chunks, p.chunk_col_tiles};
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
