@@ -169,17 +169,19 @@ def table_file(directory: str, table: dict) -> str:
 
 
 def kept_split_config(times: Dict[int, float]) -> int:
-    """The split transport's configuration a row keeps, from the times of those that ran (and passed): 2 only where it
-    beat 0 by more than the cost model's noise margin (or 0 has no time), else 0, the default."""
-    if 2 in times and (0 not in times or times[2] < times[0] * (1.0 - _cost_model().MIN_GAIN)):
-        return 2
-    return 0
+    """The split transport's configuration a row keeps, from the times of those that ran (and passed): 0 (cooperative
+    128x256) only where it beat 2 (ping-pong 128x192) by more than the cost model's noise margin or 2 has no time, else
+    2.  Ties go to 2: measured with the GPU at its top clocks, as a lone measurement runs, the two are level at short K
+    per rank, but under the power cap that steps run at, 2 was 4-16% ahead at K 2048-5120 per rank and 0 4% ahead at
+    K 14336 (2xH200, alternated rounds: benchmarks/results/split_one_launch/, the two-launch columns)."""
+    if 0 in times and (2 not in times or times[0] < times[2] * (1.0 - _cost_model().MIN_GAIN)):
+        return 0
+    return 2 if 2 in times else 0
 
 
 def split_columns(contenders: Dict[str, dict], ok: Callable[[str], Optional[bool]]) -> dict:
     """A row's split transport columns from bench_ops ``contenders`` (name -> record with ``ms``): the faster
-    configuration's time (configuration 2 only where it beat 0 by more than the cost model's noise margin and
-    passed its check), which one (``split_config``), and both times for the record.  ``ok(name)``: whether that
+    configuration's time (the one :func:`kept_split_config` keeps among those that passed their check), which one (``split_config``), and both times for the record.  ``ok(name)``: whether that
     contender's output passed its check (None where it has no time)."""
     times = {cfg: contenders.get(name, {}).get("ms") for cfg, name in _SPLIT_CONTENDERS}
     oks = {cfg: ok(name) for cfg, name in _SPLIT_CONTENDERS}

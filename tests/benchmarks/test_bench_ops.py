@@ -111,9 +111,10 @@ def _bench_ops():
     return bench_ops
 
 
-def test_split_columns_keep_configuration_2_only_where_it_wins():
-    """The tuning row's split transport: configuration 2 (ping-pong) replaces 0 only where it was faster by more than
-    the cost model's noise margin and passed its check; both times stay in the row."""
+def test_split_columns_keep_configuration_0_only_where_it_wins():
+    """The tuning row's split transport: configuration 0 (cooperative) is kept only where it was faster than 2
+    (ping-pong) by more than the cost model's noise margin, or 2 failed its check or did not run; both times stay in
+    the row."""
 
     def columns(t0, t2, ok0=True, ok2=True):
         c = {"fused_split": {"ms": t0, "rel_ok": ok0}, "fused_split2": {"ms": t2, "rel_ok": ok2}}
@@ -125,7 +126,8 @@ def test_split_columns_keep_configuration_2_only_where_it_wins():
 
     assert columns(1.00, 0.97) == {"fused_split_ms": 0.97, "fused_split_ok": True, "split_config": 2,
                                    "fused_split_config_ms": {"0": 1.00, "2": 0.97}}
-    assert columns(1.00, 0.995)["split_config"] == 0  # within the margin: the default stays
+    assert columns(1.00, 0.995)["split_config"] == 2  # within the margin: ping-pong
+    assert columns(1.00, 1.005)["split_config"] == 2
     assert columns(1.00, 1.05)["split_config"] == 0
     assert columns(1.00, 0.90, ok2=False)["split_config"] == 0  # configuration 2 failed its check
     assert columns(None, 0.90, ok0=None)["split_config"] == 2  # 0 did not run

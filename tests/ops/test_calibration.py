@@ -152,10 +152,12 @@ def test_a_row_above_the_range_or_of_a_similar_shape_is_a_seed():
     assert cost_model.decide(RS, h200, 2, 4096, 8192, 8192, bf16).path == "fused_split"
 
 
-def test_split_configuration_kept_only_where_it_beats_the_default():
-    assert calibration._split_config({"0": 1.0, "2": 0.995}) == 0  # within MIN_GAIN: the default
+def test_split_configuration_cooperative_kept_only_where_it_beats_ping_pong():
+    assert calibration._split_config({"0": 1.0, "2": 0.995}) == 2  # within MIN_GAIN: ping-pong
+    assert calibration._split_config({"0": 0.995, "2": 1.0}) == 2
     assert calibration._split_config({"0": 1.0, "2": 0.9}) == 2
     assert calibration._split_config({"0": 0.9, "2": 1.0}) == 0
+    assert calibration._split_config({"0": 0.9}) == 0
     with pytest.raises(ValueError, match="per configuration"):
         calibration._fold({"fused@2": 1.0})
 
