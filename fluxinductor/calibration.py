@@ -295,12 +295,12 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
                 samples[p].append(timer(fn) * 1e3)
         times = _agree([statistics.median(samples[p]) for p in names], device, group)
     by_name = dict(zip(names, times))
-    by_path, configs = _fold(by_name)
+    by_path, configs = _fold(by_name, k // world)
     choice = _verdict(by_path)
     row = {"op": op, "m": m, "k": k, "n": n, "dtype": dtype, "choice": choice,
            **{f"{p}_ms": t for p, t in by_path.items()}}
     if configs:
-        row.update(split_config=_split_config(configs), fused_split_config_ms=configs)
+        row.update(split_config=_split_config(configs, k // world), fused_split_config_ms=configs)
     if op in (cost_model.ALL_GATHER_MATMUL, cost_model.MATMUL_REDUCE_SCATTER):
         cost_model.add_calibrated_row(name, world, row)
     if fresh:
@@ -317,10 +317,10 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
     return choice, by_name
 
 
-def _split_config(configs: Dict[str, float]) -> int:
+def _split_config(configs: Dict[str, float], k_per_rank: Optional[int] = None) -> int:
     """The configuration a row keeps (``tuning_table.kept_split_config``, as bench_ops keeps a table's), from the
-    row's times per configuration."""
-    return tuning_table.kept_split_config({int(c): t for c, t in configs.items()})
+    row's times per configuration and the call's K per rank."""
+    return tuning_table.kept_split_config({int(c): t for c, t in configs.items()}, k_per_rank)
 
 
 def split_candidate(config: int) -> str:
@@ -343,9 +343,9 @@ def _cached_time(row: dict, name: str) -> Optional[float]:
     return row.get(f"{path}_config_ms", {}).get(str(config))
 
 
-def _fold(by_name: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, float]]:
+def _fold(by_name: Dict[str, float], k_per_rank: Optional[int] = None) -> Tuple[Dict[str, float], Dict[str, float]]:
     """(each path's time, the split transport's time per configuration): a path timed in several configurations takes
-    the time of the one the row keeps."""
+    the time of the one the row keeps (``k_per_rank``: the call's, as :func:`_split_config` takes it)."""
     by_path: Dict[str, float] = {}
     configs: Dict[str, float] = {}
     for name, t in by_name.items():
@@ -358,7 +358,7 @@ def _fold(by_name: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, float]
             configs[str(config)] = t
             by_path.setdefault(path, t)  # the path's place among the candidates (near ties keep the first)
     if configs:
-        by_path[_SPLIT] = configs[str(_split_config(configs))]
+        by_path[_SPLIT] = configs[str(_split_config(configs, k_per_rank))]
     return by_path, configs
 
 

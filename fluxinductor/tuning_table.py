@@ -168,31 +168,44 @@ def table_file(directory: str, table: dict) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def kept_split_config(times: Dict[int, float]) -> int:
-    """The split transport's configuration a row keeps, from the times of those that ran (and passed): 0 (cooperative
-    128x256) only where it beat 2 (ping-pong 128x192) by more than the cost model's noise margin or 2 has no time, else
-    2.  Ties go to 2: measured with the GPU at its top clocks, as a lone measurement runs, the two are level at short K
-    per rank, but under the power cap that steps run at, 2 was 4-16% ahead at K 2048-5120 per rank and 0 4% ahead at
-    K 14336 (2xH200, alternated rounds: benchmarks/results/split_one_launch/, the two-launch columns)."""
-    if 0 in times and (2 not in times or times[0] < times[2] * (1.0 - _cost_model().MIN_GAIN)):
+# Per-rank K below which the split GEMM+RS's ping-pong configuration (2) hides an epilogue that weighs enough to
+# decide a tie; from it on the cooperative one (0) with its tail split.
+SPLIT_SHORT_K = 8192
+
+
+def kept_split_config(times: Dict[int, float], k_per_rank: Optional[int] = None) -> int:
+    """The split transport's configuration a row keeps, from the times of those that ran (and passed): the one faster
+    by more than the cost model's noise margin (or the only one with a time); within the margin 2 (ping-pong 128x192)
+    below :data:`SPLIT_SHORT_K` of ``k_per_rank``, else 0 (cooperative 128x256).  Measured with the GPU at its top
+    clocks, as a table's lone runs and a first-call calibration are, the two were level at short K per rank; under the
+    power cap that steps run at, 2 was 4-16% ahead at K 2048-5120 per rank and 0 4% ahead at K 14336 (2xH200,
+    alternated rounds: benchmarks/results/split_one_launch/, its two-launch columns)."""
+    if 2 not in times or 0 not in times:
+        return 2 if 2 in times else 0
+    margin = 1.0 - _cost_model().MIN_GAIN
+    if times[2] < times[0] * margin:
+        return 2
+    if times[0] < times[2] * margin:
         return 0
-    return 2 if 2 in times else 0
+    return 2 if k_per_rank is not None and k_per_rank < SPLIT_SHORT_K else 0
 
 
-def split_columns(contenders: Dict[str, dict], ok: Callable[[str], Optional[bool]]) -> dict:
+def split_columns(contenders: Dict[str, dict], ok: Callable[[str], Optional[bool]],
+                  k_per_rank: Optional[int] = None) -> dict:
     """A row's split transport columns from bench_ops ``contenders`` (name -> record with ``ms``): the faster
     configuration's time (the one :func:`kept_split_config` keeps among those that passed their check), which one (``split_config``), and both times for the record.  ``ok(name)``: whether that
     contender's output passed its check (None where it has no time)."""
     times = {cfg: contenders.get(name, {}).get("ms") for cfg, name in _SPLIT_CONTENDERS}
     oks = {cfg: ok(name) for cfg, name in _SPLIT_CONTENDERS}
-    config = kept_split_config({cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False})
+    config = kept_split_config({cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False},
+                               k_per_rank)
     cols = {"fused_split_ms": times[config], "fused_split_ok": oks[config]}
     if times[2] is not None or oks[2] is not None:
         cols.update(split_config=config, fused_split_config_ms={str(cfg): t for cfg, t in times.items()})
     return cols
 
 
-def rows_from_bench(results: List[dict]) -> List[dict]:
+def rows_from_bench(results: List[dict], world: Optional[int] = None) -> List[dict]:
     """Table rows (:func:`make_table`'s ``entries``) from bench_ops ``results``: one per op and shape that has a
     sequential (``nccl_seq``) time, with every overlapped path's time and whether it passed its check."""
     entries = []
@@ -215,7 +228,7 @@ def rows_from_bench(results: List[dict]) -> List[dict]:
             "gemm_ms": c.get("gemm", {}).get("ms"),
             "fused_copy_ms": c.get("fused_copy", {}).get("ms"),
             "fused_copy_ok": ok("fused_copy"),
-            **split_columns(c, ok),
+            **split_columns(c, ok, r["K"] // world if world else None),
             "asynctp_ms": c.get("asynctp", {}).get("ms"),
             "asynctp_ok": ok("asynctp"),
             "fused_nocomm_ms": c.get("fused_nocomm", {}).get("ms"),
@@ -229,4 +242,5 @@ def table_from_bench(data: dict, bench_json: str) -> dict:
     env = data["environment"]
     source = {"bench_json": bench_json, "git_sha": env["git_sha"], "timestamp": env["timestamp"],
               "torch": env["torch"], "nccl": env["nccl"], "b_layout": env["b_layout"], "iters": env["iters"]}
-    return make_table(env["device"], env["world"], env["dtype"], rows_from_bench(data["results"]), source)
+    return make_table(env["device"], env["world"], env["dtype"], rows_from_bench(data["results"], env["world"]),
+                      source)

@@ -111,24 +111,26 @@ def _bench_ops():
     return bench_ops
 
 
-def test_split_columns_keep_configuration_0_only_where_it_wins():
-    """The tuning row's split transport: configuration 0 (cooperative) is kept only where it was faster than 2
-    (ping-pong) by more than the cost model's noise margin, or 2 failed its check or did not run; both times stay in
-    the row."""
+def test_split_columns_keep_the_faster_configuration_ties_by_k():
+    """The tuning row's split transport: the configuration faster by more than the cost model's noise margin (one that
+    failed its check or did not run is out); within the margin 2 (ping-pong) at short K per rank, 0 (cooperative)
+    from SPLIT_SHORT_K on; both times stay in the row."""
 
-    def columns(t0, t2, ok0=True, ok2=True):
+    def columns(t0, t2, ok0=True, ok2=True, k_per_rank=None):
         c = {"fused_split": {"ms": t0, "rel_ok": ok0}, "fused_split2": {"ms": t2, "rel_ok": ok2}}
 
         def ok(name):
             return c[name]["rel_ok"] if c[name]["ms"] is not None else None
 
-        return tuning_table.split_columns(c, ok)
+        return tuning_table.split_columns(c, ok, k_per_rank)
 
     assert columns(1.00, 0.97) == {"fused_split_ms": 0.97, "fused_split_ok": True, "split_config": 2,
                                    "fused_split_config_ms": {"0": 1.00, "2": 0.97}}
-    assert columns(1.00, 0.995)["split_config"] == 2  # within the margin: ping-pong
-    assert columns(1.00, 1.005)["split_config"] == 2
-    assert columns(1.00, 1.05)["split_config"] == 0
+    assert columns(1.00, 0.995, k_per_rank=4096)["split_config"] == 2  # within the margin, short K: ping-pong
+    assert columns(1.00, 1.005, k_per_rank=4096)["split_config"] == 2
+    assert columns(1.00, 0.995, k_per_rank=14336)["split_config"] == 0  # within the margin, long K: cooperative
+    assert columns(1.00, 0.995)["split_config"] == 0
+    assert columns(1.00, 1.05, k_per_rank=4096)["split_config"] == 0
     assert columns(1.00, 0.90, ok2=False)["split_config"] == 0  # configuration 2 failed its check
     assert columns(None, 0.90, ok0=None)["split_config"] == 2  # 0 did not run
     # Only configuration 0 measured (older runs): no split_config in the row.

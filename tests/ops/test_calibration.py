@@ -134,30 +134,34 @@ def test_a_row_above_the_range_or_of_a_similar_shape_is_a_seed():
     assert not cost_model.decide(RS, h200, 2, 6144, 8192, 28672, bf16).estimated  # between two rows' Ms
     above = cost_model.decide(RS, h200, 2, 32768, 8192, 28672, bf16)
     assert above.estimated and above.path == "fused_split" and "above the range" in above.reason
-    similar = cost_model.decide(RS, h200, 2, 16384, 4096, 4096, bf16)
+    similar = cost_model.decide(RS, h200, 2, 16384, 5120, 4096, bf16)
     assert similar.estimated and similar.path == "fused_split" and "a seed" in similar.reason
-    assert cost_model.split_config(h200, 2, 16384, 4096, 4096, bf16) == 0  # the similar row's configuration
+    assert cost_model.split_config(h200, 2, 16384, 5120, 4096, bf16) == 0  # the similar row's configuration
     # What the pass weighs comes from the seed too, until the shape is measured.
-    assert cost_model.saving_ms(RS, h200, 2, 16384, 4096, 4096, bf16, "fused_split") > 0
-    cost_model.add_calibrated_row(h200, 2, {"op": RS, "m": 16384, "k": 4096, "n": 4096, "dtype": "bfloat16",
+    assert cost_model.saving_ms(RS, h200, 2, 16384, 5120, 4096, bf16, "fused_split") > 0
+    cost_model.add_calibrated_row(h200, 2, {"op": RS, "m": 16384, "k": 5120, "n": 4096, "dtype": "bfloat16",
                                             "choice": "fused", "sequential_ms": 1.0, "fused_ms": 0.8,
                                             "fused_split_ms": 0.9, "split_config": 2})
-    measured = cost_model.decide(RS, h200, 2, 16384, 4096, 4096, bf16)
+    measured = cost_model.decide(RS, h200, 2, 16384, 5120, 4096, bf16)
     assert (measured.path, measured.estimated) == ("fused", False) and "calibrated" in measured.reason
-    assert cost_model.split_config(h200, 2, 16384, 4096, 4096, bf16) == 2
-    assert cost_model.saving_ms(RS, h200, 2, 16384, 4096, 4096, bf16, "fused_split") == pytest.approx(0.1)
+    assert cost_model.split_config(h200, 2, 16384, 5120, 4096, bf16) == 2
+    assert cost_model.saving_ms(RS, h200, 2, 16384, 5120, 4096, bf16, "fused_split") == pytest.approx(0.1)
     # The table's own rows are not overridden by a calibrated row of their shape.
     cost_model.add_calibrated_row(h200, 2, {"op": RS, "m": 4096, "k": 8192, "n": 8192, "dtype": "bfloat16",
                                             "sequential_ms": 1.0, "fused_ms": 2.0, "split_config": 2})
     assert cost_model.decide(RS, h200, 2, 4096, 8192, 8192, bf16).path == "fused_split"
 
 
-def test_split_configuration_cooperative_kept_only_where_it_beats_ping_pong():
-    assert calibration._split_config({"0": 1.0, "2": 0.995}) == 2  # within MIN_GAIN: ping-pong
-    assert calibration._split_config({"0": 0.995, "2": 1.0}) == 2
+def test_split_configuration_kept_where_it_wins_ties_by_k():
     assert calibration._split_config({"0": 1.0, "2": 0.9}) == 2
-    assert calibration._split_config({"0": 0.9, "2": 1.0}) == 0
-    assert calibration._split_config({"0": 0.9}) == 0
+    assert calibration._split_config({"0": 0.9, "2": 1.0}, 4096) == 0
+    assert calibration._split_config({"0": 0.9}, 4096) == 0
+    # Within MIN_GAIN: ping-pong below SPLIT_SHORT_K per rank, cooperative from it on (and where K is not given).
+    for k_per_rank, kept in ((4096, 2), (8191, 2), (8192, 0), (24576, 0), (None, 0)):
+        assert calibration._split_config({"0": 1.0, "2": 0.995}, k_per_rank) == kept, k_per_rank
+        assert calibration._split_config({"0": 0.995, "2": 1.0}, k_per_rank) == kept, k_per_rank
+    assert calibration._fold({"sequential": 2.0, "fused_split@0": 1.0, "fused_split@2": 0.995}, 4096)[0] == {
+        "sequential": 2.0, "fused_split": 0.995}
     with pytest.raises(ValueError, match="per configuration"):
         calibration._fold({"fused@2": 1.0})
 
@@ -314,7 +318,7 @@ def _split_configs_job(rank, world, cache, device_name, shape):
 
 @pytest.mark.parametrize("device_name, shape", [
     (H100, (16384, 8192, 28672)),  # no table: the roofline's estimate
-    ("NVIDIA H200", (16384, 4096, 4096)),  # the packaged table's similar row (configuration 0) seeds it
+    ("NVIDIA H200", (16384, 5120, 4096)),  # the packaged table's similar row (configuration 0) seeds it
 ])
 def test_calibration_times_each_split_configuration_and_keeps_the_fastest(tmp_path, device_name, shape):
     results = run_ranks(_split_configs_job, 2, str(tmp_path), device_name, shape, timeout=180)
