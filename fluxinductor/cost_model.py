@@ -42,7 +42,8 @@ ops present).  Forcing the fused kernel regardless of this table is the dispatch
 (``FLUXINDUCTOR_DISPATCH=fused``), not this module's.
 
 A GEMM+RS row may also name the split transport's faster GEMM configuration, ``split_config`` (0: cooperative
-128x256, 2: ping-pong 128x192; bench_ops times both and keeps 2 only where it won by more than :data:`MIN_GAIN`);
+128x256, 2: ping-pong 128x192; bench_ops times both and keeps the one faster by more than :data:`MIN_GAIN`, a tie by
+K per rank: ``tuning_table.kept_split_config``);
 :func:`split_config` gives the dispatcher the nearest row's (same K and N nearest in log M, else the nearest-flops
 rule above), None (the kernel's default, 0) where no row has one.
 
