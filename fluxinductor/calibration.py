@@ -295,12 +295,13 @@ def _measure_or_read(op: str, device: torch.device, group_name: str, world: int,
                 samples[p].append(timer(fn) * 1e3)
         times = _agree([statistics.median(samples[p]) for p in names], device, group)
     by_name = dict(zip(names, times))
-    by_path, configs = _fold(by_name, k // world)
+    k_per_rank = k // world
+    by_path, configs = _fold(by_name, k_per_rank)
     choice = _verdict(by_path)
     row = {"op": op, "m": m, "k": k, "n": n, "dtype": dtype, "choice": choice,
            **{f"{p}_ms": t for p, t in by_path.items()}}
     if configs:
-        row.update(split_config=_split_config(configs, k // world), fused_split_config_ms=configs)
+        row.update(split_config=_split_config(configs, k_per_rank), fused_split_config_ms=configs)
     if op in (cost_model.ALL_GATHER_MATMUL, cost_model.MATMUL_REDUCE_SCATTER):
         cost_model.add_calibrated_row(name, world, row)
     if fresh:

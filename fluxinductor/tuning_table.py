@@ -192,9 +192,10 @@ def kept_split_config(times: Dict[int, float], k_per_rank: Optional[int] = None)
 
 def split_columns(contenders: Dict[str, dict], ok: Callable[[str], Optional[bool]],
                   k_per_rank: Optional[int] = None) -> dict:
-    """A row's split transport columns from bench_ops ``contenders`` (name -> record with ``ms``): the faster
-    configuration's time (the one :func:`kept_split_config` keeps among those that passed their check), which one (``split_config``), and both times for the record.  ``ok(name)``: whether that
-    contender's output passed its check (None where it has no time)."""
+    """A row's split transport columns from bench_ops ``contenders`` (name -> record with ``ms``): the time of the
+    configuration :func:`kept_split_config` keeps among those that passed their check (``k_per_rank`` breaks a tie),
+    which one (``split_config``), and both times for the record.  ``ok(name)``: whether that contender's output passed
+    its check (None where it has no time)."""
     times = {cfg: contenders.get(name, {}).get("ms") for cfg, name in _SPLIT_CONTENDERS}
     oks = {cfg: ok(name) for cfg, name in _SPLIT_CONTENDERS}
     config = kept_split_config({cfg: t for cfg, t in times.items() if t is not None and oks[cfg] is not False},

@@ -190,10 +190,11 @@ def push_call(shard: Tensor, peer_buffers: Sequence[int], peer_flags: Sequence[i
     :func:`gemm_args` of each, the first launched as the arrival's programmatic dependent), then the peers' rows of
     this rank's buffer into the same rows of the gathered A at address ``gathered`` (0: none; else ``own_into`` too),
     and ``main`` follows ``side``; with ``k_chunks`` > 1 the arrival comes first and no GEMM is a programmatic
-    dependent.  With ``k_chunks`` == 1 the host enqueues the GEMMs before the pushes (a GPU waiting for the host starts the
-    first GEMM on this rank's rows sooner).  ``batch_rows`` > 0: every A is batch-major (:func:`push_shards`).  With ``gemm_writes_a``, where the
-    first GEMM's kernel variant can, that GEMM writes the rows those two copies would (from shared memory, as it loads
-    them) and the copies are left out: a same-device copy runs on SMs, so on either stream it waits for the GEMM.
+    dependent.  With ``k_chunks`` == 1 the host enqueues the GEMMs before the pushes (a GPU waiting for the host starts
+    the first GEMM on this rank's rows sooner).  ``batch_rows`` > 0: every A is batch-major (:func:`push_shards`).  With
+    ``gemm_writes_a``, where the first GEMM's kernel variant can, that GEMM writes the rows those two copies would (from
+    shared memory, as it loads them) and the copies are left out: a same-device copy runs on SMs, so on either stream
+    it waits for the GEMM.
 
     peer_buffers[q] / peer_flags[q]: addresses of rank q's gathered buffer ([world * S, K]) and flags of this call's
     parity, mapped here; peer_arrivals[q]: this rank's arrival word on peer q; arrivals: this rank's words; ``events``:
