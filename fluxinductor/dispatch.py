@@ -181,10 +181,11 @@ def overlapped_paths(op: str, fused_eligible: bool = True, split_eligible: bool 
     """The cost model's paths this process can run for ``op``: the fused kernel where it is eligible (GEMM+RS
     with any transport: ``fused_copy`` is its copy-engine one, ``fused_split`` its two-GEMM one, offered only where
     ``split_eligible``: ``gemm_rs.split_reason`` found nothing against the call), async-TP (opt-in).  Under CUDA graph
-    capture only the fused kernel with NVLink stores, the one transport a graph can replay."""
+    capture the fused kernel with NVLink stores, and for GEMM+RS the split transport: the transports a graph can
+    replay."""
     rs = op == "matmul_reduce_scatter"
     if symm.capturing():
-        return ("fused",) if fused_eligible else ()
+        return (("fused",) + (("fused_split",) if rs and split_eligible else ())) if fused_eligible else ()
     split = ("fused_split",) if split_eligible else ()
     fused = (("fused", "fused_copy") + split if rs else ("fused",)) if fused_eligible else ()
     return fused + (("asynctp",) if _asynctp_ops() is not None else ())

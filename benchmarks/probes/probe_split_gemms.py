@@ -35,8 +35,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--n-major", action="store_true",
                    help="also the split GEMMs and cuBLAS with the weight N-major (as a backward's grad @ W gives it)")
+    p.add_argument("--configs", default="",
+                   help="comma-separated split configurations to time as well (split<c>_nocomm), e.g. 0,2")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    split_configs = [int(c) for c in args.configs.split(",") if c]
     problems = parse_problems(args.problems, PROBLEMS)
     dev = torch.device("cuda")
     sha, dirty = git_sha()
@@ -60,10 +63,22 @@ def main(argv=None) -> int:
             w_n = w.contiguous()  # the same [K, N] values, N-major
             fns["cublas_full_n_major"] = lambda: torch.mm(a, w_n)
             fns["split_nocomm_n_major"] = lambda: gemm_rs.gemm_only(a, w_n, None, out=out, split=True)
+        for c in split_configs:
+            fns[f"split{c}_nocomm"] = lambda c=c: gemm_rs.gemm_only(a, w, None, out=out, split=True,
+                                                                  split_config_choice=c)
         times = time_round_robin(fns, 3, args.iters, args.rounds)
+        ref = torch.mm(a.float(), w.float())
+        for name in [f for f in fns if f.startswith("split")]:
+            out.fill_(float("nan"))
+            fns[name]()
+            gemm_rs.check_gemm_only(dev)
+            err = float((out.float() - ref).norm() / ref.norm())
+            if not err < 1e-2:
+                raise RuntimeError(f"{name} at {m}x{k}x{n}: relative error {err}")
         ms = {name: statistics.median([t for r in rounds for t in r]) for name, rounds in times.items()}
         second = ms["split_nocomm"] - ms["first_gemm"]
-        row = {"problem": [m, k, n], "ms": ms, "second_gemm_ms": second,
+        row = {"problem": [m, k, n], "ms": ms,
+               "per_round_ms": {name: [statistics.median(r) for r in rounds] for name, rounds in times.items()}, "second_gemm_ms": second,
                "second_over_first": second / ms["first_gemm"], "split_over_cublas": ms["split_nocomm"] / ms["cublas_full"]}
         data["results"].append(row)
         print(f"{m}x{k}x{n}: " + " ".join(f"{name} {t:.3f}" for name, t in ms.items()) +

@@ -574,6 +574,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.abort_word = reinterpret_cast<uint32_t const*>(local + kRsStatusOffset);
       g.abort_value = kRsAborted;
       g.error_code = kGemmRsTileTimeout;
+      g.capture = args.capture;
       g.pdl = args.split_pdl;
     }
     set_tail_split(&g, args, step);
@@ -691,9 +692,11 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
          args.copy_stream == stream_ptr)) {
       return fail("copy-engine mode needs counters and a copy stream other than the kernel's");
     }
-    if (args.capture && (args.outbox != nullptr || args.split)) {
-      return fail("a captured call runs the stores transport only (the copy stream's counters are per-call host "
-                  "state)");
+    if (args.capture && args.outbox != nullptr && !args.split) {
+      return fail("a captured call runs the stores or the split transport, not the copy transport");
+    }
+    if (args.capture && args.tail_split_parts > 1) {
+      return fail("a captured call runs no tail split (its scratch takes new epochs per launch)");
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)

@@ -61,9 +61,10 @@ struct GemmRsArgs {
   int32_t* error = nullptr;    // host-mapped error word
   int64_t timeout_ns = 10'000'000'000LL;
   int sm_count = 0;            // CTAs of the persistent grid (0 = all SMs)
-  // A call captured in a CUDA graph (stores transport only): `epoch` is the same constant on every replay, so the
-  // handshake sets its hello words back to 0 once seen, the caller zeroes this rank's flags after the kernel, and a
-  // failed wait traps (no host code runs between replays to raise the error word).
+  // A call captured in a CUDA graph (the stores or the split transport, no tail split): `epoch` is the same constant
+  // on every replay, so the handshake sets its hello words back to 0 once seen, the caller zeroes this rank's flags
+  // after the call, flags must equal the epoch exactly, and a failed wait traps (no host code runs between replays to
+  // raise the error word).  The split transport's band counters are zeroed at the start of every call anyway.
   bool capture = false;
   // Copy-engine mode (world > 1 and outbox != null):
   void* outbox = nullptr;         // [world][m/world][n] elements on this rank's device (own segment unused)

@@ -63,6 +63,9 @@ struct SplitGemmParams {
   int32_t* error = nullptr;
   int32_t error_code = 0;
   int64_t timeout_ns = 0;
+  // A call captured in a CUDA graph: the waits compare the epoch exactly and a timed-out wait traps (no host code
+  // runs between replays to raise the error word).
+  bool capture = false;
   bool pdl = false;                 // launch as a programmatic dependent of the GEMM before it
   // Tail split (cooperative configurations; ag_gemm/scheduler.cuh AllGatherSchedule): a partial last wave's tiles
   // split along K into up to split_max_parts parts over up to split_waves waves.  The scratch (ag_gemm.h

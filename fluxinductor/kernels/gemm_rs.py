@@ -107,8 +107,9 @@ def launch(
     [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
     :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
     configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
-    ``capture``: a call that CUDA graph replays repeat (stores transport, ``epoch`` :data:`CAPTURE_EPOCH`): the
-    handshake sets its words back to 0 and failed waits trap; the caller zeroes this rank's flags after it.
+    ``capture``: a call that CUDA graph replays repeat (the stores or the split transport, no tail split, ``epoch``
+    :data:`CAPTURE_EPOCH`): the handshake sets its words back to 0, flags must equal the epoch and failed waits trap;
+    the caller zeroes this rank's flags after it.
     ``batch_rows`` > 0: ``a`` is batch-major ([B, S, K] flattened, scattered on S; :func:`batch_major_reason`), and
     ``out`` this rank's [B, S/world, N].
     """
@@ -295,8 +296,8 @@ def matmul_reduce_scatter(
         return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
                           out, batch_rows)(a2d, weight, bias, out)
     state.raise_if_error()
-    # One rank, or under capture, where unsupported_reason (ours, or the caller's: checked) found the call
-    # capturable: the stores transport.
+    # One rank (the stores transport), or under capture, where unsupported_reason (ours, or the caller's: checked)
+    # found the call capturable: the stores transport, or the split one where asked for and set up.
     a2d, bias = _prepare(a2d, bias)
     m, k = a2d.shape
     n = weight.shape[1]
@@ -304,16 +305,41 @@ def matmul_reduce_scatter(
     if out is None:
         out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
     capturing = world > 1  # here: 2 or more ranks only under capture
-    sig = signature(m, n, k, world, a2d.dtype, "store" if out.dtype == a2d.dtype else f"store/{out.dtype}")
+    split = False
+    if capturing and push_mode(transport) == "split":
+        why = captured_split_reason(state, a2d, weight, bias, out)
+        split = why is None
+        if not split:
+            log.note_once(f"matmul_reduce_scatter runs the stores transport under CUDA graph capture: {why}")
+    config = resolve_split_config(a2d.dtype, split_config_choice) if split else 0
+    transport_sig = f"split{config or ''}/{bands()}" if split else "store"
+    if out.dtype != a2d.dtype:
+        transport_sig += f"/{out.dtype}"
+    sig = signature(m, n, k, world, a2d.dtype, transport_sig)
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
     launch(a2d, weight, bias, out, m=m, world=world, rank=state.rank, buffers=state.buffer_ptrs,
            epoch=CAPTURE_EPOCH if capturing else 0, sig=sig, error_address=state.error.device,
-           out_scale=(1.0 / world) if reduce_op == "avg" else 1.0, capture=capturing)
+           out_scale=(1.0 / world) if reduce_op == "avg" else 1.0, capture=capturing,
+           copy=state.copy_workspace() if split else None, split=split, split_config=config)
     if capturing:
-        # Every peer's flags of this call were read by the own tiles' epilogue; clear them for the next replay (a peer
-        # sets them again only after the next call's handshake, which this rank enters after this).
+        # Every peer's flags of this call were read by the own tiles (or the own GEMM); clear them for the next replay
+        # (a peer sets them again only after the next call's handshake, which this rank enters after this).
         state.buffer[flags_offset:data_offset].zero_()
     return out
+
+
+def captured_split_reason(state: _GroupState, a2d: Tensor, weight: Tensor, bias: Optional[Tensor],
+                          out: Tensor) -> Optional[str]:
+    """Why a call under CUDA graph capture cannot run the split transport (None: it can, without a tail split).  A
+    capture may not grow the outbox (an allocation that outlives the graph), so an eager split call of at least this
+    size must have grown it first."""
+    why = split_reason(state.world, weight, bias, out)
+    if why is not None:
+        return why
+    copy = state.copy
+    if copy is None or copy.outbox is None or copy.outbox.numel() < a2d.shape[0] * weight.shape[1] * a2d.element_size():
+        return "no eager split call of this size set up the outbox"
+    return None
 
 
 def prepare_matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,

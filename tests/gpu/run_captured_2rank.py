@@ -3,15 +3,15 @@ cuda_graphs=True)`` (the process-wide default of the per-compile option): the fu
 real symmetric memory.
 
 Checks (each rank asserts; a failure exits non-zero):
-  * all_gather_matmul (the push, two weights, the gathered A) and matmul_reduce_scatter (stores transport, bias, sum
-    and avg) captured with torch.cuda.graph after eager warm-up calls: each of --replays replays, with new operands
+  * all_gather_matmul (the push, two weights, the gathered A) and matmul_reduce_scatter (the stores or, with
+    --gemm-rs-push split, the split transport; bias, sum and avg) captured with torch.cuda.graph after eager warm-up calls: each of --replays replays, with new operands
     copied into the captured inputs and the outputs poisoned, matches an fp32 reference; eager calls of the same ops
     between replays still match (they then wait for every peer: a replay may have used either buffer);
   * no fallback was taken under capture (every call captured the fused kernels) and no error word is set;
   * torch.compile(mode="reduce-overhead") of a sequence-parallel block: replays match eager.
 Prints "CAPTURED CHECKS PASSED" on each rank.
 
-    FLUXINDUCTOR_DISPATCH=fused torchrun --nproc-per-node 2 tests/gpu/run_captured_2rank.py
+    FLUXINDUCTOR_DISPATCH=fused torchrun --nproc-per-node 2 tests/gpu/run_captured_2rank.py [--gemm-rs-push split]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def rel(out, ref):
 
 def check_ops(group_name, device, rank, world, replays):
     import fluxinductor
+    from fluxinductor import settings
     from fluxinductor.kernels import ag_gemm, gemm_rs
 
     gen = torch.Generator(device=device).manual_seed(1234)  # the same weights on every rank
@@ -79,6 +80,10 @@ def check_ops(group_name, device, rank, world, replays):
     with torch.cuda.stream(stream):
         step()  # warm-up on a side stream, as torch.cuda.graph's documentation asks
     torch.cuda.current_stream(device).wait_stream(stream)
+    if settings.tuning.gemm_rs_push == "split":  # the captured GEMM+RS runs the split transport, not the stores one
+        out = torch.empty(a.shape[0] // world, w3.shape[1], dtype=a.dtype, device=device)
+        why = gemm_rs.captured_split_reason(gemm_rs._state(group_name, device), a, w3, b3, out)
+        assert why is None, why
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -130,10 +135,13 @@ def check_compiled(group_name, device):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--gemm-rs-push", choices=["store", "split"], default="store",
+                        help="the GEMM+RS transport of every call, eager and captured")
     args = parser.parse_args()
     from fluxinductor import settings
 
     settings.configure(cuda_graphs=True)  # the kernels run under torch.cuda.graph captures too
+    settings.set_tuning(gemm_rs_push=args.gemm_rs_push)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)

@@ -26,12 +26,14 @@ def test_reduce_overhead_and_autocast_on_one_rank(cuda_graphs):
 
 
 @pytest.mark.gpu(min_gpus=2)
-def test_captured_two_ranks_torchrun():
+@pytest.mark.parametrize("transport", ["store", "split"])
+def test_captured_two_ranks_torchrun(transport):
     """cuda_graphs=True over real symmetric memory: the ops captured in CUDA graphs, replays and eager calls
-    between them against fp32 references, and a reduce-overhead compile (tests/gpu/run_captured_2rank.py)."""
+    between them against fp32 references, and a reduce-overhead compile (tests/gpu/run_captured_2rank.py), with the
+    GEMM+RS's stores or split transport."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", FLUXINDUCTOR_DISPATCH="fused")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           os.path.join(HERE, "run_captured_2rank.py"), "--replays", "200"]
+           os.path.join(HERE, "run_captured_2rank.py"), "--replays", "200", "--gemm-rs-push", transport]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("CAPTURED CHECKS PASSED") == 2, run.stdout[-4000:]

@@ -262,36 +262,49 @@ def test_n_ranks_one_gpu(world, reduce_op):
 
 @_gpu
 @pytest.mark.parametrize("world", [2, 4])
-def test_captured_calls_replay_between_eager_calls_one_gpu(world):
+@pytest.mark.parametrize("transport,split_config", [("store", None), ("split", 0), ("split", 2)])
+def test_captured_calls_replay_between_eager_calls_one_gpu(world, transport, split_config):
     """Calls captured in CUDA graphs (settings.kernels_under_capture()): each simulated rank captures one call with the
-    constant epoch CAPTURE_EPOCH (the handshake resets its words, the flags are zeroed after the kernel) into a graph
+    constant epoch CAPTURE_EPOCH (the handshake resets its words, the flags are zeroed after the call) into a graph
     of its own.  Replays of every rank's graph, with new operands copied into the captured inputs and the outputs
     poisoned, alternate with eager calls on the same buffers and ascending epochs: each gives the fp32 reference, and
-    after each replay the hello words and flags are back at 0."""
+    after each replay the hello words and flags are back at 0.  The split transport's graphs hold its copy stream's
+    band waits, copies and flag writes; its band counters start each call at 0."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
-    m, k, n, dtype = 200 * world, 264, 520, torch.bfloat16
-    sm_budget = _sm_budget(world, False)
+    split = transport == "split"
+    m, k, n, dtype = (256 if split else 200) * world, 264, 520 if not split else 512, torch.bfloat16
+    sm_budget = _sm_budget(world, split)
     flags_offset, data_offset, nbytes = gemm_rs.buffer_layout(m, n, world, dtype)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     pointers = [b.data_ptr() for b in buffers]
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
-    _load_kernels("store", dtype)
+    _load_kernels(transport, dtype)
     a = [torch.empty(m, k, dtype=dtype, device=device) for _ in range(world)]
     w = [make_weight(k, n, True, dtype, device) for _ in range(world)]
     bias = torch.randn(n, dtype=dtype, device=device)
     outs = [torch.empty((m // world, n), dtype=dtype, device=device) for _ in range(world)]
+    copies = [gemm_rs.CopyEngineWorkspace(device, world) if split else None for _ in range(world)]
+    for copy in copies:
+        if copy is not None:
+            copy.outbox_address(m * n * 2)  # grown before the capture, as an eager call of the shape grows it
 
     def call(r, epoch, capture):
         gemm_rs.launch(a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=epoch, sig=sig,
                        error_address=error.device, timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r],
-                       capture=capture)
+                       capture=capture, copy=copies[r], split=split, split_config=split_config,
+                       tail_split=1 if capture else None)
         if capture:
             buffers[r][flags_offset:data_offset].zero_()
 
+    if split_config == 0:  # a tail split's scratch takes new epochs per launch: the kernel refuses it under capture
+        with pytest.raises(RuntimeError, match="runs no tail split"):
+            gemm_rs.launch(a[0], w[0], bias, outs[0], m=m, world=world, rank=0, buffers=pointers,
+                           epoch=gemm_rs.CAPTURE_EPOCH, sig=sig, error_address=error.device, capture=True,
+                           copy=copies[0], split=True, split_config=0, tail_split=4)
     graphs = []
     for r in range(world):
         graph = torch.cuda.CUDAGraph()

@@ -84,15 +84,17 @@ def test_split_is_offered_only_for_calls_it_takes(fake_kernels, rs_table):
     assert dispatch.overlapped_paths("all_gather_matmul", split_eligible=False) == ("fused",)
 
 
-def test_only_the_stores_transport_under_capture(flux_settings, monkeypatch):
-    """Under CUDA graph capture the cost model chooses between the fused kernel with NVLink stores, the one transport
-    a replay can repeat, and the decomposition (not the copy or split transports, nor async-TP)."""
+def test_stores_and_split_transports_under_capture(flux_settings, monkeypatch):
+    """Under CUDA graph capture the cost model chooses between the fused kernel with NVLink stores, for GEMM+RS the
+    split transport where it can take the call (the transports a replay can repeat), and the decomposition (not the
+    copy transport, nor async-TP)."""
     from fluxinductor.kernels import symm
 
     flux_settings(asynctp="1")
     monkeypatch.setattr(dispatch, "_asynctp_registered", lambda: ("ag", "rs"))
     monkeypatch.setattr(symm, "capturing", lambda: True)
-    assert dispatch.overlapped_paths("matmul_reduce_scatter") == ("fused",)
+    assert dispatch.overlapped_paths("matmul_reduce_scatter") == ("fused", "fused_split")
+    assert dispatch.overlapped_paths("matmul_reduce_scatter", split_eligible=False) == ("fused",)
     assert dispatch.overlapped_paths("all_gather_matmul") == ("fused",)
     assert dispatch.overlapped_paths("matmul_reduce_scatter", fused_eligible=False) == ()
 
@@ -132,6 +134,24 @@ def test_split_reason():
     assert "multiple of 8" in gemm_rs.split_reason(2, torch.randn(60, 32).t(), None)
     assert "aligned" in gemm_rs.split_reason(2, k_major, torch.zeros(65)[1:])
     assert "out" in gemm_rs.split_reason(2, k_major, None, torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:68])
+
+
+def test_captured_split_needs_an_eager_call_of_its_size():
+    """A call under CUDA graph capture runs the split transport only where an eager split call has grown the outbox
+    to the call's [M, N] (a capture may not allocate it) and the split transport can take the call at all."""
+    from types import SimpleNamespace
+
+    from fluxinductor.kernels import gemm_rs
+
+    a, weight = torch.randn(64, 32), torch.randn(32, 16)
+    out = torch.empty(32, 16)
+    state = SimpleNamespace(world=2, copy=None)
+    assert "no eager split call" in gemm_rs.captured_split_reason(state, a, weight, None, out)
+    state.copy = SimpleNamespace(outbox=torch.empty(64 * 16 * 4 - 1, dtype=torch.uint8))
+    assert "no eager split call" in gemm_rs.captured_split_reason(state, a, weight, None, out)
+    state.copy.outbox = torch.empty(64 * 16 * 4, dtype=torch.uint8)
+    assert gemm_rs.captured_split_reason(state, a, weight, None, out) is None
+    assert "multiple of 8" in gemm_rs.captured_split_reason(state, a, torch.randn(32, 12), None, torch.empty(32, 12))
 
 
 def test_ag_k_chunk_bounds_and_choice(flux_settings):

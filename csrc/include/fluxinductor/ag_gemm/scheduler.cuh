@@ -61,6 +61,9 @@ struct AllGatherSchedule {
   // Trap after writing the code (a call inside a CUDA graph, where no host code runs to raise it: the context's error
   // stops the process instead of a result computed from rows that never came).
   bool trap_on_timeout = false;
+  // A flag is ready when it equals epoch exactly rather than when int32(flag - epoch) >= 0: a call inside a CUDA
+  // graph, whose constant epoch sits just below the wrap, and whose flags are zeroed after each replay.
+  bool exact_epoch = false;
   // Optional: stop waiting, without an error, once *abort_word == abort_value (the call was aborted elsewhere).
   uint32_t const* abort_word = nullptr;
   uint32_t abort_value = 0;
@@ -191,7 +194,8 @@ CUTLASS_DEVICE bool wait_for_flag(AllGatherSchedule const& schedule, int flag) {
   unsigned const lanes = __activemask();
   int gave_up = 0;
   if ((threadIdx.x & 31) == (__ffs(lanes) - 1)) {
-    gave_up = poll_for_epoch(schedule, schedule.flags + flag, schedule.epoch, schedule.error_code) ? 1 : 0;
+    gave_up = poll_for_epoch(schedule, schedule.flags + flag, schedule.epoch, schedule.error_code,
+                             schedule.exact_epoch) ? 1 : 0;
   }
   gave_up = __shfl_sync(lanes, gave_up, __ffs(lanes) - 1);
   __syncwarp(lanes);

@@ -315,6 +315,8 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
     schedule.error_code = p.error_code;
     schedule.abort_word = p.abort_word;
     schedule.abort_value = p.abort_value;
+    schedule.exact_epoch = p.capture;
+    schedule.trap_on_timeout = p.capture;
   }
   if constexpr (ag_gemm::supports_tail_split<typename Config::Tiles>()) {
     ag_gemm::set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts,
