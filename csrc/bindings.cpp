@@ -100,7 +100,8 @@ void export_gemm_rs(py::module_& m) {
         py::arg("tail_split_partials") = 0, py::arg("tail_split_flags") = 0, py::arg("tail_split_epoch") = 0,
         py::arg("tail_split_parts") = 1, py::arg("tail_split_waves") = 1, py::arg("split_config") = 0,
         py::arg("out_float") = false, py::arg("capture") = false, py::arg("tuning_config") = 0,
-        py::arg("swizzle") = 0, py::arg("raster") = -1, py::arg("batch_rows") = 0);
+        py::arg("swizzle") = 0, py::arg("raster") = -1, py::arg("batch_rows") = 0, py::arg("k_first") = 0,
+        py::arg("more_slabs") = std::vector<int64_t>{});
   m.attr("GEMM_RS_MAX_BANDS") = fluxinductor::kGemmRsMaxBands;
   m.def("gemm_rs_tile_shape", &api::gemm_rs_tile_shape,
         "(tile_m, tile_n, flags_per_tile) of the GEMM+RS kernel of this tuning configuration: they fix its flag layout",

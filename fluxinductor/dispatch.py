@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -129,7 +129,7 @@ def _internode_measured(op: str, device: torch.device, group_name: str, world: i
 def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, n: int, dtype,
                      fused_eligible: bool = True, split_eligible: bool = True, group_name: Optional[str] = None,
                      run_path: Optional[Callable[[str], Callable[[], object]]] = None,
-                     split_configs: Tuple[int, ...] = ()) -> Tuple[str, str]:
+                     split_configs: Tuple[int, ...] = (), slabs: bool = False) -> Tuple[str, str]:
     """(path, reason): the cost model's choice among the paths that can run here.
 
     Where that choice is only an estimate (no table measured the shape: a seed row or the roofline) and ``run_path``
@@ -137,9 +137,10 @@ def _cost_model_says(op: str, device: torch.device, world: int, m: int, k: int, 
     measured instead, once per signature and agreed by every rank (:mod:`fluxinductor.calibration`): first the
     device's rates, and if the estimate with them still leaves a fused path in the running, every candidate on the
     call itself; the split transport in each of ``split_configs`` (``run_path`` gets
-    ``calibration.split_candidate(config)``) where there are two or more."""
+    ``calibration.split_candidate(config)``) where there are two or more.  ``slabs``: a sum of matmuls as K slabs,
+    which only the split transport runs."""
     name = _device_name(device.index)
-    paths = overlapped_paths(op, fused_eligible, split_eligible)
+    paths = ("fused_split",) if slabs else overlapped_paths(op, fused_eligible, split_eligible)
     decision = cost_model.decide(op, name, world, m, k, n, dtype, paths)
     fused_paths = tuple(p for p in paths if p != "asynctp")
     if (decision.estimated and run_path is not None and fused_paths and settings.tuning.calibrate
@@ -545,9 +546,11 @@ _TRANSPORTS = {"fused": "store", "fused_copy": "copy", "fused_split": "split"}
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
     out_dtype: Optional[torch.dtype] = None, replay_as: Optional[tuple] = None,
+    more_a: Sequence[Tensor] = (), more_weights: Sequence[Tensor] = (),
 ) -> Optional[Tensor]:
     """The fused path of ``ops.matmul_reduce_scatter``, or None (the caller decomposes).  ``replay_as``: the call's
-    :func:`replay_key`, under which a fused kernel's later calls are remembered."""
+    :func:`replay_key`, under which a fused kernel's later calls are remembered.  ``more_a``, ``more_weights``: the
+    sum's further terms, which only the split transport takes (as K slabs of its GEMMs, rows-first)."""
     op = "matmul_reduce_scatter"
     dispatch_mode = mode()
     if dispatch_mode == "decomposed":
@@ -568,8 +571,9 @@ def matmul_reduce_scatter(
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).  Or, where the fused kernel
     # can read a batch-major operand in place (batch_rows > 0: [B, D, ..., K] scattered on D, B > 1), the operand as it
     # is, flattened: rank r owns its blocks of batch_rows rows (rows_first() then gives the rank-major one).
-    batch_rows = _batch_rows(a, scatter_dim) // world if a.shape[scatter_dim] % world == 0 else 0
+    batch_rows = _batch_rows(a, scatter_dim) // world if a.shape[scatter_dim] % world == 0 and not more_a else 0
     a2d = a.view(-1, a.shape[-1]) if batch_rows else _rows_first(a, scatter_dim)
+    more2d = [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in zip(more_a, more_weights)]
 
     def rows_first() -> Tensor:
         return _rows_first(a, scatter_dim) if batch_rows else a2d
@@ -577,11 +581,13 @@ def matmul_reduce_scatter(
     out_dtype = None if out_dtype == a.dtype else out_dtype
     key = None if symm.capturing() else (
         op, dispatch_mode, _auto_key(a.device, world) if dispatch_mode == "auto" else None, group_name, world,
-        scatter_dim, reduce_op, out_dtype, _operand_key(a), _operand_key(weight), _operand_key(bias))
+        scatter_dim, reduce_op, out_dtype, _operand_key(a), _operand_key(weight), _operand_key(bias),
+        tuple(map(_operand_key, (*more_a, *more_weights))))
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         plan = _remember(key, _decide_matmul_reduce_scatter(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op,
-                                                            group_name, world, out_dtype, scatter_dim, batch_rows))
+                                                            group_name, world, out_dtype, scatter_dim, batch_rows,
+                                                            more2d))
     path, why, transport, split_config = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
@@ -610,6 +616,8 @@ def matmul_reduce_scatter(
             _remember_replay(replay_as, lambda a_, w_, b_: run(a_.view(-1, a_.shape[-1]), w_, b_).view(out_shape))
         return out2d.view(out_shape)
     a2d = rows_first()
+    if more2d:
+        extra["more"] = more2d
     run = kernels.prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, transport=transport,
                                                 split_config_choice=split_config, **extra) \
         if replay_as is not None else None
@@ -617,7 +625,7 @@ def matmul_reduce_scatter(
         out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
                                               transport=transport, split_config_choice=split_config, **extra)
     else:
-        out2d = run(a2d, weight, bias)
+        out2d = run(a2d, weight, bias, None, more2d)
         _remember_replay(replay_as, _matmul_reduce_scatter_replay(run, a.shape[scatter_dim] // world, rest,
                                                                   scatter_dim))
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
@@ -627,19 +635,26 @@ def _matmul_reduce_scatter_replay(run: Callable, lead: int, rest: Tuple[int, ...
     """:func:`matmul_reduce_scatter`'s fused path for the later calls of a signature (see
     :func:`_all_gather_matmul_replay`)."""
 
-    def replay(a: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-        return _restore(run(_rows_first(a, scatter_dim), weight, bias), lead, rest, scatter_dim)
+    def replay(a: Tensor, weight: Tensor, bias: Optional[Tensor], more_a: Sequence[Tensor] = (),
+               more_weights: Sequence[Tensor] = ()) -> Tensor:
+        more = [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in zip(more_a, more_weights)]
+        return _restore(run(_rows_first(a, scatter_dim), weight, bias, None, more), lead, rest, scatter_dim)
 
     return replay
 
 
 def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor,
                                   bias: Optional[Tensor], reduce_op: str, group_name: str, world: int,
-                                  out_dtype: Optional[torch.dtype], scatter_dim: int = 0, batch_rows: int = 0
+                                  out_dtype: Optional[torch.dtype], scatter_dim: int = 0, batch_rows: int = 0,
+                                  more2d: Sequence[Tuple[Tensor, Tensor]] = ()
                                   ) -> Tuple[str, Optional[str], str, Optional[int]]:
     """(path, reason, transport, split configuration): path "fused" (reason None) with the kernel's transport,
     "asynctp", or "decomposed" with the reason.  ``a2d``: the operand as the fused path gets it (flattened as it is
-    when ``batch_rows`` > 0, see :func:`matmul_reduce_scatter`)."""
+    when ``batch_rows`` > 0, see :func:`matmul_reduce_scatter`); ``more2d``: a sum's further terms, rows-first, which
+    only the split transport takes."""
+    if more2d:
+        return _decide_k_slabs(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op, group_name, world, out_dtype,
+                               scatter_dim, more2d)
     why = _peers_reason(group_name, a.device)
     from fluxinductor.kernels import internode
 
@@ -701,3 +716,44 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
     split_config = _split_config_choice(a.device, world, a2d.shape[0], world * a2d.shape[1], weight.shape[1],
                                         a.dtype)
     return "fused", None, transport, split_config
+
+
+def _decide_k_slabs(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    reduce_op: str, group_name: str, world: int, out_dtype: Optional[torch.dtype], scatter_dim: int,
+                    more2d: Sequence[Tuple[Tensor, Tensor]]) -> Tuple[str, Optional[str], str, Optional[int]]:
+    """:func:`_decide_matmul_reduce_scatter` for a sum of matmuls: the split transport with the terms as K slabs of
+    its GEMMs where it can take them and (``auto``) the cost model, on the concatenated K, finds it faster than the
+    sequential path; else the decomposition.  The other transports, async-TP and the inter-node path take one
+    matmul."""
+    why = _peers_reason(group_name, a.device)  # across nodes too: K slabs run on one node's split transport
+    why = why or kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name) or (
+        f"an {out_dtype} result (the split transport writes the operands' dtype)" if out_dtype is not None else None
+    ) or kernels.split_reason(world, weight, bias) or kernels.slabs_reason(a2d, weight, more2d)
+    if why is None and symm.capturing():
+        why = kernels.captured_slabs_reason(a2d, weight, bias, group_name, more2d)
+    m, n = a2d.shape[0], weight.shape[1]
+    k = world * (a2d.shape[1] + sum(a_i.shape[1] for a_i, _ in more2d))
+    if why is None and dispatch_mode == "auto":
+        more_a = [a_i for a_i, _ in more2d]
+        more_weights = [w_i for _, w_i in more2d]
+
+        def run_path(path: str) -> Callable[[], object]:
+            if path == "sequential":
+                from fluxinductor import ops
+
+                return lambda: ops.matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name,
+                                                                   None, more_a, more_weights)
+            config = calibration.parse_candidate(path)[1]
+            if config is None:
+                config = _split_config_choice(a.device, world, m, k, n, a.dtype)
+            return lambda: kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
+                                                         transport="split", split_config_choice=config, more=more2d)
+
+        path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, m, k, n, a.dtype,
+                                        group_name=group_name, run_path=run_path, split_configs=kernels.split_configs(
+                                            a.dtype), slabs=True)
+        if path != "fused_split":
+            why = reason
+    if why is not None:
+        return "decomposed", why, "split", None
+    return "fused", None, "split", _split_config_choice(a.device, world, m, k, n, a.dtype)

@@ -103,9 +103,13 @@ def _linear(a: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return out if bias is None else out + bias
 
 
-def _partial(a: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
-    """This rank's term of a reduced matmul: ``(a @ weight + bias)``, cast to ``out_dtype`` where given."""
+def _partial(a: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
+             more_a: Sequence[Tensor] = (), more_weights: Sequence[Tensor] = ()) -> Tensor:
+    """This rank's term of a reduced matmul: ``(a @ weight + sum(a_i @ w_i) + bias)``, cast to ``out_dtype`` where
+    given."""
     partial = _linear(a, weight, bias)
+    for a_i, w_i in zip(more_a, more_weights):
+        partial = partial + _linear(a_i, w_i, None)
     return partial if out_dtype is None else partial.to(out_dtype)
 
 
@@ -151,11 +155,12 @@ def rms_norm_reference(h: Tensor, norm_weight: Tensor, eps: float, weight_after_
 
 def matmul_reduce_scatter_reference(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None, more_a: Sequence[Tensor] = (), more_weights: Sequence[Tensor] = (),
 ) -> Tensor:
-    """reduce_scatter((a @ weight + bias).to(out_dtype), reduce_op, scatter_dim); the bias is added on every rank."""
-    return reduce_scatter(_partial(a, weight, bias, out_dtype), reduce_op, scatter_dim, _group(group_name),
-                          "matmul_reduce_scatter")
+    """reduce_scatter((a @ weight + sum(a_i @ w_i) + bias).to(out_dtype), reduce_op, scatter_dim); the bias is added
+    on every rank."""
+    return reduce_scatter(_partial(a, weight, bias, out_dtype, more_a, more_weights), reduce_op, scatter_dim,
+                          _group(group_name), "matmul_reduce_scatter")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,8 +207,20 @@ def _check_matmul_all_reduce(a: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 
 def _check_matmul_reduce_scatter(a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int,
-                                 world: int) -> None:
+                                 world: int, more_a: Sequence[Tensor] = (), more_weights: Sequence[Tensor] = ()) -> None:
     _check_matmul_all_reduce(a, weight, bias, reduce_op)
+    if len(more_a) != len(more_weights):
+        raise ValueError(f"{len(more_a)} further operands but {len(more_weights)} further weights")
+    for a_i, w_i in zip(more_a, more_weights):
+        if a_i.dim() != a.dim() or any(_known_ne(x, y) for x, y in zip(a_i.shape[:-1], a.shape[:-1])):
+            raise ValueError(f"a further operand of shape {tuple(a_i.shape)} does not match {tuple(a.shape)} but in "
+                             "its last dim")
+        if w_i.dim() != 2 or _known_ne(a_i.shape[-1], w_i.shape[0]) or _known_ne(w_i.shape[1], weight.shape[1]):
+            raise ValueError(f"cannot add {tuple(a_i.shape)} @ {tuple(w_i.shape)} to {tuple(a.shape)} @ "
+                             f"{tuple(weight.shape)}")
+        if a_i.dtype != a.dtype:
+            raise ValueError(f"a further operand's dtype {a_i.dtype} differs from the input's {a.dtype}")
+        _check_dtype_and_bias(a, w_i, None, "input")
     scatter_dim = _check_dim(scatter_dim, a.dim(), "scatter_dim")
     size = weight.shape[1] if scatter_dim == a.dim() - 1 else a.shape[scatter_dim]
     if _known_ne(size % world, 0):
@@ -349,37 +366,50 @@ def _(shard, weights, biases, gather_dim, group_name, return_gathered):
 
 # needs_fixed_stride_order: as all_gather_matmul's, for a batch-major operand read in place.
 @_op("(Tensor a, Tensor weight, Tensor? bias, str reduce_op, int scatter_dim, str group_name, "
-     "ScalarType? out_dtype=None) -> Tensor", tags=(torch.Tag.needs_fixed_stride_order,))
+     "ScalarType? out_dtype=None, Tensor[]? more_a=None, Tensor[]? more_weights=None) -> Tensor",
+     tags=(torch.Tag.needs_fixed_stride_order,))
 def matmul_reduce_scatter(
     a: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, scatter_dim: int, group_name: str,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None, more_a: Optional[Sequence[Tensor]] = None,
+    more_weights: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
-    """``reduce_scatter((a @ weight + bias).to(out_dtype), reduce_op, scatter_dim)`` over the group.
+    """``reduce_scatter((a @ weight + sum(a_i @ w_i) + bias).to(out_dtype), reduce_op, scatter_dim)`` over the group.
 
     a: [..., K] (this rank's partial operand), weight: [K, N], bias: [N] or None, added on every rank
-    before the reduction, as the unfused graph did.  ``out_dtype`` (None: a's): the dtype the partials are
-    reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype first).
-    Returns [...] with ``scatter_dim`` divided by world.
+    before the reduction, as the unfused graph did.  ``more_a`` and ``more_weights``: further terms of the sum
+    (a_i [..., K_i] of a's other dims, w_i [K_i, N]), the input gradient of separate gate/up or Q/K/V linears, which
+    the fused path runs as K slabs of one GEMM, each operand read in place.  ``out_dtype`` (None: a's): the dtype the
+    partials are reduced in, as autocast's ``reduce_scatter(mm(a, w).float())`` (the matmul rounds to a's dtype
+    first).  Returns [...] with ``scatter_dim`` divided by world.
     """
+    more_a, more_weights = more_a or (), more_weights or ()
     key = dispatch.replay_key("matmul_reduce_scatter", group_name, (reduce_op, scatter_dim, out_dtype),
-                              (a, weight, bias))
+                              (a, weight, bias, *more_a, *more_weights))
     replay = dispatch.replay(key)
     if replay is not None:  # a signature this group agreed on and the dispatcher ran fused
-        return replay(a, weight, bias)
+        return replay(a, weight, bias, more_a, more_weights) if more_a else replay(a, weight, bias)
     group = _group(group_name)
-    agreement.check("matmul_reduce_scatter", group, group_name, {
-        **_matmul_fields(group, a, weight, bias, reduce_op, out_dtype), "scatter_dim": _dim_or_raw(scatter_dim, a),
-    }, lambda: _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group.size()))
-    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype, key)
+    fields = {**_matmul_fields(group, a, weight, bias, reduce_op, out_dtype), "scatter_dim": _dim_or_raw(scatter_dim, a)}
+    if more_a:
+        fields["further terms (shapes, dtypes, layouts)"] = tuple(
+            (a_i.shape, w_i.shape, a_i.dtype, w_i.dtype, _layout(a_i), _layout(w_i))
+            for a_i, w_i in zip(more_a, more_weights))
+    agreement.check("matmul_reduce_scatter", group, group_name, fields,
+                    lambda: _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group.size(),
+                                                         more_a, more_weights))
+    fused = dispatch.matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype, key,
+                                           more_a, more_weights)
     if fused is not None:
         return fused
-    return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype)
+    return matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype, more_a,
+                                           more_weights)
 
 
 @torch.library.register_fake("fluxinductor::matmul_reduce_scatter")
-def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None):
+def _(a, weight, bias, reduce_op, scatter_dim, group_name, out_dtype=None, more_a=None, more_weights=None):
+    more_a, more_weights = more_a or (), more_weights or ()
     world = _group(group_name).size()
-    _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, world)
+    _check_matmul_reduce_scatter(a, weight, bias, reduce_op, scatter_dim, world, more_a, more_weights)
     shape = list(a.shape[:-1]) + [weight.shape[1]]
     scatter_dim = scatter_dim % len(shape)
     shape[scatter_dim] //= world

@@ -307,6 +307,7 @@ class _Group:
     result_2d: torch.Tensor
     result: torch.Tensor  # fake, as the graph reads it
     batch_major: bool = False  # B > 1, no plan: the op reads the batch-major operand in place
+    slabs: bool = False  # the terms as the op's K slabs (a, weight and more_a, more_weights), not concatenated
 
 
 def _collective_args(match: _ReduceScatterMatch, plan: Optional[tuple]) -> tuple:
@@ -323,12 +324,15 @@ def _op(match: _ReduceScatterMatch):
     return (registered.matmul_all_reduce if match.scatter_dim is None else registered.matmul_reduce_scatter).default
 
 
-def _plan(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], fake_mode) -> _Group:
+def _plan(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], fake_mode,
+          slabs: bool = False) -> _Group:
     """Evaluate the fused op of ``terms`` on fakes (nothing in the graph changes); raises :class:`Skip` where the op
-    refuses the shapes."""
+    refuses the shapes.  ``slabs``: the terms go to the op as they are (its K slabs), not concatenated."""
     op = _op(match)
     lead = tuple(match.partial_shape[:-1])
     ks = [m.val(t.a).shape[1] for t in terms]
+    if slabs:
+        return _plan_slabs(match, terms, bias, fake_mode, op, lead, ks)
     a_nd_shape = lead + (sum(ks),)
     a_source = terms[0].a
     if len(terms) == 1 and m.is_call(a_source, m.VIEW_OPS) and m.val(a_source.args[0]) is not None \
@@ -375,9 +379,78 @@ def _plan(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], 
     return _Group(terms, bias, a_source, a_nd_shape, a_nd_arg, needs_reshape, plan, result_2d, result, batch_major)
 
 
+def _slab_shapes(match: _ReduceScatterMatch, lead: tuple, ks: list) -> List[tuple]:
+    """(N-D shape, its reshape argument) of each term's operand as the op gets it: the result's leading dims, the
+    term's K."""
+    shapes = []
+    for k in ks:
+        shape = lead + (k,)
+        arg = m.reshape_arg(shape)
+        if arg is None and match.lead_args is not None:
+            arg = match.lead_args + [k]
+        if arg is None:
+            raise Skip("symbolic shape", f"operand {shape} would need a reshape with more than one symbolic size")
+        shapes.append((shape, arg))
+    return shapes
+
+
+def _plan_slabs(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[Node], fake_mode, op, lead: tuple,
+                ks: list) -> _Group:
+    """:func:`_plan` for the terms as K slabs: each operand reshaped to the result's leading dims and, where the op
+    runs rows-first, permuted as the single operand would be."""
+    out_shape = m.val(match.wait).shape
+    plan = m.rows_first(out_shape, match.scatter_dim)
+    shapes = _slab_shapes(match, lead, ks)
+    try:
+        with fake_mode:
+            vals = [m.val(t.a).reshape(shape) for t, (shape, _) in zip(terms, shapes)]
+            if plan is not None:
+                rows = [-1] + [vals[0].shape[d] for d in plan[2]]
+                vals = [v.permute(plan[0]).reshape(-1, k) for v, k in zip(vals, ks)]
+            result_2d = op(vals[0], m.val(terms[0].weight), None if bias is None else m.val(bias),
+                           *_collective_args(match, plan), more_a=vals[1:],
+                           more_weights=[m.val(t.weight) for t in terms[1:]])
+            result = result_2d if plan is None else result_2d.reshape(rows + [match.partial_shape[-1]]).permute(plan[1])
+    except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
+        raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
+    if not m.same_shape(result.shape, out_shape):
+        raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(out_shape)}")
+    return _Group(terms, bias, terms[0].a, shapes[0][0], shapes[0][1], True, plan, result_2d, result, slabs=True)
+
+
+def _insert_slabs(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> Node:
+    """:func:`_insert` for the terms as K slabs."""
+    n = match.partial_shape[-1]
+    lead = tuple(match.partial_shape[:-1])
+    ks = [m.val(t.a).shape[1] for t in g.terms]
+    args = []
+    rows = None
+    for t, (shape, arg), k in zip(g.terms, _slab_shapes(match, lead, ks), ks):
+        a_arg = _n_d(graph, fake_mode, t.a, shape, arg)
+        if g.plan is not None:
+            if rows is None:  # [S / world, rest...] of the result, as the first operand's sizes give them
+                rows = [-1] + [m.size_arg(graph, a_arg, d) for d in g.plan[2]]
+            a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, g.plan[0])
+            a_arg = m.call_contiguous(graph, fake_mode, a_arg)
+            a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, k])
+        args.append(a_arg)
+    fused = graph.call_function(_op(match), (args[0], g.terms[0].weight, g.bias) + _collective_args(match, g.plan),
+                                {"more_a": args[1:], "more_weights": [t.weight for t in g.terms[1:]]})
+    fused.meta["val"] = g.result_2d
+    m.copy_debug_meta(fused, match.first)
+    out = fused
+    if g.plan is not None:
+        out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, rows + [n])
+        out = m.call_view(graph, fake_mode, m.aten.permute.default, out, g.plan[1])
+        out = m.call_contiguous(graph, fake_mode, out)
+    return out
+
+
 def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> Node:
     """Insert ``g``'s fused op (and the reshapes around it) before the collective; returns the node of its result
     in the shape the graph reads."""
+    if g.slabs:
+        return _insert_slabs(graph, match, g, fake_mode)
     n = match.partial_shape[-1]
     ks = [m.val(t.a).shape[1] for t in g.terms]
     if len(g.terms) == 1:
@@ -407,10 +480,11 @@ def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> N
     return out
 
 
-def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool = False) -> Node:
-    """Replace ``match`` with one fused op over the concatenated K of its terms, or (``per_term``, a reduce-scatter of
-    a sum) one fused op per term whose results are added: ``rs(a1 @ w1 + a2 @ w2) == rs(a1 @ w1) + rs(a2 @ w2)``.
-    Returns the node that now stands for the reduced result."""
+def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool = False, slabs: bool = False) -> Node:
+    """Replace ``match`` with one fused op over the concatenated K of its terms (``slabs``: the op gets the terms as
+    they are, its K slabs), or (``per_term``, a reduce-scatter of a sum) one fused op per term whose results are added:
+    ``rs(a1 @ w1 + a2 @ w2) == rs(a1 @ w1) + rs(a2 @ w2)``.  Returns the node that now stands for the reduced
+    result."""
     all_reduce = match.scatter_dim is None
     rs = match.between[0]
     # The op reads a, weight and bias at the reduce_scatter instead of at the matmul(s).
@@ -420,7 +494,8 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool
     split = per_term and not all_reduce and len(match.terms) > 1
     groups = [[t] for t in match.terms] if split else [match.terms]
     # Every op is evaluated on fakes before the graph changes; the bias goes to the first op only.
-    planned = [_plan(match, terms, match.bias if i == 0 else None, fake_mode) for i, terms in enumerate(groups)]
+    planned = [_plan(match, terms, match.bias if i == 0 else None, fake_mode, slabs)
+               for i, terms in enumerate(groups)]
     with graph.inserting_before(rs):
         out = _insert(graph, match, planned[0], fake_mode)
         total = planned[0].result
@@ -436,7 +511,7 @@ def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool
     m.erase_dead(graph, match.between + [t.a for t in match.terms if m.is_call(t.a, m.VIEW_OPS)])
     if all_reduce:
         return out  # rewrite_matmul_all_reduce's caller records it
-    record_fused(PATTERN, f"{len(match.terms)} matmul(s){' as one op each' if split else ''}, "
+    record_fused(PATTERN, f"{len(match.terms)} matmul(s){' as one op each' if split else ' as K slabs' if slabs else ''}, "
                           f"scatter_dim={match.scatter_dim}"
                           f"{', rows-first' if planned[0].plan else ', batch-major' if planned[0].batch_major else ''}, "
                           f"reduce_op={match.reduce_op}, bias={match.bias is not None}, group={match.group_name}"
@@ -479,6 +554,28 @@ def copied_bytes(terms: List[_Term]) -> Optional[int]:
                     return None
                 total += val.numel() * val.element_size()
     return total
+
+
+def _slabs(match: _ReduceScatterMatch) -> bool:
+    """Whether a reduce-scatter of a sum of matmuls goes to the op as its K slabs, no operand copied: 2 or 3 terms of
+    static shapes, every K (per rank) a multiple of 8 and all but the last of the split GEMMs' tile K, N a multiple of 8,
+    the weights laid out alike, no cast between the sum and the collective, and a rows-first operand (not one the op
+    would read batch-major in place).  Where the split transport cannot run it after all, the op decomposes."""
+    from fluxinductor.kernels.gemm_rs_split import MAX_SLABS, SLAB_K_MULTIPLE
+
+    if match.scatter_dim is None or match.out_dtype is not None or not 2 <= len(match.terms) <= MAX_SLABS:
+        return False
+    ks = [m.val(t.a).shape[1] for t in match.terms]
+    n = match.partial_shape[-1]
+    if not all(isinstance(x, int) for x in ks + [n]) or n % 8 or any(k % 8 for k in ks) or \
+            any(k % SLAB_K_MULTIPLE for k in ks[:-1]):
+        return False
+    weights = [m.val(t.weight) for t in match.terms]
+    if len({(w.stride(0) == 1, w.stride(1) == 1) for w in weights}) != 1:
+        return False
+    out_shape = m.val(match.wait).shape
+    plan = m.rows_first(out_shape, match.scatter_dim)
+    return not (plan is not None and m.batch_major(out_shape, match.scatter_dim))
 
 
 def _per_term(match: _ReduceScatterMatch, world: int, rows: m.Size,
@@ -525,10 +622,11 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
             world = rs.args[2]
-            per_term = _per_term(match, world, rows, not_worth_fusing, sum_per_term)
+            slabs = _slabs(match)
+            per_term = not slabs and _per_term(match, world, rows, not_worth_fusing, sum_per_term)
             if not_worth_fusing is not None and not per_term:
                 check_worth_fusing(not_worth_fusing, match.terms, world, rows, match.partial_shape[-1],
                                    upcast=match.out_dtype is not None)
-            _rewrite(graph, match, fake_mode, per_term)
+            _rewrite(graph, match, fake_mode, per_term, slabs)
         except Skip as s:
             record_skip(PATTERN, s.reason, s.detail or rs.name)

@@ -134,22 +134,21 @@ def qkv(world, name, gather_dim):
     return fn
 
 
-def sum_of_matmuls(world, name, scatter_dim):
+def sum_of_matmuls(world, name, scatter_dim, lead=(2, 8)):
     """Backward of separate Q/K/V (or gate/up) linears: the input gradient is a sum of mms, written as
-    inductor leaves it: ``addmm(mm(a1, w1), a2, w2)`` (its mm + add folding) plus a reshaped 3-D add."""
+    inductor leaves it: ``addmm(mm(a1, w1), a2, w2)`` (its mm + add folding) plus a reshaped 3-D add ([*lead, N])."""
 
     def fn(a1, a2, a3, w1, w2, w3):
         two = aten.addmm.default(aten.mm.default(a1, w1), a2, w2)  # [B*S, N]
-        three = aten.add.Tensor(aten.reshape.default(two, [2, 8, 16]),
-                                aten.reshape.default(aten.mm.default(a3, w3), [2, 8, 16]))
+        shape = list(lead) + [w1.shape[1]]
+        three = aten.add.Tensor(aten.reshape.default(two, shape), aten.reshape.default(aten.mm.default(a3, w3), shape))
         return reduce_scatter(three, scatter_dim, world, name)
 
     return fn
 
 
-def sum_of_matmuls_args():
-    return (torch.randn(16, 8), torch.randn(16, 8), torch.randn(16, 4),
-            torch.randn(8, 16), torch.randn(8, 16), torch.randn(4, 16))
+def sum_of_matmuls_args(ks=(8, 8, 4), rows=16, n=16):
+    return (*(torch.randn(rows, k) for k in ks), *(torch.randn(k, n) for k in ks))
 
 
 def all_reduce(y, name, reduce_op="sum"):

@@ -456,6 +456,15 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
   gemm.b = args.b;
   gemm.ldb = args.ldb;
   gemm.b_k_major = args.b_k_major;
+  gemm.slabs = args.slabs;
+  gemm.k_first = args.k_first;
+  for (int s = 1; s < args.slabs; ++s) {
+    gemm.a_more[s - 1] = args.a_more[s - 1];
+    gemm.lda_more[s - 1] = args.lda_more[s - 1];
+    gemm.b_more[s - 1] = args.b_more[s - 1];
+    gemm.ldb_more[s - 1] = args.ldb_more[s - 1];
+    gemm.k_more[s - 1] = args.k_more[s - 1];
+  }
   gemm.sm_count = args.sm_count;
   gemm.error = args.error;
   gemm.timeout_ns = args.timeout_ns;
@@ -565,6 +574,10 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.rows_extent = args.m - segment * args.batch_rows;
     } else {
       g.a = static_cast<char const*>(args.a) + int64_t(segment) * segment_rows * args.lda * element_bytes;
+      for (int s = 1; s < args.slabs; ++s) {
+        g.a_more[s - 1] = static_cast<char const*>(args.a_more[s - 1]) +
+                          int64_t(segment) * segment_rows * args.lda_more[s - 1] * element_bytes;
+      }
     }
     if (step > 0) {  // add rank + 1's partial sum of this segment, band by band as its flags arrive
       g.c = local + args.data_offset + (step - 1) * segment_bytes;
@@ -636,6 +649,10 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   gemm_rs_split::SplitGemmParams second = gemm;
   second.rows = args.m - first_rows;
   second.a = static_cast<char const*>(args.a) + int64_t(first_rows) * args.lda * element_bytes;
+  for (int s = 1; s < args.slabs; ++s) {
+    second.a_more[s - 1] = static_cast<char const*>(args.a_more[s - 1]) +
+                           int64_t(first_rows) * args.lda_more[s - 1] * element_bytes;
+  }
   second.d = static_cast<char*>(args.out) + int64_t(first_rows) * args.ldo * element_bytes;
   second.c = args.outbox;
   second.beta = 1.f;
@@ -677,6 +694,25 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
   }
   if ((reinterpret_cast<uintptr_t>(args.a) | reinterpret_cast<uintptr_t>(args.b)) % 16 != 0) {
     return fail("A and B must be 16-byte aligned");
+  }
+  if (args.slabs != 1) {
+    if (args.slabs < 1 || args.slabs > 3 || !args.split || args.batch_rows != 0) {
+      return fail("K slabs (1 to 3) are for the split transport with a rows-first A");
+    }
+    int k = args.k_first;
+    bool ok = args.k_first > 0 && args.k_first % 64 == 0;
+    for (int s = 1; s < args.slabs; ++s) {
+      int const ks = args.k_more[s - 1];
+      ok = ok && ks > 0 && ks % 8 == 0 && (s == args.slabs - 1 || ks % 64 == 0) &&
+           args.lda_more[s - 1] % 8 == 0 && args.ldb_more[s - 1] % 8 == 0 &&
+           (reinterpret_cast<uintptr_t>(args.a_more[s - 1]) | reinterpret_cast<uintptr_t>(args.b_more[s - 1])) %
+                   16 == 0;
+      k += ks;
+    }
+    if (!ok || k != args.k) {
+      return fail("K slabs: every slab's K but the last a multiple of 64, each a multiple of 8, adding up to K, "
+                  "their operands 16-byte aligned with row strides of multiples of 8");
+    }
   }
   if (args.world > 1) {
     for (int r = 0; r < args.world; ++r) {

@@ -49,6 +49,17 @@ struct GemmRsArgs {
   const void* b = nullptr;  // B [k, n]: element (kk, nn) at b[nn*ldb + kk] when b_k_major, else b[kk*ldb + nn]
   int64_t ldb = 0;
   bool b_k_major = true;
+  // Split transport only: K in slabs, the reduce-scatter of sum_s A_s @ B_s (1 = none).  Slab 0 is a [m, k_first]
+  // and b [k_first, n] above; slab s > 0 is a_more [m, k_more] (row stride lda_more) and b_more [k_more, n]
+  // (leading stride ldb_more, b's layout); k is the sum.  Every slab's K but the last a multiple of 64 (the split
+  // GEMMs' tile K), each a multiple of 8.
+  int slabs = 1;
+  int k_first = 0;
+  const void* a_more[2] = {};
+  int64_t lda_more[2] = {};
+  const void* b_more[2] = {};
+  int64_t ldb_more[2] = {};
+  int k_more[2] = {};
   const void* bias = nullptr;  // [n] or null
   void* out = nullptr;         // [m/world, n], row stride ldo
   int64_t ldo = 0;

@@ -16,7 +16,7 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
                  int64_t copy_stream, bool split, int64_t bias_scaled, bool split_pdl,
                  int64_t tail_split_partials, int64_t tail_split_flags, uint32_t tail_split_epoch, int tail_split_parts,
                  int tail_split_waves, int split_config, bool out_float, bool capture, int tuning_config,
-                 int swizzle, int raster, int batch_rows) {
+                 int swizzle, int raster, int batch_rows, int k_first, std::vector<int64_t> more_slabs) {
   fluxinductor::GemmRsArgs args;
   args.dtype = dtype;
   args.out_float = out_float;
@@ -56,6 +56,19 @@ void gemm_rs_run(int dtype, int m, int n, int k, int world, int rank, int64_t a,
   args.swizzle = swizzle;
   args.raster = raster;
   args.batch_rows = batch_rows;
+  if (more_slabs.size() % 5 != 0 || more_slabs.size() > 5 * 2) {
+    throw std::invalid_argument("more_slabs: (a, lda, b, ldb, k) for at most two slabs after the first");
+  }
+  args.slabs = 1 + int(more_slabs.size() / 5);
+  args.k_first = args.slabs > 1 ? k_first : 0;
+  for (int s = 1; s < args.slabs; ++s) {
+    int64_t const* slab = more_slabs.data() + 5 * (s - 1);
+    args.a_more[s - 1] = reinterpret_cast<const void*>(slab[0]);
+    args.lda_more[s - 1] = slab[1];
+    args.b_more[s - 1] = reinterpret_cast<const void*>(slab[2]);
+    args.ldb_more[s - 1] = slab[3];
+    args.k_more[s - 1] = int(slab[4]);
+  }
   if (fluxinductor::gemm_rs_run(args, reinterpret_cast<void*>(stream)) != 0) {
     throw std::runtime_error(fluxinductor::gemm_rs_last_error());
   }

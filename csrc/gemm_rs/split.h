@@ -8,6 +8,9 @@
 
 namespace fluxinductor::gemm_rs_split {
 
+// K slabs beyond the first a split GEMM takes (csrc/include/fluxinductor/common/k_slabs.cuh kMaxKSlabs - 1).
+constexpr int kMaxMoreSlabs = 2;
+
 // A split GEMM configuration's tiling, which the launcher's band arithmetic follows (checked against the kernels'
 // types in gemm_rs/split.cuh).  Both GEMMs walk tiles in groups of group_rows() rows, rows fastest inside a group.
 struct SplitTiling {
@@ -38,6 +41,16 @@ struct SplitGemmParams {
   const void* b = nullptr;          // B [k, n]: element (kk, nn) at b[nn*ldb + kk] when b_k_major, else b[kk*ldb + nn]
   int64_t ldb = 0;
   bool b_k_major = true;
+  // K in slabs (1 = none): D = sum_s A_s @ B_s, slab 0 the A and B above with K k_first (a multiple of the tile's K,
+  // as every slab's but the last), slab s > 0 [rows, k_more] at a_more (row stride lda_more) times [k_more, n] at
+  // b_more (leading stride ldb_more, B's layout); k is the sum.
+  int slabs = 1;
+  int k_first = 0;
+  const void* a_more[kMaxMoreSlabs] = {};
+  int64_t lda_more[kMaxMoreSlabs] = {};
+  const void* b_more[kMaxMoreSlabs] = {};
+  int64_t ldb_more[kMaxMoreSlabs] = {};
+  int k_more[kMaxMoreSlabs] = {};
   const void* bias = nullptr;       // [n] or null
   const void* c = nullptr;          // relay and own GEMM: [rows, n], row stride n (rank + 1's partial sum); peer: null
   void* d = nullptr;

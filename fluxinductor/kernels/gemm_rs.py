@@ -38,7 +38,7 @@ rank sees them, so a growth (a collective) never leaves one rank waiting alone.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -53,7 +53,8 @@ from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
     _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature)
 from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - gemm_rs.ErrorWord for the GPU tests
 from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
-    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, split_configs, split_reason, tail_split_parts)
+    _TAIL_SPLIT_CONFIGS, MAX_SLABS, SPLIT_CONFIGS, resolve_split_config, slabs_reason, split_configs, split_reason,
+    tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
 
@@ -97,6 +98,7 @@ def launch(
     split_config: Optional[int] = None,
     capture: bool = False,
     batch_rows: int = 0,
+    more: Sequence[Tuple[Tensor, Tensor]] = (),
 ) -> None:
     """Enqueue one rank's kernel.  a: [m, K] row-major, weight: [K, N], out: [m/world, N] row-major.
 
@@ -111,9 +113,14 @@ def launch(
     :data:`CAPTURE_EPOCH`): the handshake sets its words back to 0, flags must equal the epoch and failed waits trap;
     the caller zeroes this rank's flags after it.
     ``batch_rows`` > 0: ``a`` is batch-major ([B, S, K] flattened, scattered on S; :func:`batch_major_reason`), and
-    ``out`` this rank's [B, S/world, N].
+    ``out`` this rank's [B, S/world, N].  ``more``: further terms (a_i [m, K_i] row-major, w_i [K_i, N]) of a sum
+    ``a @ weight + sum(a_i @ w_i)`` the split GEMMs run as K slabs (``split``, rows-first; :func:`slabs_reason`).
     """
     b_k_major, ldb = _weight_layout(weight)
+    more_slabs = []
+    for a_i, w_i in more:
+        more_slabs += [a_i.data_ptr(), a_i.stride(0), w_i.data_ptr(), _weight_layout(w_i)[1], a_i.shape[1]]
+    k = a.shape[1] + sum(a_i.shape[1] for a_i, _ in more)
     n = weight.shape[1]
     flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
     stream = stream if stream is not None else torch.cuda.current_stream(a.device)
@@ -138,7 +145,7 @@ def launch(
         if split and config in _TAIL_SPLIT_CONFIGS and not _symm.capturing() else tail_split_off
     tuning = settings.tuning
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
-        _DTYPES[a.dtype], m, n, a.shape[1], world, rank,
+        _DTYPES[a.dtype], m, n, k, world, rank,
         a.data_ptr(), a.stride(0), weight.data_ptr(), ldb, b_k_major,
         0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), out_scale,
         list(buffers) if world > 1 else [], flags_offset, data_offset, epoch, sig, error_address,
@@ -146,7 +153,7 @@ def launch(
         *transfer, split, 0 if bias_scaled is None else bias_scaled.data_ptr(), True, *tails,  # True: split_pdl
         config, out.dtype != a.dtype, capture, tuning.gemm_rs_config,
         0 if tuning.gemm_rs_swizzle is None else tuning.gemm_rs_swizzle,
-        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster, batch_rows,
+        -1 if tuning.gemm_rs_raster is None else tuning.gemm_rs_raster, batch_rows, a.shape[1], more_slabs,
     )
 
 
@@ -246,6 +253,10 @@ def _prepare(a2d: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tens
     return a2d, bias
 
 
+def _prepare_more(more: Sequence[Tuple[Tensor, Tensor]]) -> List[Tuple[Tensor, Tensor]]:
+    return [(_prepare(a_i, None)[0], w_i) for a_i, w_i in more]
+
+
 def batch_major_reason(a2d: Tensor, batch_rows: int, world: int) -> Optional[str]:
     """Why an eager call cannot read a batch-major operand in place (None: it can): ``a2d`` is a [B, S, ..., K]
     operand flattened, scattered on S, each owner's rows B blocks of ``batch_rows`` rows (S/world times the dims
@@ -265,7 +276,7 @@ def batch_major_reason(a2d: Tensor, batch_rows: int, world: int) -> Optional[str
 def matmul_reduce_scatter(
     a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str, group_name: str, *,
     out: Optional[Tensor] = None, checked: bool = False, transport: str = "store", split_config_choice: Optional[int] = None,
-    out_dtype: Optional[torch.dtype] = None, batch_rows: int = 0,
+    out_dtype: Optional[torch.dtype] = None, batch_rows: int = 0, more: Sequence[Tuple[Tensor, Tensor]] = (),
 ) -> Tensor:
     """reduce_scatter(a2d @ weight + bias) over ``group_name`` along rows, fused.
 
@@ -281,20 +292,29 @@ def matmul_reduce_scatter(
     torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to
     the operands' dtype, bf16 or fp16 (and crosses in it, half the bytes of the fp32 reduce-scatter), the sum is fp32.
     The split transport writes the operands' dtype only: such calls take "copy".  ``batch_rows`` > 0: a batch-major
-    operand (:func:`batch_major_reason` must have returned None).
+    operand (:func:`batch_major_reason` must have returned None).  ``more``: further terms (a_i [M, K_i/world], w_i
+    [K_i/world, N]) of the reduce-scattered sum ``a2d @ weight + sum(a_i @ w_i) + bias``, run by the split transport as
+    K slabs of its GEMMs, whatever ``transport`` says (:func:`slabs_reason` must have returned None; with
+    ``checked``, the caller asked, as the dispatcher does).
     """
     if out is not None:
         out_dtype = out.dtype
-    reason = None if checked else unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
+    reason = None if checked else (unsupported_reason(a2d, weight, bias, reduce_op, group_name, out_dtype)
+                                   or slabs_reason(a2d, weight, more))
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
+    if more:
+        transport = "split"
+        more = _prepare_more(more)
     state = _state(group_name, a2d.device)
     batch_reason = batch_major_reason(a2d, batch_rows, state.world) if batch_rows else None
     if batch_reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot read the batch-major operand: {batch_reason}")
+    if more and batch_rows:
+        raise ValueError("fused matmul_reduce_scatter cannot run K slabs over a batch-major operand")
     if state.world > 1 and not _symm.capturing():  # (the call raises an earlier call's error first)
         return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
-                          out, batch_rows)(a2d, weight, bias, out)
+                          out, batch_rows, more)(a2d, weight, bias, out, more)
     state.raise_if_error()
     # One rank (the stores transport), or under capture, where unsupported_reason (ours, or the caller's: checked)
     # found the call capturable: the stores transport, or the split one where asked for and set up.
@@ -305,22 +325,24 @@ def matmul_reduce_scatter(
     if out is None:
         out = torch.empty((m // world, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
     capturing = world > 1  # here: 2 or more ranks only under capture
+    if more and not capturing:
+        raise ValueError("fused matmul_reduce_scatter runs K slabs on 2 or more ranks only")
     split = False
-    if capturing and push_mode(transport) == "split":
-        why = captured_split_reason(state, a2d, weight, bias, out)
+    if capturing and (more or push_mode(transport) == "split"):
+        why = captured_split_reason(state, a2d, weight, bias, out, more)
         split = why is None
+        if more and not split:
+            raise ValueError(f"fused matmul_reduce_scatter cannot run K slabs under CUDA graph capture: {why}")
         if not split:
             log.note_once(f"matmul_reduce_scatter runs the stores transport under CUDA graph capture: {why}")
     config = resolve_split_config(a2d.dtype, split_config_choice) if split else 0
-    transport_sig = f"split{config or ''}/{bands()}" if split else "store"
-    if out.dtype != a2d.dtype:
-        transport_sig += f"/{out.dtype}"
-    sig = signature(m, n, k, world, a2d.dtype, transport_sig)
+    sig = signature(m, n, k + sum(a_i.shape[1] for a_i, _ in more), world, a2d.dtype,
+                    _transport_signature("split" if split else "store", config, a2d.dtype, out.dtype, 0, more))
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
     launch(a2d, weight, bias, out, m=m, world=world, rank=state.rank, buffers=state.buffer_ptrs,
            epoch=CAPTURE_EPOCH if capturing else 0, sig=sig, error_address=state.error.device,
            out_scale=(1.0 / world) if reduce_op == "avg" else 1.0, capture=capturing,
-           copy=state.copy_workspace() if split else None, split=split, split_config=config)
+           copy=state.copy_workspace() if split else None, split=split, split_config=config, more=more)
     if capturing:
         # Every peer's flags of this call were read by the own tiles (or the own GEMM); clear them for the next replay
         # (a peer sets them again only after the next call's handshake, which this rank enters after this).
@@ -328,12 +350,22 @@ def matmul_reduce_scatter(
     return out
 
 
+def captured_slabs_reason(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str,
+                          more: Sequence[Tuple[Tensor, Tensor]]) -> Optional[str]:
+    """Why a sum of matmuls under CUDA graph capture cannot run as the split transport's K slabs (None: it can; see
+    :func:`captured_split_reason`)."""
+    state = _states.get((group_name, a2d.device.index))
+    if state is None:
+        return "CUDA graph capture before an eager call set up the group"
+    return captured_split_reason(state, a2d, weight, bias, None, more)
+
+
 def captured_split_reason(state: _GroupState, a2d: Tensor, weight: Tensor, bias: Optional[Tensor],
-                          out: Tensor) -> Optional[str]:
+                          out: Optional[Tensor], more: Sequence[Tuple[Tensor, Tensor]] = ()) -> Optional[str]:
     """Why a call under CUDA graph capture cannot run the split transport (None: it can, without a tail split).  A
     capture may not grow the outbox (an allocation that outlives the graph), so an eager split call of at least this
     size must have grown it first."""
-    why = split_reason(state.world, weight, bias, out)
+    why = split_reason(state.world, weight, bias, out) or slabs_reason(a2d, weight, more)
     if why is not None:
         return why
     copy = state.copy
@@ -345,9 +377,11 @@ def captured_split_reason(state: _GroupState, a2d: Tensor, weight: Tensor, bias:
 def prepare_matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                                   group_name: str, *, transport: str = "store",
                                   split_config_choice: Optional[int] = None,
-                                  out_dtype: Optional[torch.dtype] = None, batch_rows: int = 0):
+                                  out_dtype: Optional[torch.dtype] = None, batch_rows: int = 0,
+                                  more: Sequence[Tuple[Tensor, Tensor]] = ()):
     """For a call that :func:`unsupported_reason` accepts, outside CUDA graph capture, on 2 or more ranks: a function
-    ``run(a2d, weight, bias)`` that runs it as :func:`matmul_reduce_scatter` does, and any later call of its signature
+    ``run(a2d, weight, bias, out=None, more=())`` that runs it as :func:`matmul_reduce_scatter` does (``more``: its
+    further terms, as there), and any later call of its signature
     (operands of the same shapes, strides, dtypes and 16-byte alignment; the dispatcher's replays) with the per-call
     work only.  None otherwise: the caller runs :func:`matmul_reduce_scatter`."""
     if _symm.capturing():
@@ -356,7 +390,7 @@ def prepare_matmul_reduce_scatter(a2d: Tensor, weight: Tensor, bias: Optional[Te
     if state.world < 2 or (batch_rows and batch_major_reason(a2d, batch_rows, state.world) is not None):
         return None
     return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
-                      batch_rows=batch_rows)
+                      batch_rows=batch_rows, more=_prepare_more(more))
 
 
 class _EagerCall:
@@ -367,7 +401,7 @@ class _EagerCall:
 
     def __init__(self, state: _GroupState, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], reduce_op: str,
                  transport: str, split_config_choice: Optional[int], out_dtype: Optional[torch.dtype],
-                 out: Optional[Tensor] = None, batch_rows: int = 0):
+                 out: Optional[Tensor] = None, batch_rows: int = 0, more: Sequence[Tuple[Tensor, Tensor]] = ()):
         if bias is not None:
             bias = bias.to(a2d.dtype).contiguous()  # as _prepare gives it to the launch
         self.group_name, self.device = state.group_name, a2d.device
@@ -377,29 +411,30 @@ class _EagerCall:
         self.out_dtype = out_dtype or a2d.dtype
         self.out_shape = (self.m // world, n)
         self.out_scale = (1.0 / world) if reduce_op == "avg" else 1.0
-        mode = push_mode(transport)
+        mode = "split" if more else push_mode(transport)
         if mode == "split":
             reason = split_reason(world, weight, bias, out) or (
                 f"the split transport writes {a2d.dtype}, not {self.out_dtype}" if self.out_dtype != a2d.dtype
                 else None)
+            if reason is not None and more:
+                raise ValueError(f"fused matmul_reduce_scatter cannot run K slabs: {reason}")
             if reason is not None:
                 log.note_once(f"matmul_reduce_scatter runs the copy transport instead of split: {reason}")
                 mode = "copy"
         self.mode = mode
         self.config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
-        transport_sig = f"{mode}{self.config or ''}/{bands()}" if mode != "store" else "store"
-        if self.out_dtype != a2d.dtype:
-            transport_sig += f"/{self.out_dtype}"
         self.batch_rows = batch_rows
-        if batch_rows:  # the rows each rank reads for an owner: ranks must agree
-            transport_sig += f"/batch{batch_rows}"
-        self.sig = signature(self.m, n, k, world, a2d.dtype, transport_sig)
+        self.sig = signature(self.m, n, k + sum(a_i.shape[1] for a_i, _ in more), world, a2d.dtype,
+                             _transport_signature(mode, self.config, a2d.dtype, self.out_dtype, batch_rows, more))
         self.nbytes = buffer_layout(self.m, n, world, a2d.dtype)[2]
 
-    def __call__(self, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+    def __call__(self, a2d: Tensor, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None,
+                 more: Sequence[Tuple[Tensor, Tensor]] = ()) -> Tensor:
         state = _state(self.group_name, self.device)
         state.raise_if_error()
         a2d, bias = _prepare(a2d, bias)
+        if more:
+            more = _prepare_more(more)
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         state.agree(self.sig)
@@ -407,8 +442,21 @@ class _EagerCall:
         launch(a2d, weight, bias, out, m=self.m, world=state.world, rank=state.rank, buffers=state.buffer_ptrs,
                epoch=state.next_epoch(), sig=self.sig, error_address=state.error.device, out_scale=self.out_scale,
                copy=state.copy_workspace() if self.mode != "store" else None, split=self.mode == "split",
-               split_config=self.config, batch_rows=self.batch_rows)
+               split_config=self.config, batch_rows=self.batch_rows, more=more)
         return out
+
+
+def _transport_signature(mode: str, config: int, dtype: torch.dtype, out_dtype: torch.dtype, batch_rows: int,
+                         more: Sequence[Tuple[Tensor, Tensor]]) -> str:
+    """What the handshake's signature says of a call's transport, beyond its shape: every rank must run the same."""
+    sig = f"{mode}{config or ''}/{bands()}" if mode != "store" else "store"
+    if out_dtype != dtype:
+        sig += f"/{out_dtype}"
+    if batch_rows:  # the rows each rank reads for an owner
+        sig += f"/batch{batch_rows}"
+    if more:  # where the slabs meet
+        sig += "/slabs" + ",".join(str(a_i.shape[1]) for a_i, _ in more)
+    return sig
 
 
 _gemm_only_errors: Dict[int, ErrorWord] = {}
@@ -419,19 +467,22 @@ _split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
               split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0,
-              split_config_choice: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+              split_config_choice: Optional[int] = None, out_dtype: Optional[torch.dtype] = None,
+              more: Sequence[Tuple[Tensor, Tensor]] = ()) -> Tensor:
     """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
 
     ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
     buffer as their source, as the transport's second GEMM reads the peer's partial); ``tail_split`` and
     ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`; ``split_config_choice`` as for
-    :func:`matmul_reduce_scatter`.  A kernel error (a tail split's
-    timed-out wait) is reported by :func:`check_gemm_only`."""
+    :func:`matmul_reduce_scatter`; ``more``: further terms (a_i [M, K_i], w_i [K_i, N]) of the sum, as K slabs of the
+    split GEMMs (``split``).  A kernel error (a tail split's timed-out wait) is reported by :func:`check_gemm_only`."""
     if out is not None:
         out_dtype = out.dtype
     reason = unsupported_reason(a2d, weight, bias, "sum", None, out_dtype)
+    if reason is None and more and not split:
+        reason = "K slabs run on the split transport's GEMMs (split=True)"
     if reason is None and split:
-        reason = split_reason(2, weight, bias, out)
+        reason = split_reason(2, weight, bias, out) or slabs_reason(a2d, weight, more)
         if reason is None and a2d.shape[0] < 2:
             reason = "the split transport's GEMMs need M >= 2"
     if reason is not None:
@@ -452,7 +503,7 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
                 lambda: torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device), a2d.device)
     launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
            error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
-           tail_split=tail_split, split_config=split_config_choice)
+           tail_split=tail_split, split_config=split_config_choice, more=_prepare_more(more))
     return out
 
 

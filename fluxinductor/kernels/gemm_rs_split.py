@@ -1,11 +1,11 @@
-"""The GEMM+RS split transport's choices: whether a call qualifies (:func:`split_reason`), its GEMMs' configuration
-and their tail split.  The transport itself (a ring of stock CUTLASS GEMMs, the partial sums moved by the copy engine
+"""The GEMM+RS split transport's choices: whether a call qualifies (:func:`split_reason`), whether a sum of matmuls
+can run as its GEMMs' K slabs (:func:`slabs_reason`), its GEMMs' configuration and their tail split.  The transport itself (a ring of stock CUTLASS GEMMs, the partial sums moved by the copy engine
 with :mod:`.gemm_rs_copy`'s resources) runs in csrc/gemm_rs/gemm_rs.cu run_split.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -61,4 +61,40 @@ def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Option
         return "out is not a 16-byte aligned row-major tensor with a row stride of a multiple of 8"
     if out is not None and out.dtype != weight.dtype:
         return f"the split transport writes {weight.dtype}, not {out.dtype}"
+    return None
+
+
+# A reduce-scatter of a sum of matmuls, sum_i a_i @ w_i, runs as one split GEMM over the terms' concatenated K, each
+# term's operands read in place (csrc/include/fluxinductor/common/k_slabs.cuh): at most this many terms, every term's
+# K but the last a multiple of the GEMMs' tile K.
+MAX_SLABS = 3
+SLAB_K_MULTIPLE = 64
+
+
+def slabs_reason(a2d: Tensor, weight: Tensor, more: Sequence[Tuple[Tensor, Tensor]]) -> Optional[str]:
+    """None when the split transport can run ``a2d @ weight + sum(a_i @ w_i for a_i, w_i in more)`` as K slabs of its
+    GEMMs (every a [M, K_i] of one M, every w [K_i, N] of one N and one layout, dtype and device), else why not.
+    Alignment of the ``a_i`` is not asked: the kernel module copies a misaligned one."""
+    if not more:
+        return None
+    terms = [(a2d, weight)] + list(more)
+    if len(terms) > MAX_SLABS:
+        return f"{len(terms)} terms: the split GEMMs take at most {MAX_SLABS} K slabs"
+    layout = _weight_layout(weight)
+    m, n = a2d.shape[0], weight.shape[1]
+    for i, (a, w) in enumerate(terms):
+        if a.dim() != 2 or w.dim() != 2 or a.shape[0] != m or a.shape[1] != w.shape[0] or w.shape[1] != n:
+            return (f"term {i}: {tuple(a.shape)} @ {tuple(w.shape)} is not [M={m}, K_{i}] @ [K_{i}, N={n}] like the "
+                    "first term")
+        if a.dtype != a2d.dtype or w.dtype != a2d.dtype or a.device != a2d.device or w.device != a2d.device:
+            return f"term {i}: its dtypes or devices differ from the first term's"
+        w_layout = _weight_layout(w)
+        if w_layout is None or layout is None or w_layout[0] != layout[0]:
+            return f"term {i}: its weight is not laid out as the first term's (the slabs share one layout)"
+        if w_layout[1] % 8 or w.data_ptr() % 16:
+            return f"term {i}: its weight is not 16-byte aligned with a leading stride of a multiple of 8"
+        k = a.shape[1]
+        if k % 8 or (i < len(terms) - 1 and k % SLAB_K_MULTIPLE):
+            return (f"term {i}: K={k}; every term's K must be a multiple of 8 and, but the last's, of "
+                    f"{SLAB_K_MULTIPLE} (the split GEMMs' tile K)")
     return None

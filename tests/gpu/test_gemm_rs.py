@@ -136,6 +136,62 @@ def test_gemm_only_split(dtype, config, k_major, m, k, n, with_bias):
 
 
 @_gpu
+@pytest.mark.parametrize("dtype,config", [(torch.bfloat16, 0), (torch.bfloat16, 2), (torch.float16, 0)])
+@pytest.mark.parametrize("k_major", [True, False])
+@pytest.mark.parametrize("m,ks,n,with_bias", [(1000, (128, 72), 520, True), (4097, (512, 256, 264), 2048, False),
+                                              (2, (64, 8), 8, True)])
+def test_gemm_only_split_k_slabs(flux_settings, dtype, config, k_major, m, ks, n, with_bias):
+    """A sum of matmuls as K slabs of the split transport's GEMMs (gemm_only(split=True, more=...)), each term's
+    operands read in place (A's of other row strides, weights of other leading strides, the last K not a multiple
+    of the tile's), communication off, against the fp32 reference of the sum, output poisoned first; with the tail
+    split of configuration 0 on and off (its parts start inside a slab)."""
+    from fluxinductor.kernels import gemm_rs
+
+    flux_settings(gemm_rs_tail_split="4")
+    terms = []
+    for i, k in enumerate(ks):
+        a = torch.randn(m, k + 8 * i, dtype=dtype, device="cuda")[:, :k]  # row stride k + 8i
+        w = make_weight(k, n, k_major, dtype, "cuda")
+        terms.append((a, w))
+    bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
+    ref = sum(a.float() @ w.float() for a, w in terms) + (bias.float() if with_bias else 0)
+    for tail_split in (None, 1):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        gemm_rs.gemm_only(terms[0][0], terms[0][1], bias, out=out, split=True, split_config_choice=config,
+                          tail_split=tail_split, more=terms[1:])
+        gemm_rs.check_gemm_only()
+        assert not out.isnan().any()
+        assert relative_error(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="multiple of 8 and, but the last's, of 64"):
+        gemm_rs.gemm_only(terms[0][0][:, :ks[0] - 8], terms[0][1][:ks[0] - 8], None, split=True, more=terms[1:])
+    with pytest.raises(ValueError, match="K slabs run on the split transport"):
+        gemm_rs.gemm_only(terms[0][0], terms[0][1], None, more=terms[1:])
+
+
+@_gpu
+def test_k_slabs_kernel_refusals():
+    """The kernel itself refuses K slabs outside the split transport, and K slabs that do not add up, rather than
+    reading past an operand."""
+    from fluxinductor.kernels import gemm_rs
+
+    a, a2 = (torch.randn(256, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    w, w2 = (make_weight(64, 128, True, torch.bfloat16, "cuda") for _ in range(2))
+    out = torch.empty(128, 128, dtype=torch.bfloat16, device="cuda")
+    buffers = [torch.zeros(gemm_rs.buffer_layout(256, 128, 2, torch.bfloat16)[2], dtype=torch.uint8, device="cuda")
+               for _ in range(2)]
+    args = dict(m=256, world=2, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1, sig=0,
+                error_address=gemm_rs.ErrorWord().device)
+    with pytest.raises(RuntimeError, match="K slabs .* are for the split transport"):
+        gemm_rs.launch(a, w, None, out, more=[(a2, w2)], **args)
+    ext = gemm_rs._extension()
+    with pytest.raises(RuntimeError, match="adding up to K"):
+        ext.gemm_rs_run(0, 256, 128, 192, 1, 0, a.data_ptr(), 64, w.data_ptr(), 64, True, 0,
+                        out.data_ptr(), 128, 1.0, [], 0, 0, 1, 0, gemm_rs.ErrorWord().device, 10**9, 0,
+                        torch.cuda.current_stream().cuda_stream, 0, 0, 0, 0, True, 0, True,
+                        k_first=64, more_slabs=[a2.data_ptr(), 64, w2.data_ptr(), 64, 64])
+
+
+@_gpu
 def test_gemm_only_odd_n_k_major():
     """Odd N is fine when the weight is K-major (TMA only needs 16-byte K rows); N-major odd N is refused."""
     from fluxinductor.kernels import gemm_rs
@@ -158,14 +214,16 @@ def _sm_budget(world, split):
 
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
-              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0):
+              copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0,
+              slab_ks=()):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (settings.tuning.gemm_rs_push="copy").
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
     environment's).  streams: each rank's stream (default: new ones).  out_dtype (float32): the reduction autocast
     makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference.
     batch_rows > 0: A is batch-major ([B, S, K] flattened, m = B * S), rank r's result its blocks of batch_rows rows
-    ([B, S/world, N]), read in place."""
+    ([B, S/world, N]), read in place.  slab_ks: the K of further terms of the reduced sum, K slabs of the split
+    GEMMs."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -184,8 +242,11 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
         torch.manual_seed(1000 * call + world)
         a = [torch.randn(m, k, dtype=dtype, device=device) for _ in range(world)]
         w = [make_weight(k, n, k_major, dtype, device) for _ in range(world)]
+        more = [[(torch.randn(m, ks, dtype=dtype, device=device), make_weight(ks, n, k_major, dtype, device))
+                 for ks in slab_ks] for _ in range(world)]
         bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
-        partials = [a[r].float() @ w[r].float() + (bias.float() if with_bias else 0) for r in range(world)]
+        partials = [a[r].float() @ w[r].float() + sum(a_i.float() @ w_i.float() for a_i, w_i in more[r]) +
+                    (bias.float() if with_bias else 0) for r in range(world)]
         if out_dtype is not None:
             partials = [p.to(dtype).float() for p in partials]
         ref = sum(partials)
@@ -200,7 +261,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
                     a[r], w[r], bias, outs[r], m=m, world=world, rank=r, buffers=pointers, epoch=call, sig=sig,
                     error_address=error.device, out_scale=(1.0 / world if reduce_op == "avg" else 1.0),
                     timeout=5_000_000_000, sm_count=sm_budget, stream=streams[r], copy=copies[r], split=split,
-                    tail_split=tail_split, batch_rows=batch_rows,
+                    tail_split=tail_split, batch_rows=batch_rows, more=more[r],
                 )
         torch.cuda.synchronize()
         assert error.read() == 0, gemm_rs.error_message(error.read())
@@ -216,7 +277,8 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
 _loaded = set()
 
 
-def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2, k_major=True, out_dtype=None):
+def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=2, k_major=True, out_dtype=None,
+                    split_config=None):
     """Rank 0 of a `world`-rank call runs alone (its peers never enter): returns the error code it leaves behind."""
     from fluxinductor.kernels import gemm_rs
 
@@ -231,25 +293,30 @@ def _lone_rank_call(transport, dtype=torch.bfloat16, timeout=200_000_000, world=
         a, w, None, out, m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1,
         sig=gemm_rs.signature(m, n, k, world, dtype), error_address=error.device, timeout=timeout,
         copy=gemm_rs.CopyEngineWorkspace(torch.device("cuda", 0), world) if transport != "store" else None,
-        split=transport == "split",
+        split=transport == "split", split_config=split_config,
     )
     torch.cuda.synchronize()  # returns: the kernel gave up instead of hanging
     return error.read()
 
 
-def _load_kernels(transport, dtype, k_major=True, out_dtype=None):
+def _load_kernels(transport, dtype, k_major=True, out_dtype=None, split_config=None):
     """Run rank 0 of a call alone once per transport, dtype and weight layout (3 ranks for the split transport, so
     its relay GEMM runs too), so CUDA's lazy loading has loaded the kernels before simulated ranks wait on each
     other: a first launch while another rank's kernel spins on this GPU stalled until the handshake timed out (seen
     on H200: the first split case of each dtype failed with code 1, and test_n_ranks_one_gpu_layouts with code 3
     when it ran without the tests before it).  The lone rank's handshake times out and its kernels stop waiting
-    since the call is aborted."""
-    if (transport, dtype, k_major, out_dtype) in _loaded:
+    since the call is aborted.  The split transport's kernels are loaded per configuration (``split_config``, else the
+    one settings.tuning.gemm_rs_split_config forces, else the default)."""
+    from fluxinductor.kernels import gemm_rs
+
+    config = gemm_rs.resolve_split_config(dtype, split_config) if transport == "split" else None
+    key = (transport, dtype, k_major, out_dtype, config)
+    if key in _loaded:
         return
     code = _lone_rank_call(transport, dtype, timeout=50_000_000, world=3 if transport == "split" else 2,
-                           k_major=k_major, out_dtype=out_dtype)
+                           k_major=k_major, out_dtype=out_dtype, split_config=config)
     assert code == 1, code
-    _loaded.add((transport, dtype, k_major, out_dtype))
+    _loaded.add(key)
 
 
 @_gpu
@@ -282,7 +349,7 @@ def test_captured_calls_replay_between_eager_calls_one_gpu(world, transport, spl
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
-    _load_kernels(transport, dtype)
+    _load_kernels(transport, dtype, split_config=split_config)
     a = [torch.empty(m, k, dtype=dtype, device=device) for _ in range(world)]
     w = [make_weight(k, n, True, dtype, device) for _ in range(world)]
     bias = torch.randn(n, dtype=dtype, device=device)
@@ -457,6 +524,19 @@ def test_split_ring_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, red
     flux_settings(gemm_rs_bands=str(bands))
     flux_settings(gemm_rs_tail_split="1" if pdl == "1" else "4")
     assert _simulate(world, world * rows, k, n, reduce_op=reduce_op, split=True, calls=3) < 1e-2
+
+
+@_gpu
+@pytest.mark.parametrize("config", [0, 2])
+@pytest.mark.parametrize("k_major", [True, False])
+@pytest.mark.parametrize("world,rows,k,slab_ks,n", [(2, 1000, 128, (72,), 520), (3, 300, 64, (128, 264), 1280),
+                                                    (4, 2500, 256, (256,), 2048)])
+def test_split_k_slabs_n_ranks_one_gpu(flux_settings, config, k_major, world, rows, k, slab_ks, n):
+    """The reduce-scatter of a sum of matmuls run by the split transport with the terms as K slabs of its GEMMs (peer,
+    relay and own), each term's operands read in place, against the fp32 reference of the reduced sum."""
+    flux_settings(gemm_rs_split_config=str(config))
+    assert _simulate(world, world * rows, k, n, k_major=k_major, reduce_op="avg", split=True, calls=2,
+                     slab_ks=slab_ks) < 1e-2
 
 
 @_gpu

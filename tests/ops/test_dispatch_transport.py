@@ -17,16 +17,19 @@ def fake_kernels(flux_settings, monkeypatch):
     calls = []
 
     def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store",
-                              split_config_choice=None):
+                              split_config_choice=None, more=()):
         calls.append({"checked": checked, "transport": transport})
         if split_config_choice is not None:
             calls[-1]["split_config"] = split_config_choice
-        return (a2d @ weight)[: a2d.shape[0] // 2]
+        if more:
+            calls[-1]["slabs"] = [tuple(w_i.shape) for _, w_i in more]
+        return (a2d @ weight + sum(a_i @ w_i for a_i, w_i in more))[: a2d.shape[0] // 2]
 
     from fluxinductor.kernels import gemm_rs
 
     module = types.SimpleNamespace(unsupported_reason=lambda *args: None, matmul_reduce_scatter=matmul_reduce_scatter,
-                                   split_reason=gemm_rs.split_reason, split_configs=gemm_rs.split_configs)
+                                   split_reason=gemm_rs.split_reason, split_configs=gemm_rs.split_configs,
+                                   slabs_reason=gemm_rs.slabs_reason)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
     monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)  # tests/kernels/test_peers.py
@@ -49,6 +52,40 @@ def test_cost_model_choice_picks_the_transport(fake_kernels, monkeypatch, choice
     torch.testing.assert_close(out, (a @ w)[:4])
     assert fake_kernels == [{"checked": True, "transport": transport}]
     assert seen["paths"][:3] == ("fused", "fused_copy", "fused_split")
+
+
+@pytest.mark.parametrize("choice", ["fused_split", "sequential"])
+def test_sum_as_k_slabs_offers_only_the_split_transport(fake_kernels, monkeypatch, choice):
+    """A sum of matmuls (``more_a``, ``more_weights``) is weighed on its concatenated K with the split transport the
+    only fused path (its K slabs); where the cost model picks it the kernel gets every term, rows-first, else the
+    call decomposes."""
+    seen = {}
+
+    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True, slabs=False, **_):
+        seen.update(k=k, slabs=slabs)
+        return choice, f"cost model chose {choice}: test"
+
+    monkeypatch.setattr(dispatch, "_cost_model_says", says)
+    a, a2 = torch.randn(2, 4, 64), torch.randn(2, 4, 72)
+    w, w2 = torch.randn(64, 16), torch.randn(72, 16)
+    out = dispatch.matmul_reduce_scatter(a, w, None, "sum", 1, "g", more_a=[a2], more_weights=[w2])
+    assert seen == {"k": 2 * (64 + 72), "slabs": True}
+    if choice == "sequential":
+        assert out is None and fake_kernels == []
+        return
+    full = a @ w + a2 @ w2
+    torch.testing.assert_close(out, full[:, :2])
+    assert fake_kernels == [{"checked": True, "transport": "split", "slabs": [(72, 16)]}]
+
+
+def test_sum_not_slab_shaped_decomposes(fake_kernels, monkeypatch):
+    """Terms the split GEMMs cannot take as K slabs (a first K not a multiple of 64) decompose without asking the cost
+    model."""
+    monkeypatch.setattr(dispatch, "_cost_model_says", lambda *a, **k: pytest.fail("the cost model was asked"))
+    a, a2 = torch.randn(8, 72), torch.randn(8, 64)
+    out = dispatch.matmul_reduce_scatter(a, torch.randn(72, 16), None, "sum", 0, "g", more_a=[a2],
+                                         more_weights=[torch.randn(64, 16)])
+    assert out is None and fake_kernels == []
 
 
 @pytest.fixture

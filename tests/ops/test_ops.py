@@ -43,6 +43,9 @@ MATMUL_REDUCE_SCATTER_CASES = [
     ("3d_sum_dim_minus2", (2, 12, 8), 6, False, "sum", -2, "fp32"),
     ("2d_sum_dim0_bf16", (24, 16), 32, True, "sum", 0, "bf16"),
     ("3d_avg_dim1_bf16", (2, 12, 16), 8, True, "avg", 1, "bf16"),
+    # a sum of matmuls (more_a, more_weights): further terms of these K
+    ("3d_sum_dim1_bias_sum_of_3", (2, 12, 8), 6, True, "sum", 1, (4, 12), "fp32"),
+    ("2d_avg_dim0_sum_of_2_bf16", (24, 16), 32, False, "avg", 0, (8,), "bf16"),
 ]
 
 # (case id, partial operand shape per rank [..., K], N, bias, reduce_op, dtype); rows 5 and 2*3 = 6 do not split over
@@ -138,17 +141,23 @@ def _partials(a_shape, n: int, has_bias: bool, seed: int, dtype, world: int):
 def _matmul_reduce_scatter_case(rank: int, world: int, case) -> Dict[str, object]:
     import torch.distributed as dist
 
-    name, a_shape, n, has_bias, reduce_op, scatter_dim, dtype_name = case
+    name, a_shape, n, has_bias, reduce_op, scatter_dim, *more_ks, dtype_name = case
+    more_ks = more_ks[0] if more_ks else ()
     dtype = DTYPES[dtype_name]
     a_all, w_all, b_all = _partials(a_shape, n, has_bias, _seed_of(name) + 7, dtype, world)
+    more = [_partials(a_shape[:-1] + (k,), n, False, _seed_of(name) + 11 + i, dtype, world)[:2]
+            for i, k in enumerate(more_ks)]
 
     out = torch.ops.fluxinductor.matmul_reduce_scatter(
-        a_all[rank], w_all[rank], b_all[rank], reduce_op, scatter_dim, dist.group.WORLD.group_name
+        a_all[rank], w_all[rank], b_all[rank], reduce_op, scatter_dim, dist.group.WORLD.group_name,
+        **({"more_a": [m[0][rank] for m in more], "more_weights": [m[1][rank] for m in more]} if more else {})
     )
 
     total = sum(
         a.float() @ w.float() + (b.float() if b is not None else 0.0) for a, w, b in zip(a_all, w_all, b_all)
     )
+    for more_a, more_w in more:
+        total = total + sum(a.float() @ w.float() for a, w in zip(more_a, more_w))
     if reduce_op == "avg":
         total = total / world
     ref = total.chunk(world, dim=scatter_dim)[rank]
@@ -261,6 +270,12 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
         "bad_reduce_op": lambda: mrs(_randn((4, 8), 1), _randn((8, 4), 2), None, "max", 0, group),
         # 5 rows do not split over 2 or 4 ranks.
         "non_dividing_scatter": lambda: mrs(_randn((5, 8), 1), _randn((8, 4), 2), None, "sum", 0, group),
+        "more_term_mismatched_n": lambda: mrs(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", 0, group, None,
+                                              [_randn((4, 6), 3)], [_randn((6, 5), 4)]),
+        "more_term_rows": lambda: mrs(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", 0, group, None,
+                                      [_randn((2, 6), 3)], [_randn((6, 4), 4)]),
+        "more_lengths": lambda: mrs(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", 0, group, None,
+                                    [_randn((4, 6), 3)], []),
         "mar_mismatched_k": lambda: mar(_randn((4, 8), 1), _randn((6, 5), 2), None, "sum", group),
         "mar_bad_reduce_op": lambda: mar(_randn((4, 8), 1), _randn((8, 4), 2), None, "max", group),
         "norm_residual_shape": lambda: marn(_randn((4, 8), 1), _randn((8, 4), 2), None, "sum", group,
@@ -280,6 +295,9 @@ def _bad_input_checks(rank: int, world: int) -> Dict[str, Optional[str]]:
         "mrs_mismatched_k": "cannot multiply",
         "bad_reduce_op": "reduce_op",
         "non_dividing_scatter": "does not split",
+        "more_term_mismatched_n": "cannot add",
+        "more_term_rows": "does not match",
+        "more_lengths": "further weights",
         "mar_mismatched_k": "cannot multiply",
         "mar_bad_reduce_op": "reduce_op",
         "norm_residual_shape": "does not match the output",
@@ -320,6 +338,11 @@ def _opcheck(rank: int, world: int) -> Dict[str, str]:
         "matmul_reduce_scatter_3d_avg_dim1": (
             torch.ops.fluxinductor.matmul_reduce_scatter.default,
             (_randn((2, 2 * world, 8), 1), _randn((8, 6), 2), None, "avg", 1, group),
+        ),
+        "matmul_reduce_scatter_sum_of_2": (
+            torch.ops.fluxinductor.matmul_reduce_scatter.default,
+            (_randn((2, 2 * world, 8), 1), _randn((8, 6), 2), _randn((6,), 3), "sum", 1, group, None,
+             [_randn((2, 2 * world, 4), 4)], [_randn((4, 6), 5)]),
         ),
         "matmul_all_reduce_2d": (
             torch.ops.fluxinductor.matmul_all_reduce.default,
@@ -447,6 +470,9 @@ BAD_INPUTS = [
     "mrs_mismatched_k",
     "bad_reduce_op",
     "non_dividing_scatter",
+    "more_term_mismatched_n",
+    "more_term_rows",
+    "more_lengths",
     "mar_mismatched_k",
     "mar_bad_reduce_op",
     "norm_residual_shape",

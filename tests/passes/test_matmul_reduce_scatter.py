@@ -172,6 +172,47 @@ def test_reduce_scatter_of_sum_of_matmuls(scatter_dim):
     assert_all_vals(gm)
 
 
+@pytest.mark.parametrize("scatter_dim,lead", [(0, (16, 1)), (1, (1, 16)), (1, (2, 8))])
+def test_reduce_scatter_of_sum_as_k_slabs(scatter_dim, lead):
+    """A sum whose terms' K (per rank) are multiples of the split GEMMs' tile K, all but the last, becomes one op
+    that gets the terms as they are (its K slabs: ``more_a``, ``more_weights``): no operand concatenated, the weights
+    the graph's own, each operand reshaped (and, rows-first, permuted) as a single operand would be.  At B > 1 with
+    whole 128-row tiles the operand would be read batch-major, which K slabs do not: there the sum stays
+    concatenated (below)."""
+    ks = (64, 64, 8)
+    gm = trace(sum_of_matmuls(WORLD, group(), scatter_dim, lead), *sum_of_matmuls_args(ks))
+    run_passes(gm)
+    assert fused("matmul_reduce_scatter") == 1
+    assert count(gm, aten.cat.default) == 0 and count(gm, aten.add.Tensor) == 0
+    assert count(gm, aten.mm.default) == 0 and count(gm, aten.addmm.default) == 0
+    (node,) = nodes(gm, MM_RS)
+    operands = [node.args[0]] + list(node.kwargs["more_a"])
+    weights = [node.args[1]] + list(node.kwargs["more_weights"])
+    assert [w.op for w in weights] == ["placeholder"] * 3
+    assert [tuple(w.meta["val"].shape) for w in weights] == [(k, 16) for k in ks]
+    assert [o.meta["val"].shape[-1] for o in operands] == list(ks)
+    if lead != (16, 1) and lead[0] > 1:
+        assert rows_first_source(operands[1], [1, 0, 2], 64).meta["val"].shape == (2, 8, 64)
+    assert tuple(node.meta["val"].shape[-1:]) == (16,)
+    assert_all_vals(gm)
+
+
+@pytest.mark.parametrize("scatter_dim,lead", [(0, (16, 1)), (1, (2, 8))])
+def test_numerics_sum_as_k_slabs_world1(scatter_dim, lead):
+    torch.manual_seed(6)
+    numeric_case(sum_of_matmuls(1, WORLD1_GROUP, scatter_dim, lead), sum_of_matmuls_args((64, 128, 72)))
+
+
+def test_sum_not_slab_shaped_stays_concatenated():
+    """K slabs need every term's K but the last a multiple of 64 and N a multiple of 8; a sum of three terms at most;
+    otherwise the sum is concatenated as before."""
+    for ks, n in (((64, 72, 64), 16), ((64, 64, 8), 12)):
+        gm = trace(sum_of_matmuls(WORLD, group(), 0, (16, 1)), *sum_of_matmuls_args(ks, n=n))
+        run_passes(gm)
+        (node,) = nodes(gm, MM_RS)
+        assert node.args[1].target == aten.cat.default and not node.kwargs.get("more_a")
+
+
 def test_veto_sees_the_concatenated_weight_of_a_sum():
     """The veto gets the weight the fused op will be given: for a sum of matmuls, the concatenation of the weights
     along K (contiguous, N-major), as a meta tensor; the global shape counts every term's K."""

@@ -25,6 +25,7 @@
 #include "ag_gemm/ag_gemm.h"
 #include "fluxinductor/ag_gemm/kernel.cuh"
 #include "fluxinductor/common/blocked_rows.cuh"
+#include "fluxinductor/common/k_slabs.cuh"
 #include "fluxinductor/common/cutlass_launch.cuh"
 #include "gemm_rs/split.h"
 
@@ -233,6 +234,7 @@ constexpr bool tiling_matches() {
 }
 static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() && kSplitConfigs == 3,
               "gemm_rs/split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
+static_assert(kMaxMoreSlabs == kMaxKSlabs - 1, "gemm_rs/split.h's slabs must be the mainloop's");
 
 // The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
 template <class Element, class Tiles, bool WithSource>
@@ -252,13 +254,14 @@ struct SplitGemm {
   using Tiles = SplitTiles<Config>;
   static constexpr SplitTiling kTiling = kSplitTilings[Config];
   using Epilogue = BandWaitingEpilogue<CollectiveEpilogue>;
-  using Mainloop = BandWaitingMainloop<BlockedRowsMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = BandWaitingMainloop<BlockedRowsMainloop<KSlabsMainloop<typename cutlass::gemm::collective::
+      CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::RowMajor, 8,
       Element, LayoutB, 8,
       float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Tiles::KernelSchedule>::CollectiveOp>>;                   // A by rows or, batch-major, by blocks
+      typename Tiles::KernelSchedule>::CollectiveOp>>>;  // A by rows or, batch-major, by blocks; K in slabs
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       ag_gemm::TileOrderSchedulerTag<
                                                           ag_gemm::supports_tail_split<Tiles>()>>;
@@ -335,8 +338,31 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   typename Gemm::Arguments arguments{};
   arguments.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   arguments.problem_shape = {p.rows, p.n, p.k, 1};
-  arguments.mainloop = {{{static_cast<Element const*>(p.a), stride_a, static_cast<Element const*>(p.b), stride_b},
-                         p.block_rows, p.pitch_rows, p.rows_extent}};
+  arguments.mainloop.ptr_A = static_cast<Element const*>(p.a);
+  arguments.mainloop.dA = stride_a;
+  arguments.mainloop.ptr_B = static_cast<Element const*>(p.b);
+  arguments.mainloop.dB = stride_b;
+  arguments.mainloop.block_rows = p.block_rows;
+  arguments.mainloop.pitch_rows = p.pitch_rows;
+  arguments.mainloop.rows_extent = p.rows_extent;
+  if (p.slabs > 1) {  // the further slabs' A and B, strided as the first's
+    arguments.mainloop.slabs = p.slabs;
+    arguments.mainloop.k_first = p.k_first;
+    for (int s = 1; s < p.slabs; ++s) {
+      auto& slab = arguments.mainloop.more[s - 1];
+      slab.a = p.a_more[s - 1];
+      slab.dA = stride_a;
+      cute::get<0>(slab.dA) = p.lda_more[s - 1];
+      slab.b = p.b_more[s - 1];
+      slab.dB = stride_b;
+      if constexpr (cute::is_same_v<typename Config::LayoutTagB, cutlass::layout::ColumnMajor>) {
+        cute::get<0>(slab.dB) = p.ldb_more[s - 1];
+      } else {
+        cute::get<1>(slab.dB) = p.ldb_more[s - 1];
+      }
+      slab.k = p.k_more[s - 1];
+    }
+  }
   arguments.epilogue.thread.alpha = p.alpha;
   arguments.epilogue.thread.beta = p.beta;
   arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
