@@ -4,6 +4,7 @@ Checks (each rank asserts; a failure exits non-zero):
   * random non-zero inputs, M not a multiple of the tile, odd N, both weight layouts, bias or not, sum and
     avg, bf16 and fp16: relative error vs an fp32 reference <= 1e-2, output poisoned with NaN first;
   * [B, S, K] operands scattered on S, read batch-major in place where S/world is whole tiles;
+  * a sum of two and three matmuls (more_a, more_weights) through the op: the split transport's K slabs;
   * unsupported shapes give a reason (odd K);
   * 1000 back-to-back calls: no deadlock, no memory growth, last result correct;
   * ranks disagreeing on shapes: RuntimeError on both ranks, not a hang (new shape: the store check;
@@ -98,6 +99,41 @@ def check_correctness(group_name, device, rank, world):
         tol = 1e-4 if half == torch.bfloat16 else 5e-5
         assert out.dtype == torch.float32 and err <= tol, f"fp32 result from {half}, {transport}: rel err {err}"
         log(f"fp32 result from {half}, {transport} {op} k_major={k_major}: rel err {err:.2e}")
+    # A sum of matmuls through the op (N-major weights, as the backward's input gradients), fused dispatch: the K slabs,
+    # whichever of the kernel module's entry points the dispatcher calls.
+    from fluxinductor import settings
+
+    for i, ks in enumerate(((128, 72), (512, 64, 64))):
+        gen = torch.Generator(device=device).manual_seed(700 + 10 * i + rank)
+        s, n = world * 256, 1024
+        a_all = [torch.randn(1, s, k, device=device, generator=gen).to(torch.bfloat16) for k in ks]
+        w_all = [make_weight(k, n, False, torch.bfloat16, device, gen) for k in ks]
+        calls = []
+        originals = {name: getattr(gemm_rs, name) for name in ("matmul_reduce_scatter", "prepare_matmul_reduce_scatter")}
+
+        def spy(fn):
+            def wrapped(*args, **kwargs):
+                calls.append(len(kwargs.get("more", ())))
+                return fn(*args, **kwargs)
+            return wrapped
+
+        for name, fn in originals.items():
+            setattr(gemm_rs, name, spy(fn))
+        try:
+            with settings.override(dispatch="fused"):
+                out = torch.ops.fluxinductor.matmul_reduce_scatter(a_all[0], w_all[0], None, "sum", 1, group_name,
+                                                                   more_a=a_all[1:], more_weights=w_all[1:])
+        finally:
+            for name, fn in originals.items():
+                setattr(gemm_rs, name, fn)
+        gemm_rs.check_error(group_name)
+        partial = sum(a.float() @ w.float() for a, w in zip(a_all, w_all))
+        dist.all_reduce(partial)
+        ref = partial[:, rank * (s // world):(rank + 1) * (s // world)]
+        err = rel(out, ref)
+        assert calls == [len(ks) - 1], f"K slabs {ks}: the kernel module saw {calls}"
+        assert err <= 1e-2, f"K slabs {ks}: rel err {err}"
+        log(f"K slabs {ks}: rel err {err:.2e}")
     a = torch.randn(64, 100, device=device, dtype=torch.bfloat16)
     w = torch.randn(100, 64, device=device, dtype=torch.bfloat16)
     assert "multiple of 8" in gemm_rs.unsupported_reason(a, w, None, "sum", group_name)
