@@ -429,21 +429,34 @@ def _insert_slabs(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode
         a_arg = _n_d(graph, fake_mode, t.a, shape, arg)
         if g.plan is not None:
             if rows is None:  # [S / world, rest...] of the result, as the first operand's sizes give them
-                rows = [-1] + [m.size_arg(graph, a_arg, d) for d in g.plan[2]]
-            a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, g.plan[0])
-            a_arg = m.call_contiguous(graph, fake_mode, a_arg)
-            a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, k])
+                rows = _result_rows(graph, a_arg, g.plan)
+            a_arg = _rows_first(graph, fake_mode, a_arg, g.plan, k)
         args.append(a_arg)
     fused = graph.call_function(_op(match), (args[0], g.terms[0].weight, g.bias) + _collective_args(match, g.plan),
                                 {"more_a": args[1:], "more_weights": [t.weight for t in g.terms[1:]]})
     fused.meta["val"] = g.result_2d
     m.copy_debug_meta(fused, match.first)
-    out = fused
-    if g.plan is not None:
-        out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, rows + [n])
-        out = m.call_view(graph, fake_mode, m.aten.permute.default, out, g.plan[1])
-        out = m.call_contiguous(graph, fake_mode, out)
-    return out
+    return fused if g.plan is None else _restored(graph, fake_mode, fused, g.plan, rows + [n])
+
+
+def _result_rows(graph: Graph, a_arg: Node, plan: tuple) -> list:
+    """[-1, rest...]: the leading sizes of the rows-first result, read from the N-D operand ``a_arg``."""
+    return [-1] + [m.size_arg(graph, a_arg, d) for d in plan[2]]
+
+
+def _rows_first(graph: Graph, fake_mode, a_arg: Node, plan: tuple, k: m.Size) -> Node:
+    """The N-D operand ``a_arg`` permuted rows-first (``plan``, :func:`fluxinductor.passes._match.rows_first`) and
+    flattened to [-1, k]."""
+    a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, plan[0])
+    a_arg = m.call_contiguous(graph, fake_mode, a_arg)
+    return m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, k])
+
+
+def _restored(graph: Graph, fake_mode, out: Node, plan: tuple, shape: list) -> Node:
+    """The rows-first result ``out`` reshaped to ``shape`` and permuted back to the graph's layout, contiguous."""
+    out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, shape)
+    out = m.call_view(graph, fake_mode, m.aten.permute.default, out, plan[1])
+    return m.call_contiguous(graph, fake_mode, out)
 
 
 def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> Node:
@@ -464,20 +477,13 @@ def _insert(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> N
     if g.batch_major and not m.val(a_arg).is_contiguous():
         a_arg = m.call_contiguous(graph, fake_mode, a_arg)  # read in place: its producer writes it batch-major
     if g.plan is not None:
-        lead = [-1] + [m.size_arg(graph, a_arg, d) for d in g.plan[2]]
-        a_arg = m.call_view(graph, fake_mode, m.aten.permute.default, a_arg, g.plan[0])
-        a_arg = m.call_contiguous(graph, fake_mode, a_arg)
-        a_arg = m.call_view(graph, fake_mode, m.aten.reshape.default, a_arg, [-1, sum(ks)])
+        lead = _result_rows(graph, a_arg, g.plan)
+        a_arg = _rows_first(graph, fake_mode, a_arg, g.plan, sum(ks))
     out_dtype_arg = () if match.out_dtype is None else (match.out_dtype,)
     fused = graph.call_function(_op(match), (a_arg, w_arg, g.bias) + _collective_args(match, g.plan) + out_dtype_arg)
     fused.meta["val"] = g.result_2d
     m.copy_debug_meta(fused, match.first)
-    out = fused
-    if g.plan is not None:
-        out = m.call_view(graph, fake_mode, m.aten.reshape.default, out, lead + [n])
-        out = m.call_view(graph, fake_mode, m.aten.permute.default, out, g.plan[1])
-        out = m.call_contiguous(graph, fake_mode, out)
-    return out
+    return fused if g.plan is None else _restored(graph, fake_mode, fused, g.plan, lead + [n])
 
 
 def _rewrite(graph: Graph, match: _ReduceScatterMatch, fake_mode, per_term: bool = False, slabs: bool = False) -> Node:
