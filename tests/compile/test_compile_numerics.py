@@ -225,6 +225,15 @@ def build_funcol_swiglu(mesh, dtype, rank: int, world: int):
     return model, lambda seed: _row_shard(seed, dtype, world, rank)
 
 
+def build_funcol_swiglu_wide(mesh, dtype, rank: int, world: int):
+    """The SwiGLU with 128 FFN columns per rank: its backward's reduce-scatter of ``dG @ Wg.t() + dU @ Wu.t()`` goes
+    to the op as K slabs (``more_a``, ``more_weights``), which inductor must lower as a list argument."""
+    import torch.distributed as dist
+
+    model = FunctionalCollectivesSwiGLU(dist.group.WORLD, world, rank, ffn=128 * world).to(dtype)
+    return model, lambda seed: _row_shard(seed, dtype, world, rank)
+
+
 class C10dMLP(nn.Module):
     """Tensor-parallel MLP calling the in-place c10d collectives (dynamo makes them functional)."""
 
@@ -367,6 +376,7 @@ MODELS: Dict[str, Tuple[Callable, bool, Dict[str, int], Dict[str, int]]] = {
     "attention_qkv": (build_attention_qkv, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
     "attention_fused_qkv": (build_attention_fused_qkv, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
     "funcol_swiglu": (build_funcol_swiglu, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
+    "funcol_swiglu_wide": (build_funcol_swiglu_wide, True, {AG_MM: 1, MM_RS: 1}, {AG_MM: 1, MM_RS: 1}),
     "c10d_mlp": (build_c10d_mlp, False, {AG_MM: 1, MM_RS: 1}, {}),
     # Plain TP: fluxinductor.passes.all_reduce_split turns each all-reduce of a row-parallel output (forward) and of
     # a column-parallel input gradient (backward) into a reduce-scatter fused with its matmul and an all-gather
