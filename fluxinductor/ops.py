@@ -106,10 +106,13 @@ def _linear(a: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
 def _partial(a: Tensor, weight: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
              more_a: Sequence[Tensor] = (), more_weights: Sequence[Tensor] = ()) -> Tensor:
     """This rank's term of a reduced matmul: ``(a @ weight + sum(a_i @ w_i) + bias)``, cast to ``out_dtype`` where
-    given."""
+    given.  Further terms accumulate into the first product (addmm, as inductor runs such a sum), not through adds."""
     partial = _linear(a, weight, bias)
-    for a_i, w_i in zip(more_a, more_weights):
-        partial = partial + _linear(a_i, w_i, None)
+    if more_a:
+        partial = partial.contiguous()
+        rows = partial.view(-1, partial.shape[-1])
+        for a_i, w_i in zip(more_a, more_weights):
+            rows.addmm_(a_i.reshape(-1, a_i.shape[-1]), w_i)
     return partial if out_dtype is None else partial.to(out_dtype)
 
 
