@@ -99,22 +99,18 @@ class KSlabsMainloop : public Base {
 
   // Called by the producer warp, as the base's: K tiles [*k_tile_iter, *k_tile_iter + k_tile_count) of the
   // concatenated K (a tail split's part may start anywhere), each slab's share through its own descriptors at its
-  // own K coordinates.
+  // own K coordinates.  One call site of the base's load (one slab: the whole range), which keeps the kernels' code
+  // and compile time as they were.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
                            typename Base::PipelineState state, cute::tuple<TensorA, TensorB> const& load_inputs,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
-    if (params.slabs <= 1) {
-      Base::load(params, pipeline, state, load_inputs, blk_coord, k_tile_iter, k_tile_count, thread_idx,
-                 block_rank_in_cluster, shared_tensors);
-      return;
-    }
     int const begin = int(*k_tile_iter);
     int const end = begin + k_tile_count;
     int slab_start = 0;
     for (int s = 0; s < params.slabs && slab_start < end; ++s) {
-      int const slab_end = slab_start + params.k_tiles[s];
+      int const slab_end = params.slabs > 1 ? slab_start + params.k_tiles[s] : end;
       int const from = begin > slab_start ? begin : slab_start;
       int const to = end < slab_end ? end : slab_end;
       if (from < to) {
