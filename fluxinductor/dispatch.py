@@ -625,7 +625,7 @@ def matmul_reduce_scatter(
         out2d = kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
                                               transport=transport, split_config_choice=split_config, **extra)
     else:
-        out2d = run(a2d, weight, bias, None, more2d)
+        out2d = run(a2d, weight, bias, None, more2d) if more2d else run(a2d, weight, bias)
         _remember_replay(replay_as, _matmul_reduce_scatter_replay(run, a.shape[scatter_dim] // world, rest,
                                                                   scatter_dim))
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
@@ -637,8 +637,11 @@ def _matmul_reduce_scatter_replay(run: Callable, lead: int, rest: Tuple[int, ...
 
     def replay(a: Tensor, weight: Tensor, bias: Optional[Tensor], more_a: Sequence[Tensor] = (),
                more_weights: Sequence[Tensor] = ()) -> Tensor:
-        more = [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in zip(more_a, more_weights)]
-        return _restore(run(_rows_first(a, scatter_dim), weight, bias, None, more), lead, rest, scatter_dim)
+        a2d = _rows_first(a, scatter_dim)
+        if more_a:
+            more = [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in zip(more_a, more_weights)]
+            return _restore(run(a2d, weight, bias, None, more), lead, rest, scatter_dim)
+        return _restore(run(a2d, weight, bias), lead, rest, scatter_dim)
 
     return replay
 
