@@ -53,7 +53,7 @@ from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
     _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature)
 from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - gemm_rs.ErrorWord for the GPU tests
 from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
-    _TAIL_SPLIT_CONFIGS, MAX_SLABS, SPLIT_CONFIGS, resolve_split_config, slabs_reason, split_configs, split_reason,
+    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, slabs_reason, split_configs, split_reason,
     tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
@@ -120,7 +120,7 @@ def launch(
     more_slabs = []
     for a_i, w_i in more:
         more_slabs += [a_i.data_ptr(), a_i.stride(0), w_i.data_ptr(), _weight_layout(w_i)[1], a_i.shape[1]]
-    k = a.shape[1] + sum(a_i.shape[1] for a_i, _ in more)
+    k = _total_k(a, more)
     n = weight.shape[1]
     flags_offset, data_offset, _ = buffer_layout(m, n, world, a.dtype)
     stream = stream if stream is not None else torch.cuda.current_stream(a.device)
@@ -257,6 +257,11 @@ def _prepare_more(more: Sequence[Tuple[Tensor, Tensor]]) -> List[Tuple[Tensor, T
     return [(_prepare(a_i, None)[0], w_i) for a_i, w_i in more]
 
 
+def _total_k(a2d: Tensor, more: Sequence[Tuple[Tensor, Tensor]]) -> int:
+    """The K of a call's GEMM: ``a2d``'s and every further term's (K slabs)."""
+    return a2d.shape[1] + sum(a_i.shape[1] for a_i, _ in more)
+
+
 def batch_major_reason(a2d: Tensor, batch_rows: int, world: int) -> Optional[str]:
     """Why an eager call cannot read a batch-major operand in place (None: it can): ``a2d`` is a [B, S, ..., K]
     operand flattened, scattered on S, each owner's rows B blocks of ``batch_rows`` rows (S/world times the dims
@@ -303,9 +308,6 @@ def matmul_reduce_scatter(
                                    or slabs_reason(a2d, weight, more))
     if reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot run: {reason}")
-    if more:
-        transport = "split"
-        more = _prepare_more(more)
     state = _state(group_name, a2d.device)
     batch_reason = batch_major_reason(a2d, batch_rows, state.world) if batch_rows else None
     if batch_reason is not None:
@@ -319,7 +321,8 @@ def matmul_reduce_scatter(
     # One rank (the stores transport), or under capture, where unsupported_reason (ours, or the caller's: checked)
     # found the call capturable: the stores transport, or the split one where asked for and set up.
     a2d, bias = _prepare(a2d, bias)
-    m, k = a2d.shape
+    more = _prepare_more(more)
+    m = a2d.shape[0]
     n = weight.shape[1]
     world = state.world
     if out is None:
@@ -336,7 +339,7 @@ def matmul_reduce_scatter(
         if not split:
             log.note_once(f"matmul_reduce_scatter runs the stores transport under CUDA graph capture: {why}")
     config = resolve_split_config(a2d.dtype, split_config_choice) if split else 0
-    sig = signature(m, n, k + sum(a_i.shape[1] for a_i, _ in more), world, a2d.dtype,
+    sig = signature(m, n, _total_k(a2d, more), world, a2d.dtype,
                     _transport_signature("split" if split else "store", config, a2d.dtype, out.dtype, 0, more))
     flags_offset, data_offset, nbytes = buffer_layout(m, n, world, a2d.dtype)
     launch(a2d, weight, bias, out, m=m, world=world, rank=state.rank, buffers=state.buffer_ptrs,
@@ -405,7 +408,7 @@ class _EagerCall:
         if bias is not None:
             bias = bias.to(a2d.dtype).contiguous()  # as _prepare gives it to the launch
         self.group_name, self.device = state.group_name, a2d.device
-        self.m, k = a2d.shape
+        self.m = a2d.shape[0]
         n = weight.shape[1]
         world = state.world
         self.out_dtype = out_dtype or a2d.dtype
@@ -424,7 +427,7 @@ class _EagerCall:
         self.mode = mode
         self.config = resolve_split_config(a2d.dtype, split_config_choice) if mode == "split" else 0
         self.batch_rows = batch_rows
-        self.sig = signature(self.m, n, k + sum(a_i.shape[1] for a_i, _ in more), world, a2d.dtype,
+        self.sig = signature(self.m, n, _total_k(a2d, more), world, a2d.dtype,
                              _transport_signature(mode, self.config, a2d.dtype, self.out_dtype, batch_rows, more))
         self.nbytes = buffer_layout(self.m, n, world, a2d.dtype)[2]
 
