@@ -569,14 +569,21 @@ def matmul_reduce_scatter(
         return None
     rest = tuple(a.shape[d] for d in range(a.dim() - 1) if d != scatter_dim)
     # a2d: [D * prod(rest), K_local]; rank r owns rows [r, r+1) * (D / world) * prod(rest).  Or, where the fused kernel
-    # can read a batch-major operand in place (batch_rows > 0: [B, D, ..., K] scattered on D, B > 1), the operand as it
-    # is, flattened: rank r owns its blocks of batch_rows rows (rows_first() then gives the rank-major one).
-    batch_rows = _batch_rows(a, scatter_dim) // world if a.shape[scatter_dim] % world == 0 and not more_a else 0
+    # can read a batch-major operand in place (batch_rows > 0: [B, D, ..., K] scattered on D, B > 1; every further
+    # term's alike), the operand as it is, flattened: rank r owns its blocks of batch_rows rows (rows_first() then
+    # gives the rank-major one).  more2d: the further terms (K slabs) laid out as a2d.
+    batch_rows = _batch_rows(a, scatter_dim) // world if a.shape[scatter_dim] % world == 0 and all(
+        a_i.shape[:-1] == a.shape[:-1] and _batch_rows(a_i, scatter_dim) for a_i in more_a) else 0
     a2d = a.view(-1, a.shape[-1]) if batch_rows else _rows_first(a, scatter_dim)
-    more2d = [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in zip(more_a, more_weights)]
+    more2d = [(a_i.view(-1, a_i.shape[-1]) if batch_rows else _rows_first(a_i, scatter_dim), w_i)
+              for a_i, w_i in zip(more_a, more_weights)]
 
     def rows_first() -> Tensor:
         return _rows_first(a, scatter_dim) if batch_rows else a2d
+
+    def more_rows_first() -> List[Tuple[Tensor, Tensor]]:
+        return [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in zip(more_a, more_weights)] if batch_rows \
+            else more2d
 
     out_dtype = None if out_dtype == a.dtype else out_dtype
     key = None if symm.capturing() else (
@@ -587,7 +594,7 @@ def matmul_reduce_scatter(
     if plan is None:
         plan = _remember(key, _decide_matmul_reduce_scatter(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op,
                                                             group_name, world, out_dtype, scatter_dim, batch_rows,
-                                                            more2d))
+                                                            more2d, more_a))
     path, why, transport, split_config = plan
     if path == "asynctp":
         record_fallback(op, why, "PyTorch async-TP")
@@ -604,6 +611,8 @@ def matmul_reduce_scatter(
     if batch_rows and kernels.batch_major_reason(a2d, batch_rows, world) is None:
         out_shape = list(a.shape[:-1]) + [weight.shape[1]]
         out_shape[scatter_dim] //= world
+        if more2d:
+            extra["more"] = more2d
         run = kernels.prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, transport=transport,
                                                     split_config_choice=split_config, batch_rows=batch_rows,
                                                     **extra) if replay_as is not None else None
@@ -612,10 +621,11 @@ def matmul_reduce_scatter(
                                                   transport=transport, split_config_choice=split_config,
                                                   batch_rows=batch_rows, **extra)
         else:
-            out2d = run(a2d, weight, bias)
-            _remember_replay(replay_as, lambda a_, w_, b_: run(a_.view(-1, a_.shape[-1]), w_, b_).view(out_shape))
+            out2d = run(a2d, weight, bias, None, more2d) if more2d else run(a2d, weight, bias)
+            _remember_replay(replay_as, _batch_major_rs_replay(run, out_shape))
         return out2d.view(out_shape)
     a2d = rows_first()
+    more2d = more_rows_first()
     if more2d:
         extra["more"] = more2d
     run = kernels.prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, transport=transport,
@@ -629,6 +639,20 @@ def matmul_reduce_scatter(
         _remember_replay(replay_as, _matmul_reduce_scatter_replay(run, a.shape[scatter_dim] // world, rest,
                                                                   scatter_dim))
     return _restore(out2d, a.shape[scatter_dim] // world, rest, scatter_dim)
+
+
+def _batch_major_rs_replay(run: Callable, out_shape: List[int]) -> Callable:
+    """:func:`matmul_reduce_scatter`'s batch-major path for the later calls of a signature (``run``: prepared)."""
+
+    def replay(a: Tensor, weight: Tensor, bias: Optional[Tensor], more_a: Sequence[Tensor] = (),
+               more_weights: Sequence[Tensor] = ()) -> Tensor:
+        a2d = a.view(-1, a.shape[-1])
+        if more_a:
+            more = [(a_i.view(-1, a_i.shape[-1]), w_i) for a_i, w_i in zip(more_a, more_weights)]
+            return run(a2d, weight, bias, None, more).view(out_shape)
+        return run(a2d, weight, bias).view(out_shape)
+
+    return replay
 
 
 def _matmul_reduce_scatter_replay(run: Callable, lead: int, rest: Tuple[int, ...], scatter_dim: int) -> Callable:
@@ -649,15 +673,15 @@ def _matmul_reduce_scatter_replay(run: Callable, lead: int, rest: Tuple[int, ...
 def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor,
                                   bias: Optional[Tensor], reduce_op: str, group_name: str, world: int,
                                   out_dtype: Optional[torch.dtype], scatter_dim: int = 0, batch_rows: int = 0,
-                                  more2d: Sequence[Tuple[Tensor, Tensor]] = ()
+                                  more2d: Sequence[Tuple[Tensor, Tensor]] = (), more_a: Sequence[Tensor] = ()
                                   ) -> Tuple[str, Optional[str], str, Optional[int]]:
     """(path, reason, transport, split configuration): path "fused" (reason None) with the kernel's transport,
     "asynctp", or "decomposed" with the reason.  ``a2d``: the operand as the fused path gets it (flattened as it is
-    when ``batch_rows`` > 0, see :func:`matmul_reduce_scatter`); ``more2d``: a sum's further terms, rows-first, which
-    only the split transport takes."""
+    when ``batch_rows`` > 0, see :func:`matmul_reduce_scatter`); ``more2d``: a sum's further terms laid out as
+    ``a2d``, which only the split transport takes; ``more_a``: their operands as the op got them."""
     if more2d:
         return _decide_k_slabs(kernels, dispatch_mode, a, a2d, weight, bias, reduce_op, group_name, world, out_dtype,
-                               scatter_dim, more2d)
+                               scatter_dim, more_a, more2d, batch_rows)
     why = _peers_reason(group_name, a.device)
     from fluxinductor.kernels import internode
 
@@ -723,7 +747,8 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
 
 def _decide_k_slabs(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight: Tensor, bias: Optional[Tensor],
                     reduce_op: str, group_name: str, world: int, out_dtype: Optional[torch.dtype], scatter_dim: int,
-                    more2d: Sequence[Tuple[Tensor, Tensor]]) -> Tuple[str, Optional[str], str, Optional[int]]:
+                    more_a: Sequence[Tensor], more2d: Sequence[Tuple[Tensor, Tensor]], batch_rows: int = 0
+                    ) -> Tuple[str, Optional[str], str, Optional[int]]:
     """:func:`_decide_matmul_reduce_scatter` for a sum of matmuls: the split transport with the terms as K slabs of
     its GEMMs where it can take them and (``auto``) the cost model, on the concatenated K, finds it faster than the
     sequential path; else the decomposition.  The other transports, async-TP and the inter-node path take one
@@ -737,7 +762,6 @@ def _decide_k_slabs(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight:
     m, n = a2d.shape[0], weight.shape[1]
     k = world * (a2d.shape[1] + sum(a_i.shape[1] for a_i, _ in more2d))
     if why is None and dispatch_mode == "auto":
-        more_a = [a_i for a_i, _ in more2d]
         more_weights = [w_i for _, w_i in more2d]
 
         def run_path(path: str) -> Callable[[], object]:
@@ -749,8 +773,13 @@ def _decide_k_slabs(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight:
             config = calibration.parse_candidate(path)[1]
             if config is None:
                 config = _split_config_choice(a.device, world, m, k, n, a.dtype)
-            return lambda: kernels.matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, checked=True,
-                                                         transport="split", split_config_choice=config, more=more2d)
+            batch = batch_rows if batch_rows and kernels.batch_major_reason(a2d, batch_rows, world) is None else 0
+            a_run, more_run = (a2d, more2d) if batch or not batch_rows else (
+                _rows_first(a, scatter_dim), [(_rows_first(a_i, scatter_dim), w_i) for a_i, w_i in
+                                              zip(more_a, more_weights)])
+            return lambda: kernels.matmul_reduce_scatter(a_run, weight, bias, reduce_op, group_name, checked=True,
+                                                         transport="split", split_config_choice=config,
+                                                         batch_rows=batch, more=more_run)
 
         path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, m, k, n, a.dtype,
                                         group_name=group_name, run_path=run_path, split_configs=kernels.split_configs(

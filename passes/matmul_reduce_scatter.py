@@ -23,15 +23,20 @@ kernels that produce ``a`` and read ``out``)::
 With B = 1 no permute is needed: the op gets ``a3`` and scatter_dim 1.
 
 A sum of matmuls (the input gradient of separate Q/K/V or gate/up linears; inductor has already folded
-``mm + mm`` into ``addmm(mm, a, w)``) is fused as one matmul over the concatenated K::
+``mm + mm`` into ``addmm(mm, a, w)``)::
 
     y   = add(reshape(addmm(mm(a_q, W_q), a_k, W_k), [B, S, N]), reshape(mm(a_v, W_v), [B, S, N]))
     out = wait_tensor(reduce_scatter_tensor(<y, split/cat as above>, "sum", world, group))
 
-becomes::
+becomes one op that gets the terms as they are, the split transport's K slabs (:func:`_slabs` says when; each
+operand rows-first as above, or batch-major as it is)::
 
-    a   = reshape(cat([a_q, a_k, a_v], 1), [B, S, K_q + K_k + K_v])
-    out = fluxinductor.matmul_reduce_scatter(a, cat([W_q, W_k, W_v], 0), None, "sum", 1, group)
+    out = fluxinductor.matmul_reduce_scatter(reshape(a_q, [B, S, K_q]), W_q, None, "sum", 1, group,
+                                             more_a=[reshape(a_k, [B, S, K_k]), reshape(a_v, [B, S, K_v])],
+                                             more_weights=[W_k, W_v])
+
+or, where the slabs do not fit, one matmul over the concatenated K (``cat([a_q, a_k, a_v], 1)`` with
+``cat([W_q, W_k, W_v], 0)``), or one op per term, results added, where the cost model finds that cheaper.
 
 Under bf16 (or fp16) autocast the backward reduces a bf16 (fp16) matmul in fp32 (the input it differentiates was
 fp32)::
@@ -400,6 +405,9 @@ def _plan_slabs(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[N
     runs rows-first, permuted as the single operand would be."""
     out_shape = m.val(match.wait).shape
     plan = m.rows_first(out_shape, match.scatter_dim)
+    batch_major = plan is not None and m.batch_major(out_shape, match.scatter_dim)
+    if batch_major:  # every operand read in place, as the single one would be
+        plan = None
     shapes = _slab_shapes(match, lead, ks)
     try:
         with fake_mode:
@@ -415,7 +423,8 @@ def _plan_slabs(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[N
         raise Skip("fused op rejected the shapes", f"{type(e).__name__}: {e}")
     if not m.same_shape(result.shape, out_shape):
         raise Skip("fused op output shape mismatch", f"{tuple(result.shape)} vs {tuple(out_shape)}")
-    return _Group(terms, bias, terms[0].a, shapes[0][0], shapes[0][1], True, plan, result_2d, result, slabs=True)
+    return _Group(terms, bias, terms[0].a, shapes[0][0], shapes[0][1], True, plan, result_2d, result, batch_major,
+                  slabs=True)
 
 
 def _insert_slabs(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode) -> Node:
@@ -427,6 +436,8 @@ def _insert_slabs(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode
     rows = None
     for t, (shape, arg), k in zip(g.terms, _slab_shapes(match, lead, ks), ks):
         a_arg = _n_d(graph, fake_mode, t.a, shape, arg)
+        if g.batch_major and not m.val(a_arg).is_contiguous():
+            a_arg = m.call_contiguous(graph, fake_mode, a_arg)  # read in place: its producer writes it batch-major
         if g.plan is not None:
             if rows is None:  # [S / world, rest...] of the result, as the first operand's sizes give them
                 rows = _result_rows(graph, a_arg, g.plan)
@@ -565,8 +576,9 @@ def copied_bytes(terms: List[_Term]) -> Optional[int]:
 def _slabs(match: _ReduceScatterMatch) -> bool:
     """Whether a reduce-scatter of a sum of matmuls goes to the op as its K slabs, no operand copied: 2 or 3 terms of
     static shapes, every K (per rank) a multiple of 8 and all but the last of the split GEMMs' tile K, N a multiple of 8,
-    the weights laid out alike, no cast between the sum and the collective, and a rows-first operand (not one the op
-    would read batch-major in place).  Where the split transport cannot run it after all, the op decomposes."""
+    the weights laid out alike and no cast between the sum and the collective.  The operands go rows-first or, where
+    the op reads them batch-major in place, as they are.  Where the split transport cannot run it after all, the op
+    decomposes."""
     from fluxinductor.kernels.gemm_rs_split import MAX_SLABS, SLAB_K_MULTIPLE
 
     if match.scatter_dim is None or match.out_dtype is not None or not 2 <= len(match.terms) <= MAX_SLABS:
@@ -577,11 +589,7 @@ def _slabs(match: _ReduceScatterMatch) -> bool:
             any(k % SLAB_K_MULTIPLE for k in ks[:-1]):
         return False
     weights = [m.val(t.weight) for t in match.terms]
-    if len({(w.stride(0) == 1, w.stride(1) == 1) for w in weights}) != 1:
-        return False
-    out_shape = m.val(match.wait).shape
-    plan = m.rows_first(out_shape, match.scatter_dim)
-    return not (plan is not None and m.batch_major(out_shape, match.scatter_dim))
+    return len({(w.stride(0) == 1, w.stride(1) == 1) for w in weights}) == 1
 
 
 def _per_term(match: _ReduceScatterMatch, world: int, rows: m.Size,

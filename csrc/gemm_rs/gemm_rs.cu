@@ -567,17 +567,17 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
     int const segment = (args.rank + 1 + step) % args.world;
     bool const last = step == args.world - 1;
     split::SplitGemmParams g = gemm;
-    if (args.batch_rows > 0) {  // the segment's blocks, from its first
-      g.a = static_cast<char const*>(args.a) + int64_t(segment) * args.batch_rows * args.lda * element_bytes;
+    // The segment's rows from its first: its blocks (batch-major, the same row map for every slab) or its range.
+    int64_t const first_row = int64_t(segment) * (args.batch_rows > 0 ? args.batch_rows : segment_rows);
+    g.a = static_cast<char const*>(args.a) + first_row * args.lda * element_bytes;
+    for (int s = 1; s < args.slabs; ++s) {
+      g.a_more[s - 1] =
+          static_cast<char const*>(args.a_more[s - 1]) + first_row * args.lda_more[s - 1] * element_bytes;
+    }
+    if (args.batch_rows > 0) {
       g.block_rows = args.batch_rows;
       g.pitch_rows = args.batch_rows * args.world;
       g.rows_extent = args.m - segment * args.batch_rows;
-    } else {
-      g.a = static_cast<char const*>(args.a) + int64_t(segment) * segment_rows * args.lda * element_bytes;
-      for (int s = 1; s < args.slabs; ++s) {
-        g.a_more[s - 1] = static_cast<char const*>(args.a_more[s - 1]) +
-                          int64_t(segment) * segment_rows * args.lda_more[s - 1] * element_bytes;
-      }
     }
     if (step > 0) {  // add rank + 1's partial sum of this segment, band by band as its flags arrive
       g.c = local + args.data_offset + (step - 1) * segment_bytes;
@@ -696,8 +696,8 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     return fail("A and B must be 16-byte aligned");
   }
   if (args.slabs != 1) {
-    if (args.slabs < 1 || args.slabs > 3 || !args.split || args.batch_rows != 0) {
-      return fail("K slabs (1 to 3) are for the split transport with a rows-first A");
+    if (args.slabs < 1 || args.slabs > 3 || !args.split) {
+      return fail("K slabs (1 to 3) are for the split transport");
     }
     int k = args.k_first;
     bool ok = args.k_first > 0 && args.k_first % 64 == 0;

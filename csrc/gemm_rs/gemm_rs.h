@@ -52,7 +52,7 @@ struct GemmRsArgs {
   // Split transport only: K in slabs, the reduce-scatter of sum_s A_s @ B_s (1 = none).  Slab 0 is a [m, k_first]
   // and b [k_first, n] above; slab s > 0 is a_more [m, k_more] (row stride lda_more) and b_more [k_more, n]
   // (leading stride ldb_more, b's layout); k is the sum.  Every slab's K but the last a multiple of 64 (the split
-  // GEMMs' tile K), each a multiple of 8.
+  // GEMMs' tile K), each a multiple of 8.  With batch_rows, every slab's A is batch-major alike.
   int slabs = 1;
   int k_first = 0;
   const void* a_more[2] = {};

@@ -36,7 +36,8 @@ struct SplitGemmParams {
   const void* a = nullptr;
   int64_t lda = 0;
   // > 0: row r of this GEMM's A is row (r / block_rows) * pitch_rows + r % block_rows from `a`, of rows_extent rows
-  // (a segment of a batch-major A: fluxinductor/common/blocked_rows.cuh); 0: rows [0, rows) from `a`.
+  // (a segment of a batch-major A: fluxinductor/common/blocked_rows.cuh; every slab's A alike, from its a_more);
+  // 0: rows [0, rows) from `a`.
   int block_rows = 0, pitch_rows = 0, rows_extent = 0;
   const void* b = nullptr;          // B [k, n]: element (kk, nn) at b[nn*ldb + kk] when b_k_major, else b[kk*ldb + nn]
   int64_t ldb = 0;

@@ -114,7 +114,8 @@ def launch(
     the caller zeroes this rank's flags after it.
     ``batch_rows`` > 0: ``a`` is batch-major ([B, S, K] flattened, scattered on S; :func:`batch_major_reason`), and
     ``out`` this rank's [B, S/world, N].  ``more``: further terms (a_i [m, K_i] row-major, w_i [K_i, N]) of a sum
-    ``a @ weight + sum(a_i @ w_i)`` the split GEMMs run as K slabs (``split``, rows-first; :func:`slabs_reason`).
+    ``a @ weight + sum(a_i @ w_i)`` the split GEMMs run as K slabs (``split``; :func:`slabs_reason`; with ``batch_rows``
+    every a_i is batch-major as ``a`` is).
     """
     b_k_major, ldb = _weight_layout(weight)
     more_slabs = []
@@ -297,9 +298,9 @@ def matmul_reduce_scatter(
     torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to
     the operands' dtype, bf16 or fp16 (and crosses in it, half the bytes of the fp32 reduce-scatter), the sum is fp32.
     The split transport writes the operands' dtype only: such calls take "copy".  ``batch_rows`` > 0: a batch-major
-    operand (:func:`batch_major_reason` must have returned None).  ``more``: further terms (a_i [M, K_i/world], w_i
-    [K_i/world, N]) of the reduce-scattered sum ``a2d @ weight + sum(a_i @ w_i) + bias``, run by the split transport as
-    K slabs of its GEMMs, whatever ``transport`` says (:func:`slabs_reason` must have returned None; with
+    operand (:func:`batch_major_reason` must have returned None), every further term's alike.  ``more``: further
+    terms (a_i [M, K_i/world], w_i [K_i/world, N]) of the reduce-scattered sum ``a2d @ weight + sum(a_i @ w_i) +
+    bias``, run by the split transport as K slabs of its GEMMs, whatever ``transport`` says (:func:`slabs_reason` must have returned None; with
     ``checked``, the caller asked, as the dispatcher does).
     """
     if out is not None:
@@ -312,8 +313,6 @@ def matmul_reduce_scatter(
     batch_reason = batch_major_reason(a2d, batch_rows, state.world) if batch_rows else None
     if batch_reason is not None:
         raise ValueError(f"fused matmul_reduce_scatter cannot read the batch-major operand: {batch_reason}")
-    if more and batch_rows:
-        raise ValueError("fused matmul_reduce_scatter cannot run K slabs over a batch-major operand")
     if state.world > 1 and not _symm.capturing():  # (the call raises an earlier call's error first)
         return _EagerCall(state, a2d, weight, bias, reduce_op, transport, split_config_choice, out_dtype,
                           out, batch_rows, more)(a2d, weight, bias, out, more)

@@ -540,6 +540,22 @@ def test_split_k_slabs_n_ranks_one_gpu(flux_settings, config, k_major, world, ro
 
 
 @_gpu
+@pytest.mark.parametrize("config", [0, 2])
+@pytest.mark.parametrize("k_major", [True, False])
+@pytest.mark.parametrize("world,batch_rows,blocks,k,slab_ks,n", [(2, 128, 4, 128, (72,), 520),
+                                                                 (3, 256, 3, 64, (128, 264), 1280),
+                                                                 (4, 512, 2, 256, (256,), 2048)])
+def test_split_k_slabs_batch_major_n_ranks_one_gpu(flux_settings, config, k_major, world, batch_rows, blocks, k,
+                                                   slab_ks, n):
+    """K slabs over batch-major [B, S, K_i] operands (B = blocks, S = world * batch_rows): every term's rows read
+    through the blocked row map, each rank's result its block of every batch of the reduced sum."""
+    flux_settings(gemm_rs_split_config=str(config))
+    m = blocks * world * batch_rows
+    assert _simulate(world, m, k, n, k_major=k_major, split=True, calls=2, batch_rows=batch_rows,
+                     slab_ks=slab_ks) < 1e-2
+
+
+@_gpu
 @pytest.mark.parametrize("config", [1, 2])
 @pytest.mark.parametrize("world,rows,n,bands", [(2, 1000, 520, 3), (2, 2500, 2048, 32), (4, 300, 1280, 4)])
 def test_split_config_n_ranks_one_gpu(flux_settings, config, world, rows, n, bands):

@@ -17,19 +17,24 @@ def fake_kernels(flux_settings, monkeypatch):
     calls = []
 
     def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store",
-                              split_config_choice=None, more=()):
+                              split_config_choice=None, batch_rows=0, more=()):
         calls.append({"checked": checked, "transport": transport})
         if split_config_choice is not None:
             calls[-1]["split_config"] = split_config_choice
+        if batch_rows:
+            calls[-1]["batch_rows"] = batch_rows
         if more:
             calls[-1]["slabs"] = [tuple(w_i.shape) for _, w_i in more]
-        return (a2d @ weight + sum(a_i @ w_i for a_i, w_i in more))[: a2d.shape[0] // 2]
+        full = a2d @ weight + sum(a_i @ w_i for a_i, w_i in more)
+        if batch_rows:  # rank 0's block of every batch, as the kernel reads a batch-major operand
+            return full.view(-1, 2, batch_rows, full.shape[-1])[:, 0].reshape(-1, full.shape[-1])
+        return full[: a2d.shape[0] // 2]
 
     from fluxinductor.kernels import gemm_rs
 
     module = types.SimpleNamespace(unsupported_reason=lambda *args: None, matmul_reduce_scatter=matmul_reduce_scatter,
                                    split_reason=gemm_rs.split_reason, split_configs=gemm_rs.split_configs,
-                                   slabs_reason=gemm_rs.slabs_reason)
+                                   slabs_reason=gemm_rs.slabs_reason, batch_major_reason=gemm_rs.batch_major_reason)
     monkeypatch.setattr(dispatch, "_kernels_for", lambda op, operand: module)
     monkeypatch.setattr(dispatch, "_world_size", lambda group_name: 2)
     monkeypatch.setattr(dispatch, "_peers_reason", lambda group_name, device: None)  # tests/kernels/test_peers.py
@@ -76,6 +81,24 @@ def test_sum_as_k_slabs_offers_only_the_split_transport(fake_kernels, monkeypatc
     full = a @ w + a2 @ w2
     torch.testing.assert_close(out, full[:, :2])
     assert fake_kernels == [{"checked": True, "transport": "split", "slabs": [(72, 16)]}]
+
+
+@pytest.mark.parametrize("seq,contiguous", [(8, True), (2 * 128, True), (2 * 128, False)])
+def test_batch_major_sum_as_k_slabs(fake_kernels, monkeypatch, seq, contiguous):
+    """A sum of matmuls over [B, S, K_i] operands scattered on S with B > 1: where each rank's blocks are whole 128-row
+    tiles (S = 256 at world 2) and every operand is contiguous, every term goes to the kernel batch-major, as it is (no
+    permute, the result [B, S/w, N] straight from the kernel); otherwise every term rows-first."""
+    monkeypatch.setattr(dispatch, "_cost_model_says", lambda *a, **k: ("fused_split", "cost model chose fused_split"))
+    a = torch.randn(2, seq, 64)
+    a2 = torch.randn(2, seq, 72) if contiguous else torch.randn(seq, 2, 72).transpose(0, 1)
+    w, w2 = torch.randn(64, 16), torch.randn(72, 16)
+    out = dispatch.matmul_reduce_scatter(a, w, None, "sum", 1, "g", more_a=[a2], more_weights=[w2])
+    full = a @ w + a2 @ w2
+    torch.testing.assert_close(out, full[:, :seq // 2])
+    call = {"checked": True, "transport": "split", "slabs": [(72, 16)]}
+    if seq == 256 and contiguous:
+        call["batch_rows"] = seq // 2
+    assert fake_kernels == [call]
 
 
 def test_sum_not_slab_shaped_decomposes(fake_kernels, monkeypatch):

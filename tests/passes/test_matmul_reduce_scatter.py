@@ -172,15 +172,15 @@ def test_reduce_scatter_of_sum_of_matmuls(scatter_dim):
     assert_all_vals(gm)
 
 
-@pytest.mark.parametrize("scatter_dim,lead", [(0, (16, 1)), (1, (1, 16)), (1, (2, 8))])
+@pytest.mark.parametrize("scatter_dim,lead", [(0, (16, 1)), (1, (1, 16)), (1, (2, 8)), (1, (2, 4 * 128))])
 def test_reduce_scatter_of_sum_as_k_slabs(scatter_dim, lead):
     """A sum whose terms' K (per rank) are multiples of the split GEMMs' tile K, all but the last, becomes one op
     that gets the terms as they are (its K slabs: ``more_a``, ``more_weights``): no operand concatenated, the weights
     the graph's own, each operand reshaped (and, rows-first, permuted) as a single operand would be.  At B > 1 with
-    whole 128-row tiles the operand would be read batch-major, which K slabs do not: there the sum stays
-    concatenated (below)."""
+    whole 128-row tiles per rank (the last case) every operand goes batch-major, as it is, scattered on dim 1."""
     ks = (64, 64, 8)
-    gm = trace(sum_of_matmuls(WORLD, group(), scatter_dim, lead), *sum_of_matmuls_args(ks))
+    rows = lead[0] * lead[1]
+    gm = trace(sum_of_matmuls(WORLD, group(), scatter_dim, lead), *sum_of_matmuls_args(ks, rows=rows))
     run_passes(gm)
     assert fused("matmul_reduce_scatter") == 1
     assert count(gm, aten.cat.default) == 0 and count(gm, aten.add.Tensor) == 0
@@ -191,8 +191,13 @@ def test_reduce_scatter_of_sum_as_k_slabs(scatter_dim, lead):
     assert [w.op for w in weights] == ["placeholder"] * 3
     assert [tuple(w.meta["val"].shape) for w in weights] == [(k, 16) for k in ks]
     assert [o.meta["val"].shape[-1] for o in operands] == list(ks)
-    if lead != (16, 1) and lead[0] > 1:
+    if lead == (2, 8):
         assert rows_first_source(operands[1], [1, 0, 2], 64).meta["val"].shape == (2, 8, 64)
+        assert node.args[4] == 0
+    if lead == (2, 512):  # batch-major: no permute anywhere, the result the graph's [B, S/w, N]
+        assert [tuple(o.meta["val"].shape) for o in operands] == [(2, 512, k) for k in ks]
+        assert node.args[4] == 1 and tuple(node.meta["val"].shape) == (2, 512 // WORLD, 16)
+        assert count(gm, aten.permute.default) == 0
     assert tuple(node.meta["val"].shape[-1:]) == (16,)
     assert_all_vals(gm)
 

@@ -3,7 +3,8 @@
 //   (m / block_rows) * pitch_rows + l * block_rows + m % block_rows
 // of a 2-D A of rows_extent rows (the same row stride): with block_rows = S/w and pitch_rows = S, batch l = owner q
 // reads rows {b * S + q * S/w + i} in (b, i) order, so its results come out as the owner's [B, S/w, N].  The loads
-// go through a second pair of TMA descriptors over that 2-D A; B and the epilogue are the base's, unchanged.
+// go through a second pair of TMA descriptors over that 2-D A (a base of K slabs, k_slabs.cuh: one per slab, each
+// slab's A batch-major alike); B and the epilogue are the base's, unchanged.
 // block_rows = 0: the base mainloop as it is.  block_rows must be a multiple of the tile's M (a tile stays in one
 // block).
 #pragma once
@@ -24,7 +25,7 @@ class BlockedRowsMainloop : public Base {
     int rows_extent = 0;  // rows of the 2-D A the blocks lie in
   };
   struct Params : Base::Params {
-    typename Base::Params blocked{};  // the base's params over the 2-D A (only its A descriptor is used)
+    typename Base::Params blocked{};  // the base's params over the 2-D A (its A descriptors are the ones used)
     int block_rows = 0;
     int pitch_rows = 0;
   };
