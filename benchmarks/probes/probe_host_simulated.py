@@ -1,0 +1,240 @@
+"""Host cost of an eager fused call's kernel-module layer, with two ranks simulated on one GPU (no process group).
+
+The exposed part of a host-exposed forward step is the host time of its first fused op (the Q/K/V AG+GEMM) up to its
+GEMM's launch (docs/performance.md, "Model level").  Below the op and the dispatcher that time is spent in the
+kernel module's per-call object (``ag_gemm._PushCall``, ``gemm_rs._EagerCall``) and in its one call into the
+extension.  This probe runs those objects for two ranks of one process on one GPU (each rank's workspace faked over
+local buffers, as tests/gpu simulates ranks; the GEMMs get half the SMs each so both ranks' kernels are resident) and
+times, behind a GPU sleep so that nothing waits for the device: the whole call, the extension call alone (the same
+arguments), and the Python around it; least of ``--reps`` runs of ``--calls`` calls per rank, µs per call.
+``--profile``: cProfile of the calls (own time per function, top 25), which inflates every Python call.
+
+Usage: python benchmarks/probes/probe_host_simulated.py --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import os
+import pstats
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import git_sha, write_json  # noqa: E402
+
+WORLD = 2
+
+
+class _Workspace:
+    """What ``ag_gemm._PushCall`` reads of a ``symm.SymmetricWorkspace``, over one process's tensors for rank
+    ``rank`` of ``ranks`` (every rank's buffers and flags per call parity, arrival words, passed words)."""
+
+    def __init__(self, rank, ranks, side):
+        self.rank, self.world, self.captured = rank, WORLD, False
+        self.epoch = self._previous = 0
+        self._ranks = ranks
+        self.flags = ranks.flags[rank]
+        self.arrivals = ranks.arrivals[rank]
+        self.passed = ranks.passed[rank]
+        self.side_stream = side
+        self._events = None
+
+    def reserve(self, nbytes):
+        pass
+
+    def next_epoch(self):
+        self._previous, self.epoch = self.epoch, self.epoch + 1
+        return self.epoch
+
+    def previous_epoch(self):
+        return self._previous
+
+    def peer_addresses(self, parity, m, k, dtype):
+        return ([self._ranks.buffers[parity][q].data_ptr() for q in range(WORLD)],
+                [self._ranks.flags[q][parity].data_ptr() for q in range(WORLD)])
+
+    def view(self, parity, rank, m, k, dtype):
+        return self._ranks.buffers[parity][rank]
+
+    def peer_arrival_words(self):
+        return [self._ranks.arrivals[q][self.rank].data_ptr() for q in range(WORLD)]
+
+    def push_events(self):
+        from fluxinductor.kernels import symm
+
+        if self._events is None:
+            self._events = symm.push_events(self._ranks.device)
+        return self._events
+
+
+def _ag_calls(m, k, ns, dtype, device):
+    """Two simulated ranks' ``_PushCall`` objects and their operands (the gathered A returned, as for a backward)."""
+    from fluxinductor.kernels import ag_gemm, symm
+
+    shard_rows = m // WORLD
+    ranks = SimpleNamespace(
+        device=device,
+        buffers=[[torch.zeros(m, k, dtype=dtype, device=device) for _ in range(WORLD)] for _ in range(2)],
+        flags=[torch.zeros(2, WORLD * symm.MAX_CHUNKS_PER_RANK, dtype=torch.int32, device=device)
+               for _ in range(WORLD)],
+        arrivals=[torch.zeros(WORLD, dtype=torch.int32, device=device) for _ in range(WORLD)],
+        passed=[torch.zeros(1, dtype=torch.int32, device=device) for _ in range(WORLD)])
+    weights = [torch.randn(n, k, dtype=dtype, device=device).t() for n in ns]
+    biases = [None] * len(ns)
+    shards = [torch.randn(shard_rows, k, dtype=dtype, device=device) for _ in range(WORLD)]
+    calls = [ag_gemm._PushCall(_Workspace(r, ranks, torch.cuda.Stream(device)), shards[r], weights, biases, True)
+             for r in range(WORLD)]
+    return [functools.partial(calls[r], shards[r], weights, biases) for r in range(WORLD)]
+
+
+def _rs_calls(m, k, n, dtype, device, transport):
+    """Two simulated ranks' ``gemm_rs._EagerCall`` objects (their group state faked over local buffers)."""
+    from fluxinductor.kernels import gemm_rs, gemm_rs_group
+
+    _, _, nbytes = gemm_rs.buffer_layout(m, n, WORLD, dtype)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(WORLD)]
+    states = []
+    for r in range(WORLD):
+        state = object.__new__(gemm_rs_group._GroupState)
+        state.__dict__.update(group_name=f"simulated{r}", rank=r, world=WORLD, device=device, capacity=nbytes,
+                              buffer=buffers[r], handle=None, buffer_ptrs=[b.data_ptr() for b in buffers], retired=[],
+                              epoch=0, agreed=set(), agree_calls=0, generation=0, copy=None, error=gemm_rs.ErrorWord())
+        state.agree = lambda sig: None
+        gemm_rs_group._states[(state.group_name, device.index)] = state
+        states.append(state)
+    a = [torch.randn(m, k, dtype=dtype, device=device) for _ in range(WORLD)]
+    weight = torch.randn(n, k, dtype=dtype, device=device).t()
+    calls = [gemm_rs._EagerCall(states[r], a[r], weight, None, "sum", transport, None, None) for r in range(WORLD)]
+    return [functools.partial(calls[r], a[r], weight, None) for r in range(WORLD)]
+
+
+class _ExtensionTimer:
+    """Wraps one extension entry point: accumulates its host time."""
+
+    def __init__(self, module, name):
+        self.module, self.name, self.inner = module, name, getattr(module, name)
+        self.total = 0.0
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        result = self.inner(*args)
+        self.total += time.perf_counter() - t0
+        return result
+
+
+def _time(calls, streams, n_calls, reps, timer):
+    """Least over ``reps`` of (µs per call of the whole call, µs per call in the extension), every rank's call of an
+    epoch enqueued in turn behind a sleep kernel."""
+    best = (float("inf"), float("inf"))
+    for rep in range(reps + 2):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        timer.total = 0.0
+        elapsed = 0.0
+        for _ in range(n_calls):
+            for r, call in enumerate(calls):
+                with torch.cuda.stream(streams[r]):
+                    t0 = time.perf_counter()
+                    call()
+                    elapsed += time.perf_counter() - t0
+        if rep >= 2:  # the first two warm caches and lazy loading
+            per = n_calls * len(calls)
+            best = min(best, (elapsed * 1e6 / per, timer.total * 1e6 / per))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return best
+
+
+def _profile(calls, streams, n_calls) -> str:
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n_calls):
+        for r, call in enumerate(calls):
+            with torch.cuda.stream(streams[r]):
+                call()
+    prof.disable()
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ag", default="4096x8192x4096,512,512", help="global M x K x N per rank of the AG+GEMM's widest "
+                   "weight, then the N of its other weights (the Q/K/V all-gather at hidden 8192, TP=2)")
+    p.add_argument("--rs", default="4096x8192x8192", help="global M x K x N of the GEMM+RS (attention output)")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    from fluxinductor.kernels import ag_gemm, gemm_rs, loader
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dtype = torch.bfloat16
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # A share of the SMs each, so that both ranks' persistent GEMMs are resident with room for the arrival kernels
+    # (the split transport's two GEMMs per rank may hold SMs at once).
+    ag_gemm.gemm_args = functools.partial(ag_gemm.gemm_args, sm_count=(sms // WORLD - 2) // 2 * 2)
+    gemm_rs.launch = functools.partial(gemm_rs.launch, sm_count=(sms // (2 * WORLD) - 1) // 2 * 2)
+    ag_shape, *ag_more = args.ag.split(",")
+    m, k, n = (int(v) for v in ag_shape.split("x"))
+    rs_m, rs_k, rs_n = (int(v) for v in args.rs.split("x"))
+    streams = [torch.cuda.Stream(device) for _ in range(WORLD)]
+    ext = loader.extension()
+    rows = []
+    cases = [("all_gather_matmul", "push", f"{m}x{k}x{n}+{'+'.join(ag_more)}", "ag_push_call",
+              lambda: _ag_calls(m, k, [n] + [int(x) for x in ag_more], dtype, device))]
+    for transport in ("split", "store"):
+        cases.append(("matmul_reduce_scatter", transport, args.rs, "gemm_rs_run",
+                      lambda t=transport: _rs_calls(rs_m, rs_k // WORLD, rs_n, dtype, device, t)))
+    for op, transport, shape, entry, make in cases:
+        timer = _ExtensionTimer(ext, entry)
+        setattr(ext, entry, timer)
+        try:
+            calls = make()
+            whole, inside = _time(calls, streams, args.calls, args.reps, timer)
+            row = dict(op=op, transport=transport, shape=shape, call_us=round(whole, 1), extension_us=round(inside, 1),
+                       python_us=round(whole - inside, 1))
+            if args.profile:
+                row["profile"] = _profile(calls, streams, args.calls)
+        finally:
+            setattr(ext, entry, timer.inner)
+        rows.append(row)
+        print(f"{op:22s} {transport:6s} {shape:24s} call {row['call_us']:7.1f} us  extension {row['extension_us']:7.1f}"
+              f"  python {row['python_us']:7.1f}", flush=True)
+        if args.profile:
+            print(row["profile"], flush=True)
+    from fluxinductor.kernels import symm
+
+    code = symm.read_error(device.index)
+    print("error word:", code)
+    result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, git_sha=git_sha(),
+                  method=f"two ranks simulated on one GPU; least of {args.reps} runs of {args.calls} calls per rank, "
+                  "behind a GPU sleep", error_word=code, rows=rows)
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
