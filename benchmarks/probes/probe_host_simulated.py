@@ -9,7 +9,9 @@ times, behind a GPU sleep so that nothing waits for the device: the whole call, 
 arguments), and the Python around it; least of ``--reps`` runs of ``--calls`` calls per rank, µs per call.
 ``--profile``: cProfile of the calls (own time per function, top 25), which inflates every Python call.
 
-Usage: python benchmarks/probes/probe_host_simulated.py --out host.json
+Usage: CUDA_MODULE_LOADING=EAGER python benchmarks/probes/probe_host_simulated.py --out host.json
+(eager module loading: a kernel's lazy load at its first launch can wait for an idle device, which the simulated
+ranks' first call never leaves it.)
 """
 
 from __future__ import annotations
