@@ -186,9 +186,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--debug", action="store_true", help="run and check one call pair before timing")
     args = p.parse_args(argv)
 
-    from fluxinductor.kernels import ag_gemm, gemm_rs, loader
+    from fluxinductor.kernels import ag_gemm, gemm_rs, loader, symm
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     # A share of the SMs each, so that both ranks' persistent GEMMs are resident with room for the arrival kernels
     # (the split transport's two GEMMs per rank may hold SMs at once).
-    ag_gemm.gemm_args = functools.partial(ag_gemm.gemm_args, sm_count=(sms // WORLD - 2) // 2 * 2)
+    ag_gemm.gemm_args = functools.partial(ag_gemm.gemm_args, sm_count=(sms * 3 // 4 // WORLD) // 2 * 2)
     gemm_rs.launch = functools.partial(gemm_rs.launch, sm_count=(sms // (2 * WORLD) - 1) // 2 * 2)
     ag_shape, *ag_more = args.ag.split(",")
     m, k, n = (int(v) for v in ag_shape.split("x"))
@@ -214,6 +215,12 @@ def main(argv=None) -> int:
         setattr(ext, entry, timer)
         try:
             calls = make()
+            if args.debug:
+                for r in range(WORLD):
+                    with torch.cuda.stream(streams[r]):
+                        calls[r]()
+                torch.cuda.synchronize()
+                print(op, transport, "first call pair: error word", symm.read_error(device.index), flush=True)
             whole, inside = _time(calls, streams, args.calls, args.reps, timer)
             row = dict(op=op, transport=transport, shape=shape, call_us=round(whole, 1), extension_us=round(inside, 1),
                        python_us=round(whole - inside, 1))
@@ -226,8 +233,6 @@ def main(argv=None) -> int:
               f"  python {row['python_us']:7.1f}", flush=True)
         if args.profile:
             print(row["profile"], flush=True)
-    from fluxinductor.kernels import symm
-
     code = symm.read_error(device.index)
     print("error word:", code)
     result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__, git_sha=git_sha(),
