@@ -11,7 +11,8 @@ arguments), and the Python around it; least of ``--reps`` runs of ``--calls`` ca
 
 Usage: CUDA_MODULE_LOADING=EAGER python benchmarks/probes/probe_host_simulated.py --out host.json
 (eager module loading: a kernel's lazy load at its first launch can wait for an idle device, which the simulated
-ranks' first call never leaves it.)
+ranks' first call never leaves it; cuBLAS, which the AG+GEMM's narrow weights run on, is warmed up first for the
+same reason.)
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def _ag_calls(m, k, ns, dtype, device):
     weights = [torch.randn(n, k, dtype=dtype, device=device).t() for n in ns]
     biases = [None] * len(ns)
     shards = [torch.randn(shard_rows, k, dtype=dtype, device=device) for _ in range(WORLD)]
+    for w in weights:  # cuBLAS's first call loads its kernels, which waits for an idle device: not inside a call pair
+        torch.mm(torch.zeros(m, k, dtype=dtype, device=device), w)
+    torch.cuda.synchronize()
     calls = [ag_gemm._PushCall(_Workspace(r, ranks, torch.cuda.Stream(device)), shards[r], weights, biases, True)
              for r in range(WORLD)]
     return [functools.partial(calls[r], shards[r], weights, biases) for r in range(WORLD)]
