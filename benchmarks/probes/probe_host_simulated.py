@@ -5,8 +5,9 @@ GEMM's launch (docs/performance.md, "Model level").  Below the op and the dispat
 kernel module's per-call object (``ag_gemm._PushCall``, ``gemm_rs._EagerCall``) and in its one call into the
 extension.  This probe runs those objects for two ranks of one process on one GPU (each rank's workspace faked over
 local buffers, as tests/gpu simulates ranks; the GEMMs get half the SMs each so both ranks' kernels are resident) and
-times, behind a GPU sleep so that nothing waits for the device: the whole call, the extension call alone (the same
-arguments), and the Python around it; least of ``--reps`` runs of ``--calls`` calls per rank, µs per call.
+times, behind a GPU sleep so that nothing waits for the device: the whole call, the Python before the extension call
+(which delays the GEMM's launch), the extension call, and what follows it (the AG+GEMM's cuBLAS GEMMs of the narrow
+weights); the least of ``--reps`` runs of ``--calls`` calls per rank (each part summed over one run), µs per call.
 ``--profile``: cProfile of the calls (own time per function, top 25), which inflates every Python call.
 
 Usage: CUDA_MODULE_LOADING=EAGER python benchmarks/probes/probe_host_simulated.py --out host.json
@@ -127,34 +128,36 @@ class _ExtensionTimer:
     def __init__(self, module, name):
         self.module, self.name, self.inner = module, name, getattr(module, name)
         self.total = 0.0
+        self.entered = 0.0  # when the last call entered
 
     def __call__(self, *args):
-        t0 = time.perf_counter()
+        t0 = self.entered = time.perf_counter()
         result = self.inner(*args)
         self.total += time.perf_counter() - t0
         return result
 
 
 def _time(calls, streams, n_calls, reps, timer):
-    """Least over ``reps`` of (µs per call of the whole call, µs per call in the extension), every rank's call of an
-    epoch enqueued in turn behind a sleep kernel."""
-    best = (float("inf"), float("inf"))
+    """Least over ``reps`` of (µs per call of the whole call, in the extension, before the extension call), every
+    rank's call of an epoch enqueued in turn behind a sleep kernel."""
+    best = (float("inf"),) * 3
     for rep in range(reps + 2):
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
         timer.total = 0.0
-        elapsed = 0.0
+        elapsed = before = 0.0
         for _ in range(n_calls):
             for r, call in enumerate(calls):
                 with torch.cuda.stream(streams[r]):
                     t0 = time.perf_counter()
                     call()
                     elapsed += time.perf_counter() - t0
+                    before += timer.entered - t0
         if rep >= 2:  # the first two warm caches and lazy loading
             per = n_calls * len(calls)
-            best = min(best, (elapsed * 1e6 / per, timer.total * 1e6 / per))
+            best = min(best, (elapsed * 1e6 / per, timer.total * 1e6 / per, before * 1e6 / per))
         for s in streams:
             torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
@@ -225,16 +228,17 @@ def main(argv=None) -> int:
                         calls[r]()
                 torch.cuda.synchronize()
                 print(op, transport, "first call pair: error word", symm.read_error(device.index), flush=True)
-            whole, inside = _time(calls, streams, args.calls, args.reps, timer)
+            whole, inside, before = _time(calls, streams, args.calls, args.reps, timer)
             row = dict(op=op, transport=transport, shape=shape, call_us=round(whole, 1), extension_us=round(inside, 1),
-                       python_us=round(whole - inside, 1))
+                       before_extension_us=round(before, 1), after_extension_us=round(whole - inside - before, 1))
             if args.profile:
                 row["profile"] = _profile(calls, streams, args.calls)
         finally:
             setattr(ext, entry, timer.inner)
         rows.append(row)
-        print(f"{op:22s} {transport:6s} {shape:24s} call {row['call_us']:7.1f} us  extension {row['extension_us']:7.1f}"
-              f"  python {row['python_us']:7.1f}", flush=True)
+        print(f"{op:22s} {transport:6s} {shape:24s} call {row['call_us']:6.1f} us: before the extension "
+              f"{row['before_extension_us']:5.1f}, in it {row['extension_us']:5.1f}, after it "
+              f"{row['after_extension_us']:5.1f}", flush=True)
         if args.profile:
             print(row["profile"], flush=True)
     code = symm.read_error(device.index)
