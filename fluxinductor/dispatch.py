@@ -705,7 +705,7 @@ def _decide_matmul_reduce_scatter(kernels, dispatch_mode: str, a: Tensor, a2d: T
         # Where the split transport cannot take the call (N not a multiple of 8, a misaligned bias), the cost model
         # chooses among the others: its measured split time says nothing about them, and the copy transport the
         # kernel would otherwise fall back to can lose to NCCL-then-cuBLAS where split wins.
-        split_eligible = why is None and out_dtype is None and kernels.split_reason(world, weight, bias) is None
+        split_eligible = why is None and kernels.split_reason(world, weight, bias, None, out_dtype) is None
         m, k, n = a2d.shape[0], world * a2d.shape[1], weight.shape[1]
         extra_kw = {} if out_dtype is None else {"out_dtype": out_dtype}
 
@@ -754,22 +754,23 @@ def _decide_k_slabs(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight:
     sequential path; else the decomposition.  The other transports, async-TP and the inter-node path take one
     matmul."""
     why = _peers_reason(group_name, a.device)  # across nodes too: K slabs run on one node's split transport
-    why = why or kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name) or (
-        f"an {out_dtype} result (the split transport writes the operands' dtype)" if out_dtype is not None else None
-    ) or kernels.split_reason(world, weight, bias) or kernels.slabs_reason(a2d, weight, more2d)
+    extra = () if out_dtype is None else (out_dtype,)
+    why = why or kernels.unsupported_reason(a2d, weight, bias, reduce_op, group_name, *extra) or \
+        kernels.split_reason(world, weight, bias, None, out_dtype) or kernels.slabs_reason(a2d, weight, more2d)
     if why is None and symm.capturing():
         why = kernels.captured_slabs_reason(a2d, weight, bias, group_name, more2d)
     m, n = a2d.shape[0], weight.shape[1]
     k = world * (a2d.shape[1] + sum(a_i.shape[1] for a_i, _ in more2d))
     if why is None and dispatch_mode == "auto":
         more_weights = [w_i for _, w_i in more2d]
+        out_kw = {} if out_dtype is None else {"out_dtype": out_dtype}
 
         def run_path(path: str) -> Callable[[], object]:
             if path == "sequential":
                 from fluxinductor import ops
 
                 return lambda: ops.matmul_reduce_scatter_reference(a, weight, bias, reduce_op, scatter_dim, group_name,
-                                                                   None, more_a, more_weights)
+                                                                   out_dtype, more_a, more_weights)
             config = calibration.parse_candidate(path)[1]
             if config is None:
                 config = _split_config_choice(a.device, world, m, k, n, a.dtype)
@@ -779,7 +780,7 @@ def _decide_k_slabs(kernels, dispatch_mode: str, a: Tensor, a2d: Tensor, weight:
                                               zip(more_a, more_weights)])
             return lambda: kernels.matmul_reduce_scatter(a_run, weight, bias, reduce_op, group_name, checked=True,
                                                          transport="split", split_config_choice=config,
-                                                         batch_rows=batch, more=more_run)
+                                                         batch_rows=batch, more=more_run, **out_kw)
 
         path, reason = _cost_model_says("matmul_reduce_scatter", a.device, world, m, k, n, a.dtype,
                                         group_name=group_name, run_path=run_path, split_configs=kernels.split_configs(

@@ -58,10 +58,12 @@ class FluxPassManager(CustomGraphPass):
         return self.tp_group_names is None or group_name in self.tp_group_names
 
     def not_worth_fusing(self, op: str, device: torch.device, world: int, m: Optional[int], k: int, n: int, dtype,
-                         weight: Optional[torch.Tensor] = None, replaces_all_reduce: bool = False) -> Optional[str]:
+                         weight: Optional[torch.Tensor] = None, replaces_all_reduce: bool = False,
+                         out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
         """Why a match on ``device`` of the global GEMM (m, k, n) should stay unfused, or None to fuse it.
         ``weight`` (GEMM+RS): a fake of the [K/world, N] weight the fused op will get (None: unknown); the split
-        transport is a candidate only where it can take that weight.  ``m`` None: M is symbolic (dynamic shapes),
+        transport is a candidate only where it can take that weight and the result's dtype (``out_dtype``, when it is
+        not the operands').  ``m`` None: M is symbolic (dynamic shapes),
         and the graph serves every M, so the match stays unfused only if the cost model picks the sequential path
         at every M of :data:`SYMBOLIC_M_PROBES` (elsewhere the dispatcher chooses per call).
 
@@ -110,7 +112,7 @@ class FluxPassManager(CustomGraphPass):
         if kernels is None:
             return why
         split_eligible = op != "matmul_reduce_scatter" or (
-            weight is not None and kernels.split_reason(world, weight, None) is None)
+            weight is not None and kernels.split_reason(world, weight, None, None, out_dtype) is None)
         paths = dispatch.overlapped_paths(op, split_eligible=split_eligible)
         name = torch.cuda.get_device_name(device)
         probes = (m,) if m is not None else SYMBOLIC_M_PROBES

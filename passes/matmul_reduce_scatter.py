@@ -416,7 +416,7 @@ def _plan_slabs(match: _ReduceScatterMatch, terms: List[_Term], bias: Optional[N
                 rows = [-1] + [vals[0].shape[d] for d in plan[2]]
                 vals = [v.permute(plan[0]).reshape(-1, k) for v, k in zip(vals, ks)]
             result_2d = op(vals[0], m.val(terms[0].weight), None if bias is None else m.val(bias),
-                           *_collective_args(match, plan), more_a=vals[1:],
+                           *_collective_args(match, plan), **_out_dtype_kw(match), more_a=vals[1:],
                            more_weights=[m.val(t.weight) for t in terms[1:]])
             result = result_2d if plan is None else result_2d.reshape(rows + [match.partial_shape[-1]]).permute(plan[1])
     except Exception as e:  # noqa: BLE001 - any failure here means "do not rewrite"
@@ -444,10 +444,16 @@ def _insert_slabs(graph: Graph, match: _ReduceScatterMatch, g: _Group, fake_mode
             a_arg = _rows_first(graph, fake_mode, a_arg, g.plan, k)
         args.append(a_arg)
     fused = graph.call_function(_op(match), (args[0], g.terms[0].weight, g.bias) + _collective_args(match, g.plan),
-                                {"more_a": args[1:], "more_weights": [t.weight for t in g.terms[1:]]})
+                                {**_out_dtype_kw(match), "more_a": args[1:],
+                                 "more_weights": [t.weight for t in g.terms[1:]]})
     fused.meta["val"] = g.result_2d
     m.copy_debug_meta(fused, match.first)
     return fused if g.plan is None else _restored(graph, fake_mode, fused, g.plan, rows + [n])
+
+
+def _out_dtype_kw(match: _ReduceScatterMatch) -> dict:
+    """The op's ``out_dtype`` keyword for the match: an fp32 reduction of half-precision partials, else none."""
+    return {} if match.out_dtype is None else {"out_dtype": match.out_dtype}
 
 
 def _result_rows(graph: Graph, a_arg: Node, plan: tuple) -> list:
@@ -547,10 +553,11 @@ def check_worth_fusing(not_worth_fusing: Callable[..., Optional[str]], terms: Li
     # A sum's weights are concatenated along K into a contiguous (N-major) [K/world, N] tensor.
     weight = (m.val(terms[0].weight) if len(terms) == 1 else
               torch.empty((k // world, n), dtype=a.dtype, device="meta"))
-    if upcast:
-        weight = None  # an fp32 result: the split transport (the operands' dtype only) is no candidate
+    extra = {"out_dtype": torch.float32} if upcast else {}  # the split transport writes fp32 in some cases only
+    if replaces_all_reduce:
+        extra["replaces_all_reduce"] = True
     why = not_worth_fusing(PATTERN, a.device, world, rows if isinstance(rows, int) else None, k, n, a.dtype,
-                           weight=weight, **({"replaces_all_reduce": True} if replaces_all_reduce else {}))
+                           weight=weight, **extra)
     if why is not None:
         raise Skip("not worth fusing here", why)
 
@@ -573,15 +580,19 @@ def copied_bytes(terms: List[_Term]) -> Optional[int]:
     return total
 
 
-def _slabs(match: _ReduceScatterMatch) -> bool:
+def _slabs(match: _ReduceScatterMatch, world: int) -> bool:
     """Whether a reduce-scatter of a sum of matmuls goes to the op as its K slabs, no operand copied: 2 or 3 terms of
     static shapes, every K (per rank) a multiple of 8 and all but the last of the split GEMMs' tile K, N a multiple of 8,
-    the weights laid out alike and no cast between the sum and the collective.  The operands go rows-first or, where
-    the op reads them batch-major in place, as they are.  Where the split transport cannot run it after all, the op
+    the weights laid out alike and no cast between the sum and the collective but autocast's fp32 reduction where the
+    split transport writes fp32 (two ranks, bf16 operands, N-major weights).  The operands go rows-first or, where the
+    op reads them batch-major in place, as they are.  Where the split transport cannot run it after all, the op
     decomposes."""
-    from fluxinductor.kernels.gemm_rs_split import MAX_SLABS, SLAB_K_MULTIPLE
+    from fluxinductor.kernels.gemm_rs_split import MAX_SLABS, SLAB_K_MULTIPLE, float_result_reason
 
-    if match.scatter_dim is None or match.out_dtype is not None or not 2 <= len(match.terms) <= MAX_SLABS:
+    if match.scatter_dim is None or not 2 <= len(match.terms) <= MAX_SLABS:
+        return False
+    if match.out_dtype is not None and float_result_reason(world, m.val(match.terms[0].weight),
+                                                           match.out_dtype) is not None:
         return False
     ks = [m.val(t.a).shape[1] for t in match.terms]
     n = match.partial_shape[-1]
@@ -636,7 +647,7 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
             world = rs.args[2]
-            slabs = _slabs(match)
+            slabs = _slabs(match, world)
             per_term = not slabs and _per_term(match, world, rows, not_worth_fusing, sum_per_term)
             if not_worth_fusing is not None and not per_term:
                 check_worth_fusing(not_worth_fusing, match.terms, world, rows, match.partial_shape[-1],

@@ -596,6 +596,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.d = args.out;
       g.ldd = args.ldo;
       g.alpha = args.out_scale;
+      g.out_float = args.out_float;  // the peer's partial crossed in the operands' dtype
     } else {
       g.bias = args.bias;
       g.d = static_cast<char*>(args.outbox) + step * segment_bytes;
@@ -736,8 +737,9 @@ int gemm_rs_run(GemmRsArgs const& args, void* stream_ptr) {
     }
   }
 #if defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
-  if (args.out_float && args.split) {
-    return fail("fp32 output is built for the store and copy transports (the split GEMMs store the operands' dtype)");
+  if (args.out_float && args.split && (args.world != 2 || args.dtype != 0 || args.b_k_major)) {
+    return fail("the split transport writes an fp32 result at two ranks from bf16 operands and an N-major weight only "
+                "(its relay GEMMs and the other kernels store the operands' dtype)");
   }
   if (args.split) {
     return args.world == 1 ? run_split_nocomm(args, stream) : run_split(args, stream);

@@ -41,7 +41,9 @@ constexpr int kGemmRsMaxBands = 32;
 //   [data_offset, ...)            slots [src][M/world][N] elements: the peers' partial products
 struct GemmRsArgs {
   int dtype = 0;            // 0 = bf16, 1 = fp16 (A, B, bias and, unless out_float, out share it)
-  bool out_float = false;   // out is fp32 (store or copy transport): partials in the operands' dtype, fp32 sum
+  // out is fp32: partials in the operands' dtype, their fp32 sum (store and copy transports; the split transport at
+  // two ranks, bf16 and an N-major weight, where this rank's own partial is added unrounded)
+  bool out_float = false;
   int m = 0, n = 0, k = 0;  // global M (all ranks' rows), N, this rank's K
   int world = 1, rank = 0;
   const void* a = nullptr;  // A [m, k] row-major, row stride lda (elements)

@@ -31,6 +31,7 @@ constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0
 // weight of a forward x @ W.t()) or N-major (the weight itself, as a backward's grad @ W gives it).
 struct SplitGemmParams {
   int dtype = 0;                    // 0 = bf16, 1 = fp16
+  bool out_float = false;           // D is fp32 (the own GEMM of an fp32 reduction: bf16 operands, N-major B)
   int config = 0;                   // index into kSplitTilings
   int rows = 0, n = 0, k = 0;
   const void* a = nullptr;
@@ -96,6 +97,6 @@ struct SplitGemmParams {
 // 0, or -1 with the reason in *error_message.
 int run_peer_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
 int run_relay_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
-int run_own_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);
+int run_own_gemm(SplitGemmParams const& params, void* stream, std::string* error_message);  // also out_float
 
 }  // namespace fluxinductor::gemm_rs_split

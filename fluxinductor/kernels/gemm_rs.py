@@ -297,7 +297,8 @@ def matmul_reduce_scatter(
     the cost model picked for the shape (see :func:`resolve_split_config`).  ``out_dtype`` (or ``out``'s dtype):
     torch.float32 reduces as autocast's ``reduce_scatter(mm(a, w).float())`` does: each rank's partial is rounded to
     the operands' dtype, bf16 or fp16 (and crosses in it, half the bytes of the fp32 reduce-scatter), the sum is fp32.
-    The split transport writes the operands' dtype only: such calls take "copy".  ``batch_rows`` > 0: a batch-major
+    The split transport writes it at two ranks from bf16 operands and an N-major weight (its own partial added
+    unrounded, :func:`float_result_reason`); elsewhere such calls take "copy".  ``batch_rows`` > 0: a batch-major
     operand (:func:`batch_major_reason` must have returned None), every further term's alike.  ``more``: further
     terms (a_i [M, K_i/world], w_i [K_i/world, N]) of the reduce-scattered sum ``a2d @ weight + sum(a_i @ w_i) +
     bias``, run by the split transport as K slabs of its GEMMs, whatever ``transport`` says (:func:`slabs_reason` must have returned None; with
@@ -415,9 +416,7 @@ class _EagerCall:
         self.out_scale = (1.0 / world) if reduce_op == "avg" else 1.0
         mode = "split" if more else push_mode(transport)
         if mode == "split":
-            reason = split_reason(world, weight, bias, out) or (
-                f"the split transport writes {a2d.dtype}, not {self.out_dtype}" if self.out_dtype != a2d.dtype
-                else None)
+            reason = split_reason(world, weight, bias, out, self.out_dtype)
             if reason is not None and more:
                 raise ValueError(f"fused matmul_reduce_scatter cannot run K slabs: {reason}")
             if reason is not None:
@@ -484,7 +483,9 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     if reason is None and more and not split:
         reason = "K slabs run on the split transport's GEMMs (split=True)"
     if reason is None and split:
-        reason = split_reason(2, weight, bias, out) or slabs_reason(a2d, weight, more)
+        reason = split_reason(2, weight, bias, out) or slabs_reason(a2d, weight, more) or (
+            f"the split transport's GEMMs with communication off write {a2d.dtype}, not {out_dtype}"
+            if out_dtype not in (None, a2d.dtype) else None)
         if reason is None and a2d.shape[0] < 2:
             reason = "the split transport's GEMMs need M >= 2"
     if reason is not None:
@@ -494,8 +495,6 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     n = weight.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype or a2d.dtype, device=a2d.device)
-    if split and out.dtype != a2d.dtype:
-        raise ValueError(f"gemm_only cannot run: {split_reason(2, weight, bias, out)}")
     zeros = None
     if split:
         key = (a2d.device.index, a2d.dtype, n)

@@ -46,8 +46,10 @@ def split_configs(dtype: torch.dtype) -> Tuple[int, ...]:
     return SPLIT_CONFIGS
 
 
-def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None) -> Optional[str]:
-    """None when the split transport can run this call, else why not (then ``copy`` runs)."""
+def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Optional[Tensor] = None,
+                 out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when the split transport can run this call, else why not (then ``copy`` runs).  ``out_dtype`` (or
+    ``out``'s dtype): the result's, when it is not the operands' (:func:`float_result_reason`)."""
     if world < 2:
         return f"the split transport needs 2 or more ranks, not {world}"
     if _weight_layout(weight) is None:
@@ -59,8 +61,23 @@ def split_reason(world: int, weight: Tensor, bias: Optional[Tensor], out: Option
         return "bias is not 16-byte aligned"
     if out is not None and (out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16):
         return "out is not a 16-byte aligned row-major tensor with a row stride of a multiple of 8"
-    if out is not None and out.dtype != weight.dtype:
-        return f"the split transport writes {weight.dtype}, not {out.dtype}"
+    out_dtype = out.dtype if out is not None else out_dtype
+    if out_dtype is not None and out_dtype != weight.dtype:
+        return float_result_reason(world, weight, out_dtype)
+    return None
+
+
+def float_result_reason(world: int, weight: Tensor, out_dtype: torch.dtype) -> Optional[str]:
+    """None when the split transport can write an ``out_dtype`` result of ``weight.dtype`` operands: fp32 from bf16
+    with an N-major weight (the backward's grad @ W under autocast) at two ranks, where the own GEMM adds the peer's
+    partial, which crossed in bf16, to its own fp32 one (csrc/gemm_rs/split_own.cu).  More ranks would round the
+    relayed partial sums to bf16 at each hop."""
+    if out_dtype != torch.float32 or weight.dtype != torch.bfloat16 or world != 2:
+        return (f"the split transport writes {weight.dtype}, not {out_dtype} (an fp32 result of bf16 operands at two "
+                "ranks only)")
+    layout = _weight_layout(weight)
+    if layout is None or layout[0]:
+        return "the split transport writes an fp32 result with an N-major weight only"
     return None
 
 

@@ -215,7 +215,7 @@ def _sm_budget(world, split):
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
               copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0,
-              slab_ks=()):
+              slab_ks=(), own_exact=False):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (settings.tuning.gemm_rs_push="copy").
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
@@ -223,7 +223,8 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     makes, each rank's partial rounded to ``dtype`` and summed in fp32, which is then also the reference.
     batch_rows > 0: A is batch-major ([B, S, K] flattened, m = B * S), rank r's result its blocks of batch_rows rows
     ([B, S/world, N]), read in place.  slab_ks: the K of further terms of the reduced sum, K slabs of the split
-    GEMMs."""
+    GEMMs.  own_exact (with out_dtype): each rank's own partial enters its rows' fp32 sum unrounded (the split
+    transport's fp32 result), the peers' rounded."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -247,11 +248,10 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
         bias = torch.randn(n, dtype=dtype, device=device) if with_bias else None
         partials = [a[r].float() @ w[r].float() + sum(a_i.float() @ w_i.float() for a_i, w_i in more[r]) +
                     (bias.float() if with_bias else 0) for r in range(world)]
-        if out_dtype is not None:
-            partials = [p.to(dtype).float() for p in partials]
-        ref = sum(partials)
+        rounded = [p.to(dtype).float() for p in partials] if out_dtype is not None else partials
+        refs = [sum(partials[q] if own_exact and q == r else rounded[q] for q in range(world)) for r in range(world)]
         if reduce_op == "avg":
-            ref = ref / world
+            refs = [ref / world for ref in refs]
         outs = [torch.full((m // world, n), float("nan"), dtype=out_dtype or dtype, device=device)
                 for _ in range(world)]
         torch.cuda.synchronize()
@@ -267,10 +267,10 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
         assert error.read() == 0, gemm_rs.error_message(error.read())
         rows = m // world
         if batch_rows:  # rank r's rows: its block of every batch
-            ref = ref.view(-1, world, batch_rows, n).transpose(0, 1).reshape(m, n)
+            refs = [ref.view(-1, world, batch_rows, n).transpose(0, 1).reshape(m, n) for ref in refs]
         for r in range(world):
             assert not outs[r].isnan().any(), f"rank {r} call {call}: unwritten output"
-            worst = max(worst, relative_error(outs[r], ref[r * rows:(r + 1) * rows]))
+            worst = max(worst, relative_error(outs[r], refs[r][r * rows:(r + 1) * rows]))
     return worst
 
 
@@ -313,7 +313,9 @@ def _load_kernels(transport, dtype, k_major=True, out_dtype=None, split_config=N
     key = (transport, dtype, k_major, out_dtype, config)
     if key in _loaded:
         return
-    code = _lone_rank_call(transport, dtype, timeout=50_000_000, world=3 if transport == "split" else 2,
+    # (an fp32 result runs the split transport at two ranks only)
+    code = _lone_rank_call(transport, dtype, timeout=50_000_000,
+                           world=3 if transport == "split" and out_dtype is None else 2,
                            k_major=k_major, out_dtype=out_dtype, split_config=config)
     assert code == 1, code
     _loaded.add(key)
@@ -432,19 +434,38 @@ def test_fp32_output_comm_off_and_refusals(dtype):
     ref = (a.float() @ w.float() + bias.float()).to(dtype).float()
     assert not out.isnan().any() and relative_error(out, ref) < (1e-4 if dtype == torch.bfloat16 else 5e-5)
     assert gemm_rs.gemm_only(a, w, None, out_dtype=torch.float32).dtype == torch.float32
-    with pytest.raises(ValueError, match=f"split transport writes {dtype}"):
+    with pytest.raises(ValueError, match=f"communication off write {dtype}"):
         gemm_rs.gemm_only(a, w, None, split=True, out_dtype=torch.float32)
     # no kernel writes a result in another half-precision dtype
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
     assert "the operands' dtype or fp32" in gemm_rs.unsupported_reason(a, w, None, "sum", None, other)
-    # the kernel itself refuses the split transport with an fp32 output instead of writing bf16 into it
-    buffers = [torch.zeros(gemm_rs.buffer_layout(1000, 520, 2, torch.bfloat16)[2], dtype=torch.uint8, device="cuda")
-               for _ in range(2)]
-    with pytest.raises(RuntimeError, match="fp32 output is built for the store and copy transports"):
-        gemm_rs.launch(a, w, None, torch.empty((500, 520), device="cuda"), m=1000, world=2, rank=0,
-                       buffers=[b.data_ptr() for b in buffers], epoch=1, sig=0,
-                       error_address=gemm_rs.ErrorWord().device, copy=gemm_rs.CopyEngineWorkspace(a.device, 2),
-                       split=True)
+    # the kernel itself refuses the split transport's fp32 output where it has none (a K-major weight, fp16, more than
+    # two ranks) instead of writing the operands' dtype into it
+    for world, weight in ((2, w), (3, make_weight(264, 520, False, dtype, "cuda"))):
+        m = 1000 - 1000 % world
+        buffers = [torch.zeros(gemm_rs.buffer_layout(m, 520, world, dtype)[2], dtype=torch.uint8, device="cuda")
+                   for _ in range(world)]
+        with pytest.raises(RuntimeError, match="writes an fp32 result at two ranks from bf16 operands and an N-major"):
+            gemm_rs.launch(a[:m], weight, None, torch.empty((m // world, 520), device="cuda"),
+                           m=m, world=world, rank=0, buffers=[b.data_ptr() for b in buffers], epoch=1, sig=0,
+                           error_address=gemm_rs.ErrorWord().device,
+                           copy=gemm_rs.CopyEngineWorkspace(a.device, world), split=True)
+    assert "two ranks" in gemm_rs.split_reason(3, make_weight(264, 520, False, dtype, "cuda"), None, None,
+                                               torch.float32)
+
+
+@_gpu
+@pytest.mark.parametrize("config", [0, 2])
+@pytest.mark.parametrize("slab_ks", [(), (72,)])
+@pytest.mark.parametrize("reduce_op,with_bias", [("sum", True), ("avg", False)])
+def test_split_fp32_output_two_ranks_one_gpu(flux_settings, config, slab_ks, reduce_op, with_bias):
+    """Autocast's fp32 reduction through the split transport at two ranks (bf16, the backward's N-major weight): the
+    peer's partial crosses in bf16 and the own GEMM adds it to its own fp32 partial, storing fp32.  Checked to well
+    under one bf16 rounding of the result against that arithmetic (own partial exact, peer's rounded), with a sum's
+    further terms as K slabs too."""
+    flux_settings(gemm_rs_split_config=str(config))
+    assert _simulate(2, 2 * 1000, 128, 520, k_major=False, with_bias=with_bias, reduce_op=reduce_op, split=True,
+                     out_dtype=torch.float32, own_exact=True, slab_ks=slab_ks) < 1e-4
 
 
 @_gpu

@@ -17,18 +17,20 @@ def fake_kernels(flux_settings, monkeypatch):
     calls = []
 
     def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, *, checked=False, transport="store",
-                              split_config_choice=None, batch_rows=0, more=()):
+                              split_config_choice=None, batch_rows=0, more=(), out_dtype=None):
         calls.append({"checked": checked, "transport": transport})
+        if out_dtype is not None:
+            calls[-1]["out_dtype"] = out_dtype
         if split_config_choice is not None:
             calls[-1]["split_config"] = split_config_choice
         if batch_rows:
             calls[-1]["batch_rows"] = batch_rows
         if more:
             calls[-1]["slabs"] = [tuple(w_i.shape) for _, w_i in more]
-        full = a2d @ weight + sum(a_i @ w_i for a_i, w_i in more)
+        full = (a2d @ weight + sum(a_i @ w_i for a_i, w_i in more)).to(out_dtype or a2d.dtype)
         if batch_rows:  # rank 0's block of every batch, as the kernel reads a batch-major operand
             return full.view(-1, 2, batch_rows, full.shape[-1])[:, 0].reshape(-1, full.shape[-1])
-        return full[: a2d.shape[0] // 2]
+        return full[: a2d.shape[0] // dispatch._world_size(group_name)]
 
     from fluxinductor.kernels import gemm_rs
 
@@ -99,6 +101,39 @@ def test_batch_major_sum_as_k_slabs(fake_kernels, monkeypatch, seq, contiguous):
     if seq == 256 and contiguous:
         call["batch_rows"] = seq // 2
     assert fake_kernels == [call]
+
+
+@pytest.mark.parametrize("world,n_major,eligible", [(2, True, True), (2, False, False), (4, True, False)])
+def test_fp32_result_offers_the_split_transport_where_it_writes_fp32(fake_kernels, monkeypatch, world, n_major,
+                                                                      eligible):
+    """Autocast's fp32 reduction of bf16 partials: the split transport is offered at two ranks with an N-major weight
+    (the backward's grad @ W), where its own GEMM stores fp32; elsewhere it writes bf16 only and is not offered.  A sum
+    of such terms goes to the split transport's K slabs there and decomposes elsewhere."""
+    seen = []
+
+    def says(op, device, world, m, k, n, dtype, fused_eligible=True, split_eligible=True, slabs=False, **_):
+        seen.append((split_eligible, slabs))
+        return ("fused_split" if split_eligible else "fused_copy"), "test"
+
+    monkeypatch.setattr(dispatch, "_cost_model_says", says)
+    monkeypatch.setattr(dispatch, "_world_size", lambda group_name: world)
+    a = torch.randn(8 * world, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, 16, dtype=torch.bfloat16) if n_major else torch.randn(16, 64, dtype=torch.bfloat16).t()
+    dispatch.matmul_reduce_scatter(a, w, None, "sum", 0, "g", torch.float32)
+    assert seen == [(eligible, False)]
+    assert fake_kernels[-1]["transport"] == ("split" if eligible else "copy")
+    assert fake_kernels[-1]["out_dtype"] == torch.float32
+    a2, w2 = torch.randn(8 * world, 72, dtype=torch.bfloat16), torch.randn(72, 16, dtype=torch.bfloat16)
+    if not n_major:
+        w2 = torch.randn(16, 72, dtype=torch.bfloat16).t()
+    calls = len(fake_kernels)
+    out = dispatch.matmul_reduce_scatter(a, w, None, "sum", 0, "g", torch.float32, more_a=[a2], more_weights=[w2])
+    if eligible:
+        assert fake_kernels[calls:] == [{"checked": True, "transport": "split", "out_dtype": torch.float32,
+                                         "slabs": [(72, 16)]}]
+        assert out.dtype == torch.float32
+    else:
+        assert out is None and len(fake_kernels) == calls
 
 
 def test_sum_not_slab_shaped_decomposes(fake_kernels, monkeypatch):

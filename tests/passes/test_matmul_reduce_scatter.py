@@ -374,6 +374,31 @@ def test_reduce_scatter_of_a_sum_of_upcast_terms_fused_with_out_dtype():
     assert not torch.equal(got, expected)  # the graph's per-term roundings are not what the op computes
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduce_scatter_of_a_slab_shaped_upcast_sum(dtype):
+    """An upcast sum whose terms fit the K slabs (first K a multiple of 64, N-major weights): at two ranks from bf16
+    the split transport writes the fp32 result, so the op gets the terms as its slabs with out_dtype=float32; from
+    fp16 (which the split GEMMs write in fp16 only) the sum stays concatenated."""
+    args = (torch.randn(8, 64, dtype=dtype), torch.randn(64, 16, dtype=dtype),
+            torch.randn(8, 72, dtype=dtype), torch.randn(72, 16, dtype=dtype))
+    gm = trace(_reduce_scatter_of_upcast_sum, *args)
+    original = trace(_reduce_scatter_of_upcast_sum, *args)
+    run_passes(gm)
+    (op,) = nodes(gm, MM_RS)
+    if dtype == torch.bfloat16:
+        assert op.kwargs["out_dtype"] == torch.float32 and len(op.kwargs["more_a"]) == 1
+        assert count(gm, aten.cat.default) == 0
+    else:
+        assert op.args[6] == torch.float32 and op.args[1].target == aten.cat.default
+    assert op.meta["val"].dtype == torch.float32
+    assert_all_vals(gm)
+    got, expected = gm(*args), original(*args)
+    exact = (args[0].double() @ args[1].double() + args[2].double() @ args[3].double())[:8 // WORLD]
+    assert got.dtype == torch.float32
+    for result in (got, expected):  # each within a rounding of the exact sum to the operands' dtype
+        assert ((result.double() - exact).norm() / exact.norm()).item() < 4e-3
+
+
 def test_reduce_scatter_of_terms_upcast_from_different_dtypes_skipped():
     gm = trace(_reduce_scatter_of_upcast_sum,
                torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16),

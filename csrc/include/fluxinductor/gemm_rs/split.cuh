@@ -236,15 +236,16 @@ static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() 
               "gemm_rs/split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
 static_assert(kMaxMoreSlabs == kMaxKSlabs - 1, "gemm_rs/split.h's slabs must be the mainloop's");
 
-// The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C.
-template <class Element, class Tiles, bool WithSource>
+// The stock collective epilogue out = beta * C + (alpha * acc + bias), with (WithSource) or without a source C; the
+// result in ElementD (the operands' dtype, or fp32 for the own GEMM of an fp32 reduction).
+template <class Element, class Tiles, bool WithSource, class ElementD = Element>
 using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::TileShape, typename Tiles::ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     cute::conditional_t<WithSource, Element, void>, cutlass::layout::RowMajor, 8,
-    Element, cutlass::layout::RowMajor, 8,
+    ElementD, cutlass::layout::RowMajor, 16 / sizeof(ElementD),
     typename Tiles::EpilogueSchedule,
-    cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::CollectiveOp;
+    cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, Element, Element, float>>::CollectiveOp;
 
 // A: row-major [rows, K]; B: K-major (LayoutB ColumnMajor: the transposed nn.Linear weight) or N-major (RowMajor);
 // the AG+GEMM tile order, its waits in the loads (BandWaitingMainloop, BandWaitingEpilogue).
@@ -276,6 +277,10 @@ using RelayGemm =
     SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>, LayoutB>;
 template <class Element, int Config, class LayoutB>
 using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>, LayoutB>;
+// The own GEMM of an fp32 reduction of bf16/fp16 operands (autocast's reduce_scatter(mm(a, w).float()) at two ranks):
+// the fp32 sum of this rank's fp32 partial and the peer's partial, which crossed in the operands' dtype.
+template <class Element, int Config, class LayoutB>
+using OwnGemmFloat = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true, float>, LayoutB>;
 
 template <class Epilogue>
 struct IsCounting : cute::false_type {};
@@ -368,11 +373,15 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
   arguments.epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
   arguments.epilogue.ptr_C = static_cast<Element const*>(p.c);
   arguments.epilogue.dC = stride_c;
-  arguments.epilogue.ptr_D = static_cast<Element*>(p.d);
+  arguments.epilogue.ptr_D = static_cast<typename Config::Epilogue::ElementD*>(p.d);
   arguments.epilogue.dD = stride_d;
   if constexpr (IsCounting<typename Config::Epilogue>::value) {
     arguments.epilogue.counting = {p.counters != nullptr ? p.counters + p.segment * p.bands : nullptr,
                                    p.band_rows / Config::kTiling.tile_m, p.col_chunks, p.chunk_col_tiles};
+  }
+  if (p.out_float != cute::is_same_v<typename Config::Epilogue::ElementD, float>) {
+    *error_message = "split GEMM+RS: the result's dtype is not this GEMM's";
+    return -1;
   }
   cudaGetDevice(&arguments.hw_info.device_id);
   arguments.hw_info.sm_count = p.sm_count > 0 ? p.sm_count : ag_gemm::device_sm_count();
