@@ -457,15 +457,16 @@ def test_fp32_output_comm_off_and_refusals(dtype):
 @_gpu
 @pytest.mark.parametrize("config", [0, 2])
 @pytest.mark.parametrize("slab_ks", [(), (72,)])
-@pytest.mark.parametrize("reduce_op,with_bias", [("sum", True), ("avg", False)])
-def test_split_fp32_output_two_ranks_one_gpu(flux_settings, config, slab_ks, reduce_op, with_bias):
+@pytest.mark.parametrize("reduce_op,with_bias,batch_rows", [("sum", True, 0), ("avg", False, 0), ("sum", True, 256)])
+def test_split_fp32_output_two_ranks_one_gpu(flux_settings, config, slab_ks, reduce_op, with_bias, batch_rows):
     """Autocast's fp32 reduction through the split transport at two ranks (bf16, the backward's N-major weight): the
     peer's partial crosses in bf16 and the own GEMM adds it to its own fp32 partial, storing fp32.  Checked to well
     under one bf16 rounding of the result against that arithmetic (own partial exact, peer's rounded), with a sum's
-    further terms as K slabs too."""
+    further terms as K slabs too, and over a batch-major operand (4 blocks of 256 rows per rank)."""
     flux_settings(gemm_rs_split_config=str(config))
-    assert _simulate(2, 2 * 1000, 128, 520, k_major=False, with_bias=with_bias, reduce_op=reduce_op, split=True,
-                     out_dtype=torch.float32, own_exact=True, slab_ks=slab_ks) < 1e-4
+    m = 2 * 4 * batch_rows if batch_rows else 2 * 1000
+    assert _simulate(2, m, 128, 520, k_major=False, with_bias=with_bias, reduce_op=reduce_op, split=True,
+                     out_dtype=torch.float32, own_exact=True, slab_ks=slab_ks, batch_rows=batch_rows) < 1e-4
 
 
 @_gpu
