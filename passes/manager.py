@@ -165,6 +165,24 @@ class FluxPassManager(CustomGraphPass):
         name = torch.cuda.get_device_name(device)
         return cost_model.sum_per_term(world, m, ks, n, dtype, copied_bytes, cost_model.rates_for(name, world))
 
+    def sum_as_slabs(self, device: torch.device, world: int, m: int, k: int, n: int, dtype) -> bool:
+        """Whether a GEMM+RS of a sum of matmuls that fits the split transport's K slabs goes to the op as them
+        (global M, the terms' K together, N).  The slabs run on the split transport only, so where the cost model
+        picks another overlapped path for the concatenated shape (the stores transport at 512-1024 rows), the sum
+        takes the per-term or concatenated form, whose ops can run that path.  Elsewhere than on a GPU under
+        ``auto``: as K slabs."""
+        if device.type != "cuda" or self.dispatch_mode != "auto":
+            return True
+        from fluxinductor import cost_model, dispatch
+
+        op = "matmul_reduce_scatter"
+        try:
+            choice = cost_model.decide(op, torch.cuda.get_device_name(device), world, m, k, n, dtype,
+                                       dispatch.overlapped_paths(op)).path
+        except Exception:  # noqa: BLE001 - an unreadable table must not stop compilation: the slabs, as elsewhere
+            return True
+        return choice == "sequential" or choice.startswith("fused_split")
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         from fluxinductor.passes.all_gather_matmul import fuse_all_gather_matmul
         from fluxinductor.passes.all_reduce_norm import fuse_all_reduce_rms_norm
@@ -180,7 +198,7 @@ class FluxPassManager(CustomGraphPass):
             fuse_all_reduce_rms_norm(graph)
         fuse_all_gather_matmul(graph, self.group_allowed, self.not_worth_fusing)
         fuse_matmul_reduce_scatter(graph, self.group_allowed, self.not_worth_fusing, fuse_sums=self.fuse_matmul_sums,
-                                   sum_per_term=self.sum_per_term)
+                                   sum_per_term=self.sum_per_term, sum_as_slabs=self.sum_as_slabs)
         keep_output_layouts(graph, promised)
         graph.lint()
 

@@ -628,14 +628,18 @@ def _per_term(match: _ReduceScatterMatch, world: int, rows: m.Size,
 def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool],
                                not_worth_fusing: Optional[Callable[..., Optional[str]]] = None,
                                fuse_sums: bool = True,
-                               sum_per_term: Optional[Callable[..., bool]] = None) -> None:
+                               sum_per_term: Optional[Callable[..., bool]] = None,
+                               sum_as_slabs: Optional[Callable[..., bool]] = None) -> None:
     """Rewrite every ``matmul -> reduce_scatter`` in ``graph`` (in place) into
     ``fluxinductor.matmul_reduce_scatter``; record a skip for each reduce-scatter left alone.
     ``fuse_sums=False`` leaves reduce-scatters of a sum of matmuls alone (they would need cat copies).
     ``not_worth_fusing(op, device, world, m, k, n, dtype, weight=...)`` (global GEMM shape, m None where it is
     symbolic; a fake of the weight the fused op gets) may veto a match.  ``sum_per_term(device, world, m, ks, n,
     dtype, copied_bytes)`` (global shapes, each term's K in ``ks``; :func:`copied_bytes`): True to fuse a sum one op
-    per term instead of over the concatenated K; None: always concatenated."""
+    per term instead of over the concatenated K; None: always concatenated.  ``sum_as_slabs(device, world, m, k, n,
+    dtype)`` (global shapes, the terms' K together; asked for a static M where :func:`_slabs` found the sum fits):
+    False to leave the K slabs (which only the split transport runs) for the per-term or concatenated form; None:
+    K slabs wherever they fit."""
     scatters = [n for n in graph.nodes if m.is_call(n, m.REDUCE_SCATTER)]
     if not scatters:
         return
@@ -647,7 +651,9 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
             world = rs.args[2]
-            slabs = _slabs(match, world)
+            slabs = _slabs(match, world) and (sum_as_slabs is None or not isinstance(rows, int) or sum_as_slabs(
+                m.val(match.terms[0].a).device, world, rows, world * sum(m.val(t.a).shape[1] for t in match.terms),
+                match.partial_shape[-1], m.val(match.terms[0].a).dtype))
             per_term = not slabs and _per_term(match, world, rows, not_worth_fusing, sum_per_term)
             if not_worth_fusing is not None and not per_term:
                 check_worth_fusing(not_worth_fusing, match.terms, world, rows, match.partial_shape[-1],

@@ -202,6 +202,46 @@ def test_reduce_scatter_of_sum_as_k_slabs(scatter_dim, lead):
     assert_all_vals(gm)
 
 
+def test_sum_left_to_other_forms_where_the_split_transport_is_not_wanted():
+    """``sum_as_slabs`` is asked for a slab-shaped sum (the global shape, the terms' K together); where it says no (the
+    cost model prefers another transport, which the K slabs cannot run) the sum takes the concatenated form."""
+    asked = []
+
+    def sum_as_slabs(device, world, m, k, n, dtype):
+        asked.append((device.type, world, m, k, n, dtype))
+        return False
+
+    gm = trace(sum_of_matmuls(WORLD, group(), 0, (16, 1)), *sum_of_matmuls_args((64, 64, 8)))
+    fuse_matmul_reduce_scatter(gm.graph, lambda name: True, sum_as_slabs=sum_as_slabs)
+    (node,) = nodes(gm, MM_RS)
+    assert node.args[1].target == aten.cat.default and not node.kwargs.get("more_a")
+    assert asked == [("cpu", WORLD, 16, WORLD * (64 + 64 + 8), 16, torch.float32)]
+
+
+@pytest.mark.parametrize("choice,slabs", [("fused_split", True), ("sequential", True), ("fused", False),
+                                          ("fused_copy", False), ("asynctp", False)])
+def test_manager_takes_k_slabs_where_the_cost_model_picks_the_split_transport(monkeypatch, choice, slabs):
+    """The pass manager's answer on a GPU under ``auto``: K slabs where the cost model picks the split transport for
+    the concatenated shape (or nothing: the op then decomposes either way), another form where it picks another
+    overlapped path; elsewhere (CPU) K slabs."""
+    from fluxinductor import cost_model
+    from fluxinductor.passes.manager import FluxPassManager
+
+    seen = []
+
+    def decide(op, name, world, m, k, n, dtype, paths):
+        seen.append((op, name, world, m, k, n))
+        return cost_model.Decision(choice, "test", False)
+
+    monkeypatch.setattr(cost_model, "decide", decide)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    manager = FluxPassManager()
+    manager.dispatch_mode = "auto"
+    assert manager.sum_as_slabs(torch.device("cuda", 0), 2, 1024, 2 * 8192, 8192, torch.bfloat16) is slabs
+    assert seen == [("matmul_reduce_scatter", "NVIDIA H200", 2, 1024, 2 * 8192, 8192)]
+    assert manager.sum_as_slabs(torch.device("cpu"), 2, 1024, 2 * 8192, 8192, torch.bfloat16)
+
+
 @pytest.mark.parametrize("scatter_dim,lead", [(0, (16, 1)), (1, (2, 8))])
 def test_numerics_sum_as_k_slabs_world1(scatter_dim, lead):
     torch.manual_seed(6)
