@@ -5,7 +5,9 @@ GEMM's launch (docs/performance.md, "Model level").  Below the op and the dispat
 kernel module's per-call object (``ag_gemm._PushCall``, ``gemm_rs._EagerCall``) and in its one call into the
 extension.  This probe runs those objects for two ranks of one process on one GPU (each rank's workspace faked over
 local buffers, as tests/gpu simulates ranks; the GEMMs get half the SMs each so both ranks' kernels are resident) and
-times, behind a GPU sleep so that nothing waits for the device: the whole call, the Python before the extension call
+times, behind a GPU sleep so that nothing waits for the device, called directly and through the op (its replay
+registered as the dispatcher registers it after a signature's first call): the whole call, the Python before the
+extension call
 (which delays the GEMM's launch), the extension call, and what follows it (the AG+GEMM's cuBLAS GEMMs of the narrow
 weights); the least of ``--reps`` runs of ``--calls`` calls per rank (each part summed over one run), µs per call.
 ``--profile``: cProfile of the calls (own time per function, top 25), which inflates every Python call.
@@ -78,8 +80,25 @@ class _Workspace:
         return self._events
 
 
-def _ag_calls(m, k, ns, dtype, device):
-    """Two simulated ranks' ``_PushCall`` objects and their operands (the gathered A returned, as for a backward)."""
+def _through_the_op(op, group_names, calls, operands, args, replay_for):
+    """The same calls through ``torch.ops.fluxinductor.<op>``: each rank's call remembered as the dispatcher's replay
+    of its signature (``replay_for(call)``; kept for the whole run), so the op goes from its replay key to it as a
+    compiled graph's call does once a signature has run."""
+    from fluxinductor import dispatch, ops  # noqa: F401  (ops registers torch.ops.fluxinductor)
+
+    dispatch.REPLAY_S = 1e9
+    fn = getattr(torch.ops.fluxinductor, op)
+    wrapped = []
+    for r, call in enumerate(calls):
+        tensors, rest = operands[r]
+        dispatch._remember_replay(dispatch.replay_key(op, group_names[r], args, tensors), replay_for(call.func))
+        wrapped.append(functools.partial(fn, *rest(group_names[r])))
+    return wrapped
+
+
+def _ag_calls(m, k, ns, dtype, device, through_op=False):
+    """Two simulated ranks' ``_PushCall`` objects and their operands (the gathered A returned, as for a backward);
+    ``through_op``: called through the op (:func:`_through_the_op`) on a [1, S/w, K] shard gathered on dim 1."""
     from fluxinductor.kernels import ag_gemm, symm
 
     shard_rows = m // WORLD
@@ -98,11 +117,22 @@ def _ag_calls(m, k, ns, dtype, device):
     torch.cuda.synchronize()
     calls = [ag_gemm._PushCall(_Workspace(r, ranks, torch.cuda.Stream(device)), shards[r], weights, biases, True)
              for r in range(WORLD)]
-    return [functools.partial(calls[r], shards[r], weights, biases) for r in range(WORLD)]
+    calls = [functools.partial(calls[r], shards[r], weights, biases) for r in range(WORLD)]
+    if not through_op:
+        return calls
+    from fluxinductor import dispatch
+
+    shards3d = [s.view(1, shard_rows, k) for s in shards]
+    operands = [((shards3d[r], *weights, *biases),
+                 lambda name, r=r: (shards3d[r], weights, biases, 1, name, True)) for r in range(WORLD)]
+    return _through_the_op("all_gather_matmul", [f"simulated{r}" for r in range(WORLD)], calls, operands,
+                           (1, True, len(weights)),
+                           lambda run: dispatch._all_gather_matmul_replay(run, m, (1,), 1, True))
 
 
-def _rs_calls(m, k, n, dtype, device, transport):
-    """Two simulated ranks' ``gemm_rs._EagerCall`` objects (their group state faked over local buffers)."""
+def _rs_calls(m, k, n, dtype, device, transport, through_op=False):
+    """Two simulated ranks' ``gemm_rs._EagerCall`` objects (their group state faked over local buffers);
+    ``through_op``: called through the op (:func:`_through_the_op`) on a [1, S, K] operand scattered on dim 1."""
     from fluxinductor.kernels import gemm_rs, gemm_rs_group
 
     _, _, nbytes = gemm_rs.buffer_layout(m, n, WORLD, dtype)
@@ -119,7 +149,16 @@ def _rs_calls(m, k, n, dtype, device, transport):
     a = [torch.randn(m, k, dtype=dtype, device=device) for _ in range(WORLD)]
     weight = torch.randn(n, k, dtype=dtype, device=device).t()
     calls = [gemm_rs._EagerCall(states[r], a[r], weight, None, "sum", transport, None, None) for r in range(WORLD)]
-    return [functools.partial(calls[r], a[r], weight, None) for r in range(WORLD)]
+    calls = [functools.partial(calls[r], a[r], weight, None) for r in range(WORLD)]
+    if not through_op:
+        return calls
+    from fluxinductor import dispatch
+
+    a3d = [x.view(1, m, k) for x in a]
+    operands = [((a3d[r], weight, None), lambda name, r=r: (a3d[r], weight, None, "sum", 1, name))
+                for r in range(WORLD)]
+    return _through_the_op("matmul_reduce_scatter", [f"simulated{r}" for r in range(WORLD)], calls, operands,
+                           ("sum", 1, None), lambda run: dispatch._matmul_reduce_scatter_replay(run, m // WORLD, (1,), 1))
 
 
 class _ExtensionTimer:
@@ -212,12 +251,15 @@ def main(argv=None) -> int:
     streams = [torch.cuda.Stream(device) for _ in range(WORLD)]
     ext = loader.extension()
     rows = []
-    cases = [("all_gather_matmul", "push", f"{m}x{k}x{n}+{'+'.join(ag_more)}", "ag_push_call",
-              lambda: _ag_calls(m, k, [n] + [int(x) for x in ag_more], dtype, device))]
-    for transport in ("split", "store"):
-        cases.append(("matmul_reduce_scatter", transport, args.rs, "gemm_rs_run",
-                      lambda t=transport: _rs_calls(rs_m, rs_k // WORLD, rs_n, dtype, device, t)))
-    for op, transport, shape, entry, make in cases:
+    cases = []
+    for layer in ("kernel module", "op"):
+        cases.append(("all_gather_matmul", "push", layer, f"{m}x{k}x{n}+{'+'.join(ag_more)}", "ag_push_call",
+                      lambda o=layer == "op": _ag_calls(m, k, [n] + [int(x) for x in ag_more], dtype, device, o)))
+        for transport in ("split", "store"):
+            cases.append(("matmul_reduce_scatter", transport, layer, args.rs, "gemm_rs_run",
+                          lambda t=transport, o=layer == "op": _rs_calls(rs_m, rs_k // WORLD, rs_n, dtype, device, t,
+                                                                         o)))
+    for op, transport, layer, shape, entry, make in cases:
         timer = _ExtensionTimer(ext, entry)
         setattr(ext, entry, timer)
         try:
@@ -229,14 +271,15 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 print(op, transport, "first call pair: error word", symm.read_error(device.index), flush=True)
             whole, inside, before = _time(calls, streams, args.calls, args.reps, timer)
-            row = dict(op=op, transport=transport, shape=shape, call_us=round(whole, 1), extension_us=round(inside, 1),
+            row = dict(op=op, transport=transport, layer=layer, shape=shape, call_us=round(whole, 1),
+                       extension_us=round(inside, 1),
                        before_extension_us=round(before, 1), after_extension_us=round(whole - inside - before, 1))
             if args.profile:
                 row["profile"] = _profile(calls, streams, args.calls)
         finally:
             setattr(ext, entry, timer.inner)
         rows.append(row)
-        print(f"{op:22s} {transport:6s} {shape:24s} call {row['call_us']:6.1f} us: before the extension "
+        print(f"{op:22s} {transport:6s} {layer:13s} {shape:24s} call {row['call_us']:6.1f} us: before the extension "
               f"{row['before_extension_us']:5.1f}, in it {row['extension_us']:5.1f}, after it "
               f"{row['after_extension_us']:5.1f}", flush=True)
         if args.profile:
