@@ -330,15 +330,17 @@ def test_n_ranks_one_gpu(world, reduce_op):
 
 
 @_gpu
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("transport,split_config", [("store", None), ("split", 0), ("split", 2)])
-def test_captured_calls_replay_between_eager_calls_one_gpu(world, transport, split_config):
+@pytest.mark.parametrize("world,transport,split_config,out_dtype", [
+    (world, transport, config, None) for world in (2, 4)
+    for transport, config in (("store", None), ("split", 0), ("split", 2))] + [
+    (2, "split", 2, torch.float32)])  # autocast's fp32 result (an N-major weight)
+def test_captured_calls_replay_between_eager_calls_one_gpu(world, transport, split_config, out_dtype):
     """Calls captured in CUDA graphs (settings.kernels_under_capture()): each simulated rank captures one call with the
     constant epoch CAPTURE_EPOCH (the handshake resets its words, the flags are zeroed after the call) into a graph
     of its own.  Replays of every rank's graph, with new operands copied into the captured inputs and the outputs
     poisoned, alternate with eager calls on the same buffers and ascending epochs: each gives the fp32 reference, and
     after each replay the hello words and flags are back at 0.  The split transport's graphs hold its copy stream's
-    band waits, copies and flag writes; its band counters start each call at 0."""
+    band waits, copies and flag writes; its band counters start each call at 0.  ``out_dtype``: the result's."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -351,11 +353,12 @@ def test_captured_calls_replay_between_eager_calls_one_gpu(world, transport, spl
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     error = gemm_rs.ErrorWord()
     sig = gemm_rs.signature(m, n, k, world, dtype)
-    _load_kernels(transport, dtype, split_config=split_config)
+    k_major = out_dtype is None
+    _load_kernels(transport, dtype, k_major, out_dtype, split_config=split_config)
     a = [torch.empty(m, k, dtype=dtype, device=device) for _ in range(world)]
-    w = [make_weight(k, n, True, dtype, device) for _ in range(world)]
+    w = [make_weight(k, n, k_major, dtype, device) for _ in range(world)]
     bias = torch.randn(n, dtype=dtype, device=device)
-    outs = [torch.empty((m // world, n), dtype=dtype, device=device) for _ in range(world)]
+    outs = [torch.empty((m // world, n), dtype=out_dtype or dtype, device=device) for _ in range(world)]
     copies = [gemm_rs.CopyEngineWorkspace(device, world) if split else None for _ in range(world)]
     for copy in copies:
         if copy is not None:
