@@ -1,16 +1,16 @@
-"""Host cost of an eager fused call's kernel-module layer, with two ranks simulated on one GPU (no process group).
+"""Host cost of an eager fused call, layer by layer, with two ranks simulated on one GPU (no process group).
 
 The exposed part of a host-exposed forward step is the host time of its first fused op (the Q/K/V AG+GEMM) up to its
-GEMM's launch (docs/performance.md, "Model level").  Below the op and the dispatcher that time is spent in the
-kernel module's per-call object (``ag_gemm._PushCall``, ``gemm_rs._EagerCall``) and in its one call into the
-extension.  This probe runs those objects for two ranks of one process on one GPU (each rank's workspace faked over
-local buffers, as tests/gpu simulates ranks; the GEMMs get half the SMs each so both ranks' kernels are resident) and
-times, behind a GPU sleep so that nothing waits for the device, called directly and through the op (its replay
-registered as the dispatcher registers it after a signature's first call): the whole call, the Python before the
-extension call
-(which delays the GEMM's launch), the extension call, and what follows it (the AG+GEMM's cuBLAS GEMMs of the narrow
-weights); the least of ``--reps`` runs of ``--calls`` calls per rank (each part summed over one run), µs per call.
-``--profile``: cProfile of the calls (own time per function, top 25), which inflates every Python call.
+GEMM's launch (docs/performance.md, "Model level").  That time is spent in the op's layer (the dispatcher's call into
+the Python kernel, the replay), in the kernel module's per-call object (``ag_gemm._PushCall``, ``gemm_rs._EagerCall``)
+and in its one call into the extension.  This probe runs those objects for two ranks of one process on one GPU (each
+rank's workspace faked over local buffers, as tests/gpu simulates ranks; the GEMMs get a share of the SMs each so
+both ranks' kernels are resident), called directly and through the op (their replays registered as the dispatcher
+registers them after a signature's first call), and times, behind a GPU sleep so that nothing waits for the device:
+the whole call, the Python before the extension call (which delays the GEMM's launch), the extension call, and what
+follows it (the AG+GEMM's cuBLAS GEMMs of the narrow weights, the results' views); for the run of ``--calls`` calls
+per rank whose whole calls took least of ``--reps`` runs, µs per call.  ``--profile``: cProfile of the calls (own time
+per function, top 25), which inflates every Python call.
 
 Usage: CUDA_MODULE_LOADING=EAGER python benchmarks/probes/probe_host_simulated.py --out host.json
 (eager module loading: a kernel's lazy load at its first launch can wait for an idle device, which the simulated
