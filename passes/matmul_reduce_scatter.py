@@ -580,13 +580,15 @@ def copied_bytes(terms: List[_Term]) -> Optional[int]:
     return total
 
 
-def _slabs(match: _ReduceScatterMatch, world: int) -> bool:
+def _slabs(match: _ReduceScatterMatch, world: int, rows: m.Size,
+           sum_as_slabs: Optional[Callable[..., bool]] = None) -> bool:
     """Whether a reduce-scatter of a sum of matmuls goes to the op as its K slabs, no operand copied: 2 or 3 terms of
     static shapes, every K (per rank) a multiple of 8 and all but the last of the split GEMMs' tile K, N a multiple of 8,
     the weights laid out alike and no cast between the sum and the collective but autocast's fp32 reduction where the
     split transport writes fp32 (two ranks, bf16 operands, N-major weights).  The operands go rows-first or, where the
-    op reads them batch-major in place, as they are.  Where the split transport cannot run it after all, the op
-    decomposes."""
+    op reads them batch-major in place, as they are.  At a static M, ``sum_as_slabs`` (see
+    :func:`fuse_matmul_reduce_scatter`) may still leave the sum to the other forms.  Where the split transport cannot
+    run it after all, the op decomposes."""
     from fluxinductor.kernels.gemm_rs_split import MAX_SLABS, SLAB_K_MULTIPLE, float_result_reason
 
     if match.scatter_dim is None or not 2 <= len(match.terms) <= MAX_SLABS:
@@ -600,7 +602,12 @@ def _slabs(match: _ReduceScatterMatch, world: int) -> bool:
             any(k % SLAB_K_MULTIPLE for k in ks[:-1]):
         return False
     weights = [m.val(t.weight) for t in match.terms]
-    return len({(w.stride(0) == 1, w.stride(1) == 1) for w in weights}) == 1
+    if len({(w.stride(0) == 1, w.stride(1) == 1) for w in weights}) != 1:
+        return False
+    if sum_as_slabs is None or not isinstance(rows, int):
+        return True
+    a = m.val(match.terms[0].a)
+    return sum_as_slabs(a.device, world, rows, world * sum(ks), n, a.dtype)
 
 
 def _per_term(match: _ReduceScatterMatch, world: int, rows: m.Size,
@@ -651,9 +658,7 @@ def fuse_matmul_reduce_scatter(graph: Graph, group_allowed: Callable[[str], bool
             match = _match_reduce_scatter(rs, group_allowed, fuse_sums)
             rows = m.numel(match.partial_shape[:-1])
             world = rs.args[2]
-            slabs = _slabs(match, world) and (sum_as_slabs is None or not isinstance(rows, int) or sum_as_slabs(
-                m.val(match.terms[0].a).device, world, rows, world * sum(m.val(t.a).shape[1] for t in match.terms),
-                match.partial_shape[-1], m.val(match.terms[0].a).dtype))
+            slabs = _slabs(match, world, rows, sum_as_slabs)
             per_term = not slabs and _per_term(match, world, rows, not_worth_fusing, sum_per_term)
             if not_worth_fusing is not None and not per_term:
                 check_worth_fusing(not_worth_fusing, match.terms, world, rows, match.partial_shape[-1],

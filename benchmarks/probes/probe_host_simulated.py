@@ -158,7 +158,8 @@ def _rs_calls(m, k, n, dtype, device, transport, through_op=False):
     operands = [((a3d[r], weight, None), lambda name, r=r: (a3d[r], weight, None, "sum", 1, name))
                 for r in range(WORLD)]
     return _through_the_op("matmul_reduce_scatter", [f"simulated{r}" for r in range(WORLD)], calls, operands,
-                           ("sum", 1, None), lambda run: dispatch._matmul_reduce_scatter_replay(run, m // WORLD, (1,), 1))
+                           ("sum", 1, None),
+                           lambda run: dispatch._matmul_reduce_scatter_replay(run, m // WORLD, (1,), 1))
 
 
 class _ExtensionTimer:

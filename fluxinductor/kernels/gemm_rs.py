@@ -301,8 +301,8 @@ def matmul_reduce_scatter(
     unrounded, :func:`float_result_reason`); elsewhere such calls take "copy".  ``batch_rows`` > 0: a batch-major
     operand (:func:`batch_major_reason` must have returned None), every further term's alike.  ``more``: further
     terms (a_i [M, K_i/world], w_i [K_i/world, N]) of the reduce-scattered sum ``a2d @ weight + sum(a_i @ w_i) +
-    bias``, run by the split transport as K slabs of its GEMMs, whatever ``transport`` says (:func:`slabs_reason` must have returned None; with
-    ``checked``, the caller asked, as the dispatcher does).
+    bias``, run by the split transport as K slabs of its GEMMs, whatever ``transport`` says (:func:`slabs_reason`
+    must have returned None; with ``checked``, the caller asked, as the dispatcher does).
     """
     if out is not None:
         out_dtype = out.dtype
