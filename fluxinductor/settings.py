@@ -215,7 +215,7 @@ class Tuning:
                                         "model's choice per shape.", "str or None")
     gemm_rs_bands: int = _knob(4, _int(1, GEMM_RS_MAX_BANDS), "GEMM+RS copy transport: bands per row segment.", "int")
     gemm_rs_tail_split: int = _knob(4, _int(1), "Split GEMM+RS transport: the most parts a partial last wave's tile "
-                                    "is split into along K (1: off).", "int")
+                                    "is split into along K (1: off; ping-pong GEMMs take at most 3).", "int")
     gemm_rs_split_config: Optional[int] = _knob(None, _optional(_choice(0, 1, 2)),
                                                 "Split GEMM+RS transport's GEMM configuration (0 cooperative "
                                                 "128x256, 2 ping-pong 128x192, 1 tuning builds); None: the cost "

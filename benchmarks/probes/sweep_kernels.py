@@ -106,9 +106,9 @@ def configs(op: str, quick: bool, tail_splits: Optional[List[int]] = None,
     if op == "rs-split":
         rows = [{"split": 1, "split_config": 0, "tail_split": t, "tail_waves": w}
                 for t, w in itertools.product(tail_splits or [1, 4], waves) if t > 1 or w == waves[0]]
-        # The tuning configurations are ping-pong GEMMs, which take no tail split.
-        return rows + [{"split": 1, "split_config": c, "tail_split": 1, "tail_waves": waves[0]}
-                       for c in split_configs or [] if c != 0]
+        return rows + [{"split": 1, "split_config": c, "tail_split": t, "tail_waves": w}
+                       for c in split_configs or [] if c != 0
+                       for t, w in itertools.product(tail_splits or [1, 4], waves) if t > 1 or w == waves[0]]
     cfgs = [0, 1, 4, 5, 6] if not quick else [0]
     orders = [(1, 0), (4, 2), (8, 2), (4, 1)] if not quick else [(1, 0)]
     return [{"config": c, "swizzle": s, "raster": r} for c, (s, r) in itertools.product(cfgs, orders)]
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--tail-waves", default=None,
                    help="--op ag / rs-split: comma-separated tail_split_waves values (default 1)")
     p.add_argument("--split-configs", default=None,
-                   help="--op rs-split: comma-separated gemm_rs_split_config values besides 0 (tuning builds)")
+                   help="--op rs-split: comma-separated gemm_rs_split_config values besides 0 (2; 1 in tuning builds)")
     p.add_argument("--variants", default=None, help="--op ag: comma-separated variants (default 0,1,3,4,6)")
     p.add_argument("--groups", default=None, help="--op ag: comma-separated group heights (default 4,8,16)")
     p.add_argument("--stock", default=None,

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -18,6 +19,7 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "ag_gemm/ag_gemm.h"
 #include "fluxinductor/gemm_rs/kernel.cuh"
 #include "fluxinductor/common/blocked_rows.cuh"
 #include "fluxinductor/common/cutlass_launch.cuh"
@@ -471,17 +473,33 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
   return gemm;
 }
 
-// The tail split's arguments of the call's `index`-th GEMM (each has its own epoch).  The GEMMs then share the
-// scratch, so each launches after the one before, not as its programmatic dependent.
-void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args, int index) {
+// The tail split's arguments of the call's `index`-th GEMM of `gemms` (each has its own epoch).  The cooperative
+// configuration's GEMMs share the scratch, so each launches after the one before, not as its programmatic dependent.
+// The ping-pong configurations' split a tile into at most 3 parts, so a GEMM's slots (tail x (parts - 1) x 2 CTAs of at
+// most 128 x 192 floats, with tail x parts <= waves x clusters) fill at most half the scratch (ag_gemm.h sizes it for
+// slots of 128 x 256): the first GEMM takes one half, the last the other, and the relay GEMMs between split nothing
+// (split.cuh RelayGemm), so every GEMM keeps its programmatic launch.
+void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args, int index, int gemms) {
   if (args.tail_split_parts < 2 || args.tail_split_partials == nullptr || args.tail_split_flags == nullptr) {
     return;
   }
-  gemm->pdl = false;
   gemm->split_partials = args.tail_split_partials;
   gemm->split_flags = args.tail_split_flags;
-  gemm->split_epoch = args.tail_split_epoch + uint32_t(index);
   gemm->split_max_parts = args.tail_split_parts;
+  if (gemm_rs_split::split_is_pingpong(gemm->config)) {
+    constexpr int kPingpongMaxParts = 3;
+    static_assert(2 * 128 * 192 * (kPingpongMaxParts - 1)  // the largest ping-pong tile, 128 x 192
+                      <= ag_gemm::kMaxTailTileElements * kPingpongMaxParts,
+                  "a ping-pong GEMM's tail split must fit half the scratch");
+    if (index == gemms - 1) {
+      gemm->split_partials += ag_gemm::tail_split_scratch_floats(args.sm_count, args.tail_split_waves) / 2;
+      gemm->split_flags += ag_gemm::tail_split_flag_count(args.sm_count, args.tail_split_waves) / 2;
+    }
+    gemm->split_max_parts = std::min(args.tail_split_parts, kPingpongMaxParts);
+  } else {
+    gemm->pdl = false;
+  }
+  gemm->split_epoch = args.tail_split_epoch + uint32_t(index);
   gemm->split_waves = args.tail_split_waves;
   gemm->split_error_code = kGemmRsSplitTimeout;
 }
@@ -590,7 +608,7 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
       g.capture = args.capture;
       g.pdl = args.split_pdl;
     }
-    set_tail_split(&g, args, step);
+    set_tail_split(&g, args, step, args.world);
     if (last) {
       g.bias = args.bias_scaled;
       g.d = args.out;
@@ -643,7 +661,7 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   first.rows = first_rows;
   first.a = args.a;
   first.d = args.out;
-  set_tail_split(&first, args, 0);
+  set_tail_split(&first, args, 0, 2);
   if (gemm_rs_split::run_peer_gemm(first, stream, &message) != 0) {
     return fail(message);
   }
@@ -658,7 +676,7 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   second.c = args.outbox;
   second.beta = 1.f;
   second.pdl = args.split_pdl;
-  set_tail_split(&second, args, 1);
+  set_tail_split(&second, args, 1, 2);
   if (gemm_rs_split::run_own_gemm(second, stream, &message) != 0) {
     return fail(message);
   }

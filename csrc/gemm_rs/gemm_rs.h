@@ -103,8 +103,9 @@ struct GemmRsArgs {
   // Split transport, optional: each GEMM's partial last wave split along K into up to tail_split_parts parts (> 1),
   // in up to tail_split_waves waves, with the AG+GEMM tail split's scratch (ag_gemm.h sizes it for sm_count and the
   // waves), which must belong to `stream`.  The call uses the epochs tail_split_epoch, +1, ... one per GEMM (world of
-  // them; 2 with world 1), and launches its GEMMs one after another (split_pdl is ignored), since they share the
-  // scratch.
+  // them; 2 with world 1).  The cooperative configuration's GEMMs share the scratch, so they launch one after another
+  // (split_pdl is ignored); the ping-pong configurations' split at most 3 parts in halves of it and keep split_pdl
+  // (gemm_rs.cu set_tail_split).
   float* tail_split_partials = nullptr;
   uint32_t* tail_split_flags = nullptr;
   uint32_t tail_split_epoch = 0;

@@ -26,6 +26,8 @@ struct SplitTiling {
 // (-DFLUXINDUCTOR_KERNEL_TUNING) add 1: ping-pong 64x256, cluster 2x1, groups of 16 cluster rows (K-major weights).
 constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}, {128, 192, 2, 8}};
 constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0]));
+// Whether a configuration's kernel is the ping-pong one (1 and 2; checked against the kernels' types as the tilings).
+constexpr bool split_is_pingpong(int config) { return config != 0; }
 
 // D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias; B K-major (the transposed nn.Linear
 // weight of a forward x @ W.t()) or N-major (the weight itself, as a backward's grad @ W gives it).
@@ -82,10 +84,11 @@ struct SplitGemmParams {
   // runs between replays to raise the error word).
   bool capture = false;
   bool pdl = false;                 // launch as a programmatic dependent of the GEMM before it
-  // Tail split (cooperative configurations; ag_gemm/scheduler.cuh AllGatherSchedule): a partial last wave's tiles
-  // split along K into up to split_max_parts parts over up to split_waves waves.  The scratch (ag_gemm.h
-  // tail_split_scratch_floats / flag_count for sm_count and split_waves) belongs to this launch until it ends, so the
-  // next GEMM on it must not start earlier (no pdl).  A last part that times out writes split_error_code to *error.
+  // Tail split (ag_gemm/scheduler.cuh AllGatherSchedule; every GEMM but a ping-pong relay GEMM): a partial last wave's
+  // tiles split along K into up to split_max_parts parts over up to split_waves waves.  The scratch (ag_gemm.h
+  // tail_split_scratch_floats / flag_count for sm_count and split_waves, or the part of it the launcher gives this
+  // GEMM) belongs to this launch until it ends, so a GEMM sharing it must not start earlier: a cooperative GEMM
+  // refuses pdl.  A last part that times out writes split_error_code to *error.
   float* split_partials = nullptr;
   uint32_t* split_flags = nullptr;
   uint32_t split_epoch = 0;

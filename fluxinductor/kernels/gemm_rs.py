@@ -53,7 +53,7 @@ from fluxinductor.kernels.gemm_rs_kernel import (  # noqa: F401
     _extension, _layout, _tile_shape, _tile_shapes, _weight_layout, buffer_layout, error_message, signature)
 from fluxinductor.kernels.symm import ErrorWord, timeout_ns  # noqa: F401 - gemm_rs.ErrorWord for the GPU tests
 from fluxinductor.kernels.gemm_rs_split import (  # noqa: F401
-    _TAIL_SPLIT_CONFIGS, SPLIT_CONFIGS, resolve_split_config, slabs_reason, split_configs, split_reason,
+    SPLIT_CONFIGS, resolve_split_config, slabs_reason, split_configs, split_reason,
     tail_split_parts)
 from fluxinductor.kernels.tail_split import OFF as tail_split_off
 from fluxinductor.kernels.tail_split import kernel_args as tail_split_args
@@ -107,7 +107,7 @@ def launch(
     ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).  With world 1
     (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
     [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
-    :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
+    :func:`tail_split_parts`; 1 = off).  ``split_config``: the split GEMMs'
     configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
     ``capture``: a call that CUDA graph replays repeat (the stores or the split transport, no tail split, ``epoch``
     :data:`CAPTURE_EPOCH`): the handshake sets its words back to 0, flags must equal the epoch and failed waits trap;
@@ -138,12 +138,10 @@ def launch(
         bias_scaled = (bias.float() * out_scale).to(bias.dtype)  # the second GEMM adds the bias unscaled
         bias_scaled.record_stream(stream)
     config = resolve_split_config(a.dtype, split_config) if split else 0
-    # Only the cooperative configuration has a tail split; the ping-pong one keeps its programmatic launches, which a
-    # tail split's shared scratch would turn off.
-    # (Not under CUDA graph capture either: the scratch is per stream and its flags take new epochs per launch.)
+    # No tail split under CUDA graph capture: the scratch is per stream and its flags take new epochs per launch.
     tails = tail_split_args(a.device, stream, sm_count, tail_split_parts() if tail_split is None else tail_split,
                             launches=max(world, 2)) \
-        if split and config in _TAIL_SPLIT_CONFIGS and not _symm.capturing() else tail_split_off
+        if split and not _symm.capturing() else tail_split_off
     tuning = settings.tuning
     _extension().gemm_rs_run(  # positional: pybind11 keyword parsing costs microseconds per call
         _DTYPES[a.dtype], m, n, k, world, rank,

@@ -17,8 +17,10 @@ from fluxinductor.kernels.gemm_rs_kernel import _weight_layout
 def tail_split_parts() -> int:
     """The most parts the split transport's GEMMs split a partial last wave's tiles into along K
     (``settings.tuning.gemm_rs_tail_split``, default 4; 1 = off).  With 2 or more the GEMMs share one scratch per stream
-    (:mod:`fluxinductor.kernels.tail_split`) and run one after another instead of as programmatic dependents.  The
-    two GEMMs with communication off went from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
+    (:mod:`fluxinductor.kernels.tail_split`).  The cooperative configuration's GEMMs then run one after another instead
+    of as programmatic dependents; the ping-pong configuration's take at most 3 parts, each GEMM half the scratch, and
+    keep their programmatic launches at two ranks (csrc/gemm_rs/gemm_rs.cu set_tail_split).  With communication off the
+    tail split took the cooperative GEMMs from 1.050-1.086x to 1.029-1.050x cuBLAS on the five TP=2 shapes that split
     (one H200, docs/design_gemm_rs.md)."""
     return settings.tuning.gemm_rs_tail_split
 
@@ -26,7 +28,6 @@ def tail_split_parts() -> int:
 # The split GEMMs' configurations (csrc/gemm_rs/split.h): 0 cooperative 128x256 (every dtype), 2 ping-pong 128x192
 # (bf16); 1 (ping-pong 64x256) only in tuning builds.
 SPLIT_CONFIGS = (0, 2)
-_TAIL_SPLIT_CONFIGS = (0,)  # the cooperative configuration (ag_gemm::supports_tail_split)
 
 
 def resolve_split_config(dtype: torch.dtype, chosen: Optional[int] = None) -> int:

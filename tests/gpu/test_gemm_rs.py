@@ -144,7 +144,7 @@ def test_gemm_only_split_k_slabs(flux_settings, dtype, config, k_major, m, ks, n
     """A sum of matmuls as K slabs of the split transport's GEMMs (gemm_only(split=True, more=...)), each term's
     operands read in place (A's of other row strides, weights of other leading strides, the last K not a multiple
     of the tile's), communication off, against the fp32 reference of the sum, output poisoned first; with the tail
-    split of configuration 0 on and off (its parts start inside a slab)."""
+    split on and off (its parts start inside a slab: at 4097 rows both configurations split)."""
     from fluxinductor.kernels import gemm_rs
 
     flux_settings(gemm_rs_tail_split="4")
@@ -515,13 +515,12 @@ def test_split_dtypes_no_bias(dtype, k_major):
 
 
 @_gpu
-@pytest.mark.parametrize("config,tail_parts", [("0", "1"), ("0", "4"), ("2", "4")])
+@pytest.mark.parametrize("config,tail_parts", [("0", "1"), ("0", "4"), ("2", "1"), ("2", "4")])
 @pytest.mark.parametrize("world,rows,k,n,bands", [(2, 1000, 776, 1032, 4), (2, 200, 264, 520, 3), (4, 300, 264, 1280, 3)])
 def test_split_n_major_weight_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, config,
                                               tail_parts):
     """The split transport with the weight as a backward's grad @ W gives it (N-major): peer, relay and own GEMMs,
-    with bias and avg, the tail split off and on; configurations 0 and 2 (ping-pong 128x192, which has no tail
-    split)."""
+    with bias and avg, the tail split off and on; configurations 0 and 2 (ping-pong 128x192)."""
     flux_settings(gemm_rs_bands=str(bands))
     flux_settings(gemm_rs_tail_split=tail_parts)
     flux_settings(gemm_rs_split_config=config)
@@ -610,20 +609,24 @@ def test_split_ring_dtypes_no_bias():
     assert _simulate(3, 3 * 130, 64, 1000, with_bias=False, split=True) < 1e-2
 
 
-def _tail_flags(rows, n, k, sm_count, max_parts, waves=1):
-    """How many flags a split GEMM of [rows, n] x K=k raises when it splits its tail: 128x256 tiles in clusters of 2
-    CTAs, sm_count / 2 clusters; after at least one full wave, each of the T tail tiles in P parts (the extension's
-    ag_tail_split_parts, checked against a simulation in tests/kernels/test_tail_split.py); every part but the last
-    raises a flag per CTA and consumer warp group (2 each)."""
+def _tail_flags(rows, n, k, sm_count, max_parts, waves=1, config=0):
+    """How many flags a split GEMM of [rows, n] x K=k raises when it splits its tail: tiles of 128 rows (256 columns
+    in configuration 0, 192 in the ping-pong configuration 2) in clusters of 2 CTAs, sm_count / 2 clusters; after at
+    least one full wave, each of the T tail tiles in P parts (the extension's ag_tail_split_parts, checked against a
+    simulation in tests/kernels/test_tail_split.py; at most 3 in configuration 2); every part but the last raises a
+    flag per CTA and warp group holding a share of the tile (2 consumer warp groups share it in configuration 0, one
+    holds it in configuration 2)."""
     from fluxinductor import _C
 
+    tile_n, groups = (256, 2) if config == 0 else (192, 1)
+    max_parts = max_parts if config == 0 else min(max_parts, 3)
     clusters = sm_count // 2
-    units = -(-rows // 256) * -(-n // 256)
+    units = -(-rows // 256) * -(-n // tile_n)
     tail = units % clusters
     if units < clusters or tail == 0:
         return 0
     parts = _C.ag_tail_split_parts(tail, clusters, min(max_parts, -(-k // 64)), waves)
-    return tail * 2 * 2 * (parts - 1)
+    return tail * 2 * groups * (parts - 1)
 
 
 def _flags_at(scratch, epoch):
@@ -632,25 +635,35 @@ def _flags_at(scratch, epoch):
 
 
 @_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k,n,parts,waves,first,second", [
-    (2000, 776, 2552, 4, 1, 32, 32),  # 1000 rows: 40 units on 16 clusters, 8 tail tiles in 2 parts (both GEMMs)
-    (1025, 776, 2552, 4, 1, 48, 0),   # 512 rows: 20 units, 4 tail tiles in 4 parts; 513 rows: 30 units, 14 tail: no
-    (1537, 776, 2552, 4, 1, 0, 32),   # 768 rows: 30 units, no split; 769 rows: 40 units, 8 tail tiles in 2 parts
-    (1025, 776, 2552, 2, 1, 16, 0),   # at most 2 parts
-    (1025, 40, 2552, 4, 1, 0, 0),     # one K tile: nothing to split
-    (1000, 776, 3320, 4, 2, 80, 80),  # 500 rows: 26 units, 10 tail tiles in 3 parts over two waves
+@pytest.mark.parametrize("config,dtype,m,k,n,parts,waves,first,second", [
+    # configuration 0 (cooperative 128x256), both dtypes
+    *[(0, dtype, *case) for dtype in (torch.bfloat16, torch.float16) for case in [
+        (2000, 776, 2552, 4, 1, 32, 32),  # 1000 rows: 40 units on 16 clusters, 8 tail tiles in 2 parts (both GEMMs)
+        (1025, 776, 2552, 4, 1, 48, 0),   # 512 rows: 20 units, 4 tail tiles in 4 parts; 513 rows: 30 units, 14 tail
+        (1537, 776, 2552, 4, 1, 0, 32),   # 768 rows: 30 units, no split; 769 rows: 40 units, 8 tail tiles in 2 parts
+        (1025, 776, 2552, 2, 1, 16, 0),   # at most 2 parts
+        (1025, 40, 2552, 4, 1, 0, 0),     # one K tile: nothing to split
+        (1000, 776, 3320, 4, 2, 80, 80),  # 500 rows: 26 units, 10 tail tiles in 3 parts over two waves
+    ]],
+    # configuration 2 (ping-pong 128x192, bf16), at most 3 parts
+    (2, torch.bfloat16, 2000, 776, 2552, 4, 1, 16, 16),  # 1000 rows: 56 units on 16 clusters, 8 tail tiles in 2 parts
+    (2, torch.bfloat16, 1000, 776, 3320, 4, 2, 16, 16),  # 500 rows: 36 units, 4 tail tiles in 3 parts
+    (2, torch.bfloat16, 1537, 776, 1800, 4, 1, 0, 16),   # 768 rows: 30 units, 14 tail: no; 769: 40 units, 8 tail
+    (2, torch.bfloat16, 1000, 72, 3320, 4, 1, 8, 8),     # two K tiles: 4 tail tiles in 2 parts, one K tile each
 ])
-def test_gemm_only_split_tail_split(flux_settings, dtype, m, k, n, parts, waves, first, second):
+def test_gemm_only_split_tail_split(flux_settings, config, dtype, m, k, n, parts, waves, first, second):
     """The split transport's GEMMs with their partial last waves split along K (communication off), on a grid of 32
     CTAs: exact against the fp32 reference with the output poisoned, three calls reusing the scratch, and the
-    scratch's flags show which GEMM split (each GEMM has its own epoch).  ``waves``: settings.tuning.tail_split_waves."""
+    scratch's flags show which GEMM split (each GEMM has its own epoch).  ``waves``: settings.tuning.tail_split_waves.
+    The ping-pong GEMMs (configuration 2) split with their own kernel (gemm_rs/pingpong_tail_split.cuh), the second
+    GEMM in the scratch's other half, as a programmatic dependent of the first."""
     from fluxinductor.kernels import gemm_rs, tail_split
 
     flux_settings(tail_split_waves=str(waves))
+    flux_settings(gemm_rs_split_config=str(config))
     sm_count = 32
-    assert _tail_flags(m // 2, n, k, sm_count, parts, waves) == first
-    assert _tail_flags(m - m // 2, n, k, sm_count, parts, waves) == second
+    assert _tail_flags(m // 2, n, k, sm_count, parts, waves, config) == first
+    assert _tail_flags(m - m // 2, n, k, sm_count, parts, waves, config) == second
     torch.manual_seed(m + k + parts)
     a = torch.randn(m, k, dtype=dtype, device="cuda")
     w = make_weight(k, n, True, dtype, "cuda")
@@ -663,26 +676,32 @@ def test_gemm_only_split_tail_split(flux_settings, dtype, m, k, n, parts, waves,
         gemm_rs.check_gemm_only()
         assert not out.isnan().any(), f"call {call}: unwritten output"
         assert relative_error(out, ref) < 1e-2, f"call {call}"
-        # The second GEMM took the scratch's last epoch; where it split, it overwrote the first GEMM's flags.
+        # The second GEMM took the scratch's last epoch.  In configuration 0, where it split, it overwrote the first
+        # GEMM's flags; in configuration 2 its flags are the other half's.
         assert _flags_at(scratch, scratch.epoch) == second, f"call {call}"
-        assert _flags_at(scratch, scratch.epoch - 1) == (first if second == 0 else 0), f"call {call}"
+        assert _flags_at(scratch, scratch.epoch - 1) == (first if second == 0 or config != 0 else 0), f"call {call}"
 
 
 @_gpu
-@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("config", [0, 2])
 @pytest.mark.parametrize("world,rows,k,n,bands,parts", [
-    (2, 1000, 776, 1032, 4, 4),   # 16 clusters per rank, 20 units per GEMM: 4 tail tiles in 4 parts
-    (2, 2500, 512, 2048, 32, 3),  # 16 clusters, 80 units: no tail (nothing split), 2 row bands x 8 column chunks
-    (4, 300, 264, 1280, 3, 4),    # 7 clusters per rank, 10 units: 3 tail tiles in 2 parts; two relay GEMMs
+    (2, 1000, 776, 1032, 4, 4),   # 16 clusters per rank, per GEMM: 20 units, 4 tail tiles in 4 parts (configuration
+                                  # 0); 24 units, 8 tail tiles in 2 parts (2)
+    (2, 2500, 512, 2048, 32, 3),  # 80 or 110 units: nothing split; 2 row bands x 8 column chunks
+    (4, 300, 264, 1280, 3, 4),    # 7 clusters per rank, two relay GEMMs; 10 units: 3 tail tiles in 2 parts (0)
+    (4, 300, 264, 1500, 3, 4),    # 16 units: 2 tail tiles in 3 parts (2)
 ])
-def test_split_tail_split_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, parts, pdl):
+def test_split_tail_split_n_ranks_one_gpu(flux_settings, config, world, rows, k, n, bands, parts):
     """The split transport with its GEMMs' tails split (settings.tuning.gemm_rs_tail_split): the peer, relay and own
     GEMMs' split tiles beside the band counting, the per-band waits and the source C, every simulated rank with its
-    own stream and scratch; the GEMMs run one after another, not as programmatic dependents."""
+    own stream and scratch.  Configuration 0's GEMMs run one after another; in configuration 2 the peer and own GEMMs
+    split in the scratch's two halves (the relay GEMMs, CUTLASS's ping-pong kernel, run their tiles whole) and every
+    GEMM after the first launches as a programmatic dependent."""
     from fluxinductor.kernels import tail_split
 
     flux_settings(gemm_rs_bands=str(bands))
     flux_settings(gemm_rs_tail_split=str(parts))
+    flux_settings(gemm_rs_split_config=str(config))
     flux_settings(tail_split_waves="1")  # the scratch below is the one the launches use
     device = torch.device("cuda", 0)
     streams = [torch.cuda.Stream(device) for _ in range(world)]
@@ -690,7 +709,7 @@ def test_split_tail_split_n_ranks_one_gpu(flux_settings, world, rows, k, n, band
     scratches = [tail_split.scratch(device, stream, sm_budget) for stream in streams]  # pooled streams: maybe used
     before = [scratch.epoch for scratch in scratches]
     assert _simulate(world, world * rows, k, n, reduce_op="avg", split=True, calls=3, streams=streams) < 1e-2
-    expected = _tail_flags(rows, n, k, sm_budget, parts)
+    expected = _tail_flags(rows, n, k, sm_budget, parts, config=config)
     for r, scratch in enumerate(scratches):
         assert scratch.epoch == before[r] + 3 * world, f"rank {r}: one epoch per GEMM"
         assert _flags_at(scratch, scratch.epoch) == expected, f"rank {r}"

@@ -73,7 +73,7 @@ struct AllGatherSchedule {
   // the tile, so a peer's tiles start on the first block while the rest streams in.
   int k_chunks = 1;
   int k_chunk_tiles = 1;
-  // Tail split (split_partials != nullptr, cooperative kernels only): when the last wave of tiles is partial (R of C
+  // Tail split (split_partials != nullptr; cooperative kernels, and the split GEMM+RS's ping-pong kernel): when the last wave of tiles is partial (R of C
   // clusters busy, after at least one full wave), each of its R tiles is split along K into P parts run by different
   // clusters, P <= split_max_parts chosen so the parts' ceil(P R / C) <= split_waves waves take the least time,
   // ceil(P R / C) / P of a tile's (with one wave: the most P with P R <= C).  Parts but the last store their fp32
@@ -91,8 +91,9 @@ struct AllGatherSchedule {
   int split_error_code = kErrorSplitTimeout;
 };
 
-// Whether a kernel of these tiles (TileShape, KernelSchedule) can split its tail: the cooperative schedule, whose two
-// consumer warp groups share one tile as the scratch layout assumes, with a tile that fits a scratch slot.
+// Whether a kernel of these tiles (TileShape, KernelSchedule) can split its tail here: the cooperative schedule, whose
+// two consumer warp groups share one tile, with a tile that fits a scratch slot.  (CUTLASS's ping-pong kernel runs
+// every tile's whole K loop; the split GEMM+RS transport's own ping-pong kernel splits: gemm_rs/pingpong_tail_split.cuh.)
 template <class Tiles>
 constexpr bool supports_tail_split() {
   using TileShape = typename Tiles::TileShape;
@@ -268,9 +269,9 @@ struct AllGatherSchedulerTag {};
 
 // Tag selecting AllGatherTileScheduler without its waits (Waits = false): the same tile order, for kernels whose
 // producer warps wait in their own loads (the split GEMM+RS's, gemm_rs/split.cuh), with the tail split or without
-// (TailSplit: supports_tail_split() of the kernel's tiles; the ping-pong kernels never split).  Every warp group runs
-// the scheduler, so its wait is code in the consumer warp groups' tile loop too, where it never runs, and the tail
-// split's state stays in registers through their MMAs and epilogue.  In the ping-pong 128x192 kernel, whose math warp
+// (TailSplit: whether the kernel splits its tail: gemm_rs/split.cuh splits_tail).  Every warp group runs the scheduler,
+// so its wait is code in the consumer warp groups' tile loop too, where it never runs, and the tail split's state
+// stays in registers through their MMAs and epilogue.  In the ping-pong 128x192 kernel, whose math warp
 // groups hold 192 accumulator registers each out of 232, the wait alone made ptxas spill 82 bytes (still 24 with the
 // wait cut down to one flag load).
 template <bool TailSplit>
@@ -326,12 +327,27 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   }
   CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const& work) { return work.part == work.parts - 1; }
 
-  // Called by every consumer warp group after its MMAs, before the epilogue.  Parts of a split tile but the last
-  // store this warp group's accumulators (thread-interleaved, so the stores coalesce) and release its flag; the last
-  // part waits for every other part's flag and adds their accumulators.
+  // Called by every consumer warp group after its MMAs, before the epilogue (the cooperative kernel: the warp groups
+  // share the tile).  Parts of a split tile but the last store this warp group's accumulators (thread-interleaved, so
+  // the stores coalesce) and release its flag; the last part waits for every other part's flag and adds their
+  // accumulators.
   template <class FrgTensorC>
   CUTLASS_DEVICE static void fixup(Params const& params, WorkTileInfo const& work, FrgTensorC& accumulators,
                                    uint32_t num_warp_groups, uint32_t warp_group) {
+    fixup_slots(params, work, accumulators, num_warp_groups, warp_group, warp_group);
+  }
+
+  // The same for a warp group that holds a whole tile (the ping-pong kernel, gemm_rs/pingpong_tail_split.cuh): one
+  // slot per tail tile, CTA and part; `consumer` (0 or 1) picks the named barrier of its math warp group.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE static void fixup_whole_tile(Params const& params, WorkTileInfo const& work,
+                                              FrgTensorC& accumulators, uint32_t consumer) {
+    fixup_slots(params, work, accumulators, 1, 0, consumer);
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE static void fixup_slots(Params const& params, WorkTileInfo const& work, FrgTensorC& accumulators,
+                                         uint32_t slot_groups, uint32_t slot_group, uint32_t barrier_group) {
     if (work.parts <= 1) {
       return;
     }
@@ -339,13 +355,13 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
     AllGatherSchedule const& s = params.schedule;
     constexpr int values = int(decltype(cute::size(accumulators))::value);  // registers: index them statically
     int const thread = int(threadIdx.x % kThreads);
-    auto const barrier = warp_group == 0 ? cutlass::arch::ReservedNamedBarriers::StreamkBarrier0
-                                         : cutlass::arch::ReservedNamedBarriers::StreamkBarrier1;
+    auto const barrier = barrier_group == 0 ? cutlass::arch::ReservedNamedBarriers::StreamkBarrier0
+                                            : cutlass::arch::ReservedNamedBarriers::StreamkBarrier1;
     int const cta = int(cute::block_rank_in_cluster());
     dim3 const cluster = cute::cluster_shape();
     int const ctas = int(cluster.x * cluster.y * cluster.z);
-    // Slots of (tail tile, CTA of the cluster, warp group), one per part but the last.
-    int64_t const slot = ((int64_t(work.tail_index) * ctas + cta) * num_warp_groups + warp_group) * (work.parts - 1);
+    // Slots of (tail tile, CTA of the cluster, warp group holding a share of it), one per part but the last.
+    int64_t const slot = ((int64_t(work.tail_index) * ctas + cta) * slot_groups + slot_group) * (work.parts - 1);
     float* partials = s.split_partials + slot * values * kThreads;
     uint32_t* flags = s.split_flags + slot;
     if (work.part < work.parts - 1) {

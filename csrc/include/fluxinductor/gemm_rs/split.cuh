@@ -27,6 +27,7 @@
 #include "fluxinductor/common/blocked_rows.cuh"
 #include "fluxinductor/common/k_slabs.cuh"
 #include "fluxinductor/common/cutlass_launch.cuh"
+#include "fluxinductor/gemm_rs/pingpong_tail_split.cuh"
 #include "gemm_rs/split.h"
 
 namespace fluxinductor::gemm_rs_split {
@@ -224,13 +225,28 @@ struct SplitTiles<1> : ag_gemm::Pingpong64x256Cluster2x1 {};
 template <>
 struct SplitTiles<2> : ag_gemm::Pingpong128x192Cluster2x1 {};
 
+template <class Tiles>
+constexpr bool is_pingpong() {
+  return cute::is_same_v<typename Tiles::KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+}
+
+// Whether the GEMMs of these tiles split a partial last wave along K: the cooperative ones as AG+GEMM's kernel does,
+// the ping-pong ones through PingpongTailSplit; either with a tile that fits a scratch slot.
+template <class Tiles>
+constexpr bool splits_tail() {
+  using TileShape = typename Tiles::TileShape;
+  return ag_gemm::supports_tail_split<Tiles>() ||
+         (is_pingpong<Tiles>() && cute::size<0>(TileShape{}) * cute::size<1>(TileShape{}) <= ag_gemm::kMaxTailTileElements);
+}
+
 template <int Config>
 constexpr bool tiling_matches() {
   using Tiles = SplitTiles<Config>;
   constexpr SplitTiling t = kSplitTilings[Config];
   return cute::size<0>(typename Tiles::TileShape{}) == t.tile_m &&
          cute::size<1>(typename Tiles::TileShape{}) == t.tile_n &&
-         cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m;
+         cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m &&
+         split_is_pingpong(Config) == is_pingpong<Tiles>();
 }
 static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() && kSplitConfigs == 3,
               "gemm_rs/split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
@@ -248,12 +264,15 @@ using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, Element, Element, float>>::CollectiveOp;
 
 // A: row-major [rows, K]; B: K-major (LayoutB ColumnMajor: the transposed nn.Linear weight) or N-major (RowMajor);
-// the AG+GEMM tile order, its waits in the loads (BandWaitingMainloop, BandWaitingEpilogue).
-template <class Element, int Config, class CollectiveEpilogue, class LayoutB>
+// the AG+GEMM tile order, its waits in the loads (BandWaitingMainloop, BandWaitingEpilogue).  SplitsTail: whether the
+// kernel splits a partial last wave (where the launch passes the scratch).
+template <class Element, int Config, class CollectiveEpilogue, class LayoutB,
+          bool SplitsTail = splits_tail<SplitTiles<Config>>()>
 struct SplitGemm {
   using LayoutTagB = LayoutB;
   using Tiles = SplitTiles<Config>;
   static constexpr SplitTiling kTiling = kSplitTilings[Config];
+  static constexpr bool kSplitsTail = SplitsTail;
   using Epilogue = BandWaitingEpilogue<CollectiveEpilogue>;
   using Mainloop = BandWaitingMainloop<BlockedRowsMainloop<KSlabsMainloop<typename cutlass::gemm::collective::
       CollectiveBuilder<
@@ -263,18 +282,20 @@ struct SplitGemm {
       float, typename Tiles::TileShape, typename Tiles::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::KernelSchedule>::CollectiveOp>>>;  // A by rows or, batch-major, by blocks; K in slabs
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      ag_gemm::TileOrderSchedulerTag<
-                                                          ag_gemm::supports_tail_split<Tiles>()>>;
+  using Universal = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                         ag_gemm::TileOrderSchedulerTag<SplitsTail>>;
+  using Kernel = cute::conditional_t<is_pingpong<Tiles>() && SplitsTail, PingpongTailSplit<Universal>, Universal>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
 template <class Element, int Config, class LayoutB>
 using PeerGemm =
     SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, false>>, LayoutB>;
+// The relay GEMM (more than two ranks) of a ping-pong configuration keeps CUTLASS's kernel, whose tiles all run whole:
+// with source C and the count, PingpongTailSplit's 128x192 kernel spilled 70 bytes (24 without the tail split).
 template <class Element, int Config, class LayoutB>
-using RelayGemm =
-    SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>, LayoutB>;
+using RelayGemm = SplitGemm<Element, Config, CountingEpilogue<StockEpilogue<Element, SplitTiles<Config>, true>>,
+                            LayoutB, splits_tail<SplitTiles<Config>>() && !is_pingpong<SplitTiles<Config>>()>;
 template <class Element, int Config, class LayoutB>
 using OwnGemm = SplitGemm<Element, Config, StockEpilogue<Element, SplitTiles<Config>, true>, LayoutB>;
 // The own GEMM of an fp32 reduction of bf16/fp16 operands (autocast's reduce_scatter(mm(a, w).float()) at two ranks):
@@ -326,11 +347,11 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
     schedule.exact_epoch = p.capture;
     schedule.trap_on_timeout = p.capture;
   }
-  if constexpr (ag_gemm::supports_tail_split<typename Config::Tiles>()) {
+  if constexpr (Config::kSplitsTail) {
     ag_gemm::set_tail_split(schedule, p.split_partials, p.split_flags, p.split_epoch, p.split_max_parts,
                             p.split_waves);
     if (schedule.split_partials != nullptr) {
-      if (p.pdl) {
+      if (p.pdl && !is_pingpong<typename Config::Tiles>()) {  // the launcher gives ping-pong GEMMs scratch halves
         *error_message = "the split GEMM+RS tail split needs its scratch to itself: launch without pdl";
         return -1;
       }
