@@ -47,7 +47,9 @@ int64_t tail_split_scratch_floats(int sm_count, int waves) {
   return tail_split_slots(sm_count, waves) * kMaxTailTileElements;
 }
 
-int64_t tail_split_flag_count(int sm_count, int waves) { return tail_split_slots(sm_count, waves) * 2; }
+int64_t tail_split_flag_count(int sm_count, int waves) {
+  return tail_split_slots(sm_count, waves) * 2 + kTailClaimWords;
+}
 
 int tail_split_parts_for(int tail, int clusters, int max_parts, int max_waves) {
   return tail > 0 && clusters > 0 ? tail_split_parts(uint32_t(tail), uint32_t(clusters), max_parts, max_waves) : 1;

@@ -478,7 +478,8 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
 // The ping-pong configurations' split a tile into at most 3 parts, so a GEMM's slots (tail x (parts - 1) x 2 CTAs of at
 // most 128 x 192 floats, with tail x parts <= waves x clusters) fill at most half the scratch (ag_gemm.h sizes it for
 // slots of 128 x 256): the first GEMM takes one half, the last the other, and the relay GEMMs between split nothing
-// (split.cuh RelayGemm), so every GEMM keeps its programmatic launch.
+// (split.cuh RelayGemm), so every GEMM keeps its programmatic launch.  The first and the last GEMM also claim their
+// units at run time, each with its own counters at the end of the flags (ag_gemm.h kTailClaimWords).
 void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args, int index, int gemms) {
   if (args.tail_split_parts < 2 || args.tail_split_partials == nullptr || args.tail_split_flags == nullptr) {
     return;
@@ -491,9 +492,13 @@ void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args
     static_assert(2 * 128 * 192 * (kPingpongMaxParts - 1)  // the largest ping-pong tile, 128 x 192
                       <= ag_gemm::kMaxTailTileElements * kPingpongMaxParts,
                   "a ping-pong GEMM's tail split must fit half the scratch");
-    if (index == gemms - 1) {
+    int64_t const part_flags =
+        ag_gemm::tail_split_flag_count(args.sm_count, args.tail_split_waves) - ag_gemm::kTailClaimWords;
+    bool const last = index == gemms - 1;
+    gemm->claim = args.tail_split_flags + part_flags + (last ? 2 : 0);  // zero between launches (the kernel resets)
+    if (last) {
       gemm->split_partials += ag_gemm::tail_split_scratch_floats(args.sm_count, args.tail_split_waves) / 2;
-      gemm->split_flags += ag_gemm::tail_split_flag_count(args.sm_count, args.tail_split_waves) / 2;
+      gemm->split_flags += part_flags / 2;
     }
     gemm->split_max_parts = std::min(args.tail_split_parts, kPingpongMaxParts);
   } else {

@@ -95,6 +95,9 @@ struct SplitGemmParams {
   int split_max_parts = 1;
   int split_waves = 1;
   int32_t split_error_code = 0;
+  // Ping-pong GEMMs with a tail split: two words, zero before the launch, through which the clusters claim their units
+  // as they free (gemm_rs/pingpong_tail_split.cuh); nullptr: the static order.
+  uint32_t* claim = nullptr;
 };
 
 // 0, or -1 with the reason in *error_message.

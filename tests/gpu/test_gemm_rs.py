@@ -655,8 +655,9 @@ def test_gemm_only_split_tail_split(flux_settings, config, dtype, m, k, n, parts
     """The split transport's GEMMs with their partial last waves split along K (communication off), on a grid of 32
     CTAs: exact against the fp32 reference with the output poisoned, three calls reusing the scratch, and the
     scratch's flags show which GEMM split (each GEMM has its own epoch).  ``waves``: settings.tuning.tail_split_waves.
-    The ping-pong GEMMs (configuration 2) split with their own kernel (gemm_rs/pingpong_tail_split.cuh), the second
-    GEMM in the scratch's other half, as a programmatic dependent of the first."""
+    The ping-pong GEMMs (configuration 2) split with their own kernel (gemm_rs/pingpong_tail_split.cuh), which
+    claims its units as its clusters free, the second GEMM in the scratch's other half, as a programmatic dependent of
+    the first."""
     from fluxinductor.kernels import gemm_rs, tail_split
 
     flux_settings(tail_split_waves=str(waves))
@@ -680,6 +681,8 @@ def test_gemm_only_split_tail_split(flux_settings, config, dtype, m, k, n, parts
         # GEMM's flags; in configuration 2 its flags are the other half's.
         assert _flags_at(scratch, scratch.epoch) == second, f"call {call}"
         assert _flags_at(scratch, scratch.epoch - 1) == (first if second == 0 or config != 0 else 0), f"call {call}"
+        # The ping-pong GEMMs' claim counters (the flags' last words) are back to 0 for the next launch.
+        assert not scratch.flags[-4:].any(), f"call {call}"
 
 
 @_gpu
@@ -689,7 +692,7 @@ def test_gemm_only_split_tail_split(flux_settings, config, dtype, m, k, n, parts
                                   # 0); 24 units, 8 tail tiles in 2 parts (2)
     (2, 2500, 512, 2048, 32, 3),  # 80 or 110 units: nothing split; 2 row bands x 8 column chunks
     (4, 300, 264, 1280, 3, 4),    # 7 clusters per rank, two relay GEMMs; 10 units: 3 tail tiles in 2 parts (0)
-    (4, 300, 264, 1500, 3, 4),    # 16 units: 2 tail tiles in 3 parts (2)
+    (4, 300, 264, 1536, 3, 4),    # 16 units: 2 tail tiles in 3 parts (2)
 ])
 def test_split_tail_split_n_ranks_one_gpu(flux_settings, config, world, rows, k, n, bands, parts):
     """The split transport with its GEMMs' tails split (settings.tuning.gemm_rs_tail_split): the peer, relay and own
@@ -713,6 +716,7 @@ def test_split_tail_split_n_ranks_one_gpu(flux_settings, config, world, rows, k,
     for r, scratch in enumerate(scratches):
         assert scratch.epoch == before[r] + 3 * world, f"rank {r}: one epoch per GEMM"
         assert _flags_at(scratch, scratch.epoch) == expected, f"rank {r}"
+        assert not scratch.flags[-4:].any(), f"rank {r}: the claim counters are back to 0"
 
 
 @_gpu

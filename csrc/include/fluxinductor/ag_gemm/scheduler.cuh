@@ -89,6 +89,9 @@ struct AllGatherSchedule {
   int split_max_parts = 1;
   int split_waves = 1;
   int split_error_code = kErrorSplitTimeout;
+  // Units claimed at run time (gemm_rs/pingpong_tail_split.cuh), or nullptr: the static order.  claim[0] counts the
+  // claims, claim[1] the clusters done; both 0 before the launch, and the last cluster done sets them back to 0.
+  uint32_t* claim = nullptr;
 };
 
 // Whether a kernel of these tiles (TileShape, KernelSchedule) can split its tail here: the cooperative schedule, whose
@@ -492,6 +495,13 @@ class AllGatherTileScheduler : public cutlass::gemm::kernel::detail::PersistentT
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
     return uint64_t(unit_) + num_clusters_ * advance_count >= total_units();
   }
+
+  // For kernels that hand units out themselves (gemm_rs/pingpong_tail_split.cuh's claims): this cluster's first unit
+  // in the static order, the clusters, the units (a split tail's parts included) and any unit's work.
+  CUTLASS_DEVICE uint32_t first_unit() const { return unit_; }
+  CUTLASS_DEVICE uint32_t cluster_count() const { return num_clusters_; }
+  CUTLASS_DEVICE uint32_t unit_count() const { return uint32_t(total_units()); }
+  CUTLASS_DEVICE WorkTileInfo work_at(uint32_t unit) { return work_for_unit(unit); }
 
  private:
   // Units handed out: the full waves' tiles, then the tail's tiles times their parts.

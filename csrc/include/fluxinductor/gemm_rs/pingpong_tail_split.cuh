@@ -15,8 +15,16 @@
 // warp loads no C for it, and the warp group still takes its turn at the order barrier.  The last part of a tile (its
 // highest unit, so every part it waits for is an earlier unit on another cluster) adds them and stores.
 //
+// Units are handed out in the tile order either statically (cluster c takes units c, c + clusters, ...) or, where the
+// schedule has claim counters, as the clusters free: a split GEMM+RS pair's second GEMM takes the SMs its first GEMM
+// leaves one by one, so a static order gives the late clusters as many units as the early ones and the pair ends one
+// tile late.  Then the mainloop producer of the cluster's first CTA claims each unit (an atomic on claim[0]) and
+// publishes it in a ring in both CTAs' shared memory; every warp that walks the units (the mainloop and epilogue
+// producers, the math warps) reads the ring in order and frees the entry.  The last cluster to find the units gone
+// sets the counters back to 0 for the next launch.
+//
 // Base: the GemmUniversal of a ping-pong mainloop with the tile-order scheduler (AllGatherTileScheduler, static
-// persistent); everything but the device code is Base's.
+// persistent); everything but the device code is Base's, and its shared memory is followed by the ring.
 #pragma once
 
 #include <type_traits>
@@ -29,11 +37,55 @@
 
 namespace fluxinductor::gemm_rs_split {
 
+namespace claims {
+
+CUTLASS_DEVICE uint32_t remote_address(void const* local, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(cute::cast_smem_ptr_to_uint(local)), "r"(cta));
+  return remote;
+}
+
+// Waits for the mbarrier's phase of this parity to complete, acquiring at cluster scope (the ring's entries are
+// written by the cluster's first CTA).
+CUTLASS_DEVICE void wait(uint64_t const* barrier, uint32_t parity) {
+  uint32_t const address = cute::cast_smem_ptr_to_uint(barrier);
+  asm volatile(
+      "{\n\t.reg .pred done;\n\t"
+      "WAIT:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra WAIT;\n\t}"
+      ::"r"(address), "r"(parity) : "memory");
+}
+
+// One arrival on CTA `cta`'s copy of the barrier, releasing at cluster scope.
+CUTLASS_DEVICE void arrive(uint64_t const* barrier, uint32_t cta) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_address(barrier, cta))
+               : "memory");
+}
+
+CUTLASS_DEVICE void store(uint32_t const* word, uint32_t cta, uint32_t value) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote_address(word, cta)), "r"(value) : "memory");
+}
+
+}  // namespace claims
+
 template <class Base>
 class PingpongTailSplit : public Base {
+  // The claimed units' ring: deep enough that the producer, which runs ahead of the math warp groups by at most the
+  // mainloop's stages (a unit has at least one K tile), never waits for an entry a slower reader still holds.
+  static constexpr int kRing = 16;
+  struct ClaimStorage {
+    uint64_t full[kRing];   // per CTA: one arrival, the first CTA's publication
+    uint64_t empty[kRing];  // the first CTA's: one arrival per reading warp of every CTA of the cluster
+    uint32_t unit[kRing];
+  };
+  static constexpr int kClaimOffset = (int(Base::SharedStorageSize) + 15) / 16 * 16;
+
  public:
   using Params = typename Base::Params;
   using TileScheduler = typename Base::TileScheduler;
+  static constexpr int SharedStorageSize = kClaimOffset + int(sizeof(ClaimStorage));
+  static_assert(SharedStorageSize <= 227 * 1024, "the claims' ring must fit beside the kernel's shared memory");
   static_assert(std::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                   typename Base::DispatchPolicy::Schedule>,
                 "PingpongTailSplit takes a ping-pong GemmUniversal");
@@ -119,6 +171,20 @@ class PingpongTailSplit : public Base {
     auto epi_load_write = cutlass::make_producer_start_state<EpiLoadPipeline>();
     auto epi_store_write = cutlass::make_producer_start_state<EpiStorePipeline>();
 
+    auto& ring = *reinterpret_cast<ClaimStorage*>(smem_buf + kClaimOffset);
+    ag_gemm::AllGatherSchedule const& schedule = params.scheduler.schedule;
+    bool const dynamic = schedule.claim != nullptr;
+    bool const loads_c = CollectiveEpilogue(params.epilogue, shared.tensors.epilogue).is_producer_load_needed();
+    // Reading warps per CTA: the mainloop producer, the epilogue's (where it loads C), 4 per math warp group.
+    uint32_t const readers = (1 + (loads_c ? 1 : 0) + 8) * uint32_t(size(ClusterShape{}));
+    if (dynamic && warp == 0 && cute::elect_one_sync()) {
+      for (int e = 0; e < kRing; ++e) {
+        cutlass::arch::ClusterBarrier::init(&ring.full[e], 1);
+        cutlass::arch::ClusterBarrier::init(&ring.empty[e], readers);
+      }
+      cutlass::arch::fence_barrier_init();
+    }
+
     // The pipelines' barriers must be initialized in every CTA of the cluster before any CTA uses them.
     if constexpr (size(ClusterShape{}) > 1) {
       cute::cluster_arrive_relaxed();
@@ -145,18 +211,58 @@ class PingpongTailSplit : public Base {
     };
 
     TileScheduler scheduler{params.scheduler};
-    auto work = scheduler.initial_work_tile_info(ClusterShape{});
+    uint32_t const first = scheduler.first_unit();
+    uint32_t const clusters = scheduler.cluster_count();
+    uint32_t const units = scheduler.unit_count();
 
     if constexpr (size(ClusterShape{}) > 1) {
       cute::cluster_wait();
     }
 
+    // The CTA's i-th unit, read by a whole warp (each role walks i = 0, 1, ... and stops at the first past the
+    // units).  Claimed: the cluster's first CTA's mainloop warp claims and publishes entry i first.
+    bool const claims_units = dynamic && is_mainloop_warp && block_rank_in_cluster == 0;
+    auto unit_of = [&](uint32_t i) -> uint32_t {
+      if (!dynamic) {
+        return first + i * clusters;
+      }
+      int const e = int(i % kRing);
+      if (claims_units) {
+        if (lane == 0) {
+          if (i >= uint32_t(kRing)) {
+            claims::wait(&ring.empty[e], (i / kRing - 1) & 1);
+          }
+          uint32_t const unit = atomicAdd(schedule.claim, 1u);
+          for (uint32_t cta = 0; cta < uint32_t(size(ClusterShape{})); ++cta) {
+            claims::store(&ring.unit[e], cta, unit);
+            claims::arrive(&ring.full[e], cta);
+          }
+          // The last cluster to find the units gone: no claim comes after it, so the counters start at 0 next time.
+          if (unit >= units && atomicAdd(schedule.claim + 1, 1u) == clusters - 1) {
+            atomicExch(schedule.claim, 0u);
+            atomicExch(schedule.claim + 1, 0u);
+          }
+        }
+        __syncwarp();
+      }
+      claims::wait(&ring.full[e], (i / kRing) & 1);
+      uint32_t const unit = *reinterpret_cast<uint32_t const volatile*>(&ring.unit[e]);
+      __syncwarp();
+      if (lane == 0) {
+        claims::arrive(&ring.empty[e], 0);
+      }
+      return unit;
+    };
+
     if (is_producer) {
       cutlass::arch::warpgroup_reg_dealloc<Base::LoadRegisterRequirement>();
       if (is_mainloop_warp) {
         cutlass::arch::wait_on_dependent_grids();
-        bool first = true;
-        while (work.is_valid()) {
+        for (uint32_t i = 0;; ++i) {
+          auto work = scheduler.work_at(unit_of(i));
+          if (!work.is_valid()) {
+            break;
+          }
           int const count = k_tiles(work);
           auto k_tile_iter =
               make_coord_iterator(idx2crd(int(TileScheduler::get_work_k_tile_start(work)), shape<3>(gA_mkl)),
@@ -165,28 +271,28 @@ class PingpongTailSplit : public Base {
                                    block_coord(work), k_tile_iter, count, lane, block_rank_in_cluster,
                                    shared.tensors.mainloop);
           mainloop_write.advance(count);
-          if (first) {
+          if (i == 0) {
             load_order.arrive();
-            first = false;
           }
-          scheduler.advance_to_next_work();
-          work = scheduler.get_current_work();
         }
+#if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
+        cutlass::arch::launch_dependent_grids();  // every unit is handed out
+#endif
         collective_mainloop.load_tail(mainloop_pipeline, mainloop_write);
-      } else if (warp_in_group == kEpilogueWarp && collective_epilogue.is_producer_load_needed()) {
+      } else if (warp_in_group == kEpilogueWarp && loads_c) {
         cutlass::arch::wait_on_dependent_grids();
-        bool first = true;
-        while (work.is_valid()) {
-          if (first) {
+        for (uint32_t i = 0;; ++i) {
+          auto work = scheduler.work_at(unit_of(i));
+          if (!work.is_valid()) {
+            break;
+          }
+          if (i == 0) {
             load_order.wait();
-            first = false;
           }
           if (TileScheduler::compute_epilogue(work, params.scheduler)) {
             epi_load_write = collective_epilogue.load(epi_load_pipeline, epi_load_write, problem_mnkl, tile_shape,
                                                       block_coord(work), tiled_mma, lane, shared.tensors.epilogue);
           }
-          scheduler.advance_to_next_work();
-          work = scheduler.get_current_work();
         }
         collective_epilogue.load_tail(epi_load_pipeline, epi_load_write);
       }
@@ -195,29 +301,24 @@ class PingpongTailSplit : public Base {
 
     cutlass::arch::warpgroup_reg_alloc<Base::MmaRegisterRequirement>();
     int const consumer = group - 1;
-#if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
-    if (!work.is_valid()) {
-      cutlass::arch::launch_dependent_grids();
-      return;
-    }
-#endif
     // Steps the read positions past a unit the other math warp group runs.
     auto pass_over = [&](auto const& other) {
-      if (!other.is_valid()) {
-        return;
-      }
       mainloop_read.advance(k_tiles(other));
       if (TileScheduler::compute_epilogue(other, params.scheduler)) {
         epi_load_read.advance(epi_load_tiles);
         epi_store_write.advance(epi_store_tiles);
       }
     };
-    if (consumer == 1) {  // the CTA's second unit: after the first one's
-      pass_over(work);
-      scheduler.advance_to_next_work();
-      work = scheduler.get_current_work();
-    }
-    while (work.is_valid()) {
+    // The math warp groups take the CTA's units in turn: 0 the even ones, 1 the odd ones.
+    for (uint32_t i = 0;; ++i) {
+      auto work = scheduler.work_at(unit_of(i));
+      if (!work.is_valid()) {
+        break;
+      }
+      if (int(i & 1) != consumer) {
+        pass_over(work);
+        continue;
+      }
       int const count = k_tiles(work);
       Tensor accumulators = partition_fragment_C(tiled_mma, take<0, 2>(tile_shape));
       math_order.wait();
@@ -227,7 +328,7 @@ class PingpongTailSplit : public Base {
       collective_mainloop.mma_tail(mainloop_pipeline, mainloop_read, count);
       mainloop_read.advance(count);
 #if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
-      if (scheduler.is_last_tile(work, Base::NumMmaWarpGroups)) {
+      if (!dynamic && first + (i + 2) * clusters >= units) {  // this warp group's last unit
         cutlass::arch::launch_dependent_grids();
       }
 #endif
@@ -246,11 +347,10 @@ class PingpongTailSplit : public Base {
         epi_store_write = store_after;
       }
       math_order.arrive();
-      scheduler.advance_to_next_work();
-      pass_over(scheduler.get_current_work());
-      scheduler.advance_to_next_work();
-      work = scheduler.get_current_work();
     }
+#if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
+    cutlass::arch::launch_dependent_grids();
+#endif
 #else
     if (threadIdx.x == 0 && blockIdx.x == 0) {
       printf("PingpongTailSplit needs sm90a\n");

@@ -358,6 +358,9 @@ int run_split_gemm(SplitGemmParams const& p, void* stream_ptr, std::string* erro
       schedule.split_error_code = p.split_error_code;
       schedule.timeout_ns = p.timeout_ns;
       schedule.error_word = p.error;
+      if constexpr (is_pingpong<typename Config::Tiles>()) {
+        schedule.claim = p.claim;
+      }
     }
   }
 
