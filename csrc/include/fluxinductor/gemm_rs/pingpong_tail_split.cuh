@@ -261,6 +261,11 @@ class PingpongTailSplit : public Base {
         for (uint32_t i = 0;; ++i) {
           auto work = scheduler.work_at(unit_of(i));
           if (!work.is_valid()) {
+            // The other CTA's warps arrive on this CTA's barriers: it stays until the last of them, on this entry.
+            if (claims_units && lane == 0) {
+              claims::wait(&ring.empty[i % kRing], (i / kRing) & 1);
+            }
+            __syncwarp();
             break;
           }
           int const count = k_tiles(work);
