@@ -222,6 +222,10 @@ class PingpongTailSplit : public Base {
     // The CTA's i-th unit, read by a whole warp (each role walks i = 0, 1, ... and stops at the first past the
     // units).  Claimed: the cluster's first CTA's mainloop warp claims and publishes entry i first.
     bool const claims_units = dynamic && is_mainloop_warp && block_rank_in_cluster == 0;
+    // The claimer publishes one entry ahead of its own reads, so a claim's round trip is not between a unit's last
+    // loads and the next one's first; it stops after the first claim past the units.
+    uint32_t published = 0;
+    bool exhausted = false;
     auto unit_of = [&](uint32_t i) -> uint32_t {
       if (!dynamic) {
         return first + i * clusters;
@@ -229,18 +233,23 @@ class PingpongTailSplit : public Base {
       int const e = int(i % kRing);
       if (claims_units) {
         if (lane == 0) {
-          if (i >= uint32_t(kRing)) {
-            claims::wait(&ring.empty[e], (i / kRing - 1) & 1);
-          }
-          uint32_t const unit = atomicAdd(schedule.claim, 1u);
-          for (uint32_t cta = 0; cta < uint32_t(size(ClusterShape{})); ++cta) {
-            claims::store(&ring.unit[e], cta, unit);
-            claims::arrive(&ring.full[e], cta);
-          }
-          // The last cluster to find the units gone: no claim comes after it, so the counters start at 0 next time.
-          if (unit >= units && atomicAdd(schedule.claim + 1, 1u) == clusters - 1) {
-            atomicExch(schedule.claim, 0u);
-            atomicExch(schedule.claim + 1, 0u);
+          while (!exhausted && published <= i + 1) {
+            int const p = int(published % kRing);
+            if (published >= uint32_t(kRing)) {
+              claims::wait(&ring.empty[p], (published / kRing - 1) & 1);
+            }
+            uint32_t const unit = atomicAdd(schedule.claim, 1u);
+            for (uint32_t cta = 0; cta < uint32_t(size(ClusterShape{})); ++cta) {
+              claims::store(&ring.unit[p], cta, unit);
+              claims::arrive(&ring.full[p], cta);
+            }
+            ++published;
+            exhausted = unit >= units;
+            // The last cluster to find the units gone: no claim comes after it, so the counters start at 0 next time.
+            if (exhausted && atomicAdd(schedule.claim + 1, 1u) == clusters - 1) {
+              atomicExch(schedule.claim, 0u);
+              atomicExch(schedule.claim + 1, 0u);
+            }
           }
         }
         __syncwarp();
