@@ -92,8 +92,9 @@ bool variant_stores_a(Variant variant);
 
 // The tail split's scratch for a grid of sm_count CTAs (0: all SMs) whose split tail runs in up to `waves` waves:
 // floats, and flags.  Each slot holds one CTA tile of fp32 accumulators, at most kMaxTailTileElements (the split is
-// off for larger tiles).  The flags end with kTailClaimWords words that no part's flag takes: the split GEMM+RS
-// ping-pong GEMMs' claim counters (two per GEMM, for the two GEMMs that may run at once; gemm_rs.cu set_tail_split).
+// off for larger tiles).  The flags begin with kTailClaimWords words that no part's flag takes (set_tail_split starts
+// the parts' after them), wherever the scratch was sized for more waves: the split GEMM+RS ping-pong GEMMs' claim
+// counters (two per GEMM, for the two GEMMs that may run at once; gemm_rs.cu set_tail_split).
 constexpr int kMaxTailTileElements = 128 * 256;
 constexpr int kTailClaimWords = 4;
 int64_t tail_split_scratch_floats(int sm_count, int waves = 1);

@@ -479,7 +479,7 @@ gemm_rs_split::SplitGemmParams split_gemm_params(GemmRsArgs const& args, int con
 // most 128 x 192 floats, with tail x parts <= waves x clusters) fill at most half the scratch (ag_gemm.h sizes it for
 // slots of 128 x 256): the first GEMM takes one half, the last the other, and the relay GEMMs between split nothing
 // (split.cuh RelayGemm), so every GEMM keeps its programmatic launch.  The first and the last GEMM also claim their
-// units at run time, each with its own counters at the end of the flags (ag_gemm.h kTailClaimWords).
+// units at run time, each with its own counters at the start of the flags (ag_gemm.h kTailClaimWords).
 void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args, int index, int gemms) {
   if (args.tail_split_parts < 2 || args.tail_split_partials == nullptr || args.tail_split_flags == nullptr) {
     return;
@@ -495,7 +495,7 @@ void set_tail_split(gemm_rs_split::SplitGemmParams* gemm, GemmRsArgs const& args
     int64_t const part_flags =
         ag_gemm::tail_split_flag_count(args.sm_count, args.tail_split_waves) - ag_gemm::kTailClaimWords;
     bool const last = index == gemms - 1;
-    gemm->claim = args.tail_split_flags + part_flags + (last ? 2 : 0);  // zero between launches (the kernel resets)
+    gemm->claim = args.tail_split_flags + (last ? 2 : 0);  // zero between launches (the kernel resets them)
     if (last) {
       gemm->split_partials += ag_gemm::tail_split_scratch_floats(args.sm_count, args.tail_split_waves) / 2;
       gemm->split_flags += part_flags / 2;

@@ -681,8 +681,8 @@ def test_gemm_only_split_tail_split(flux_settings, config, dtype, m, k, n, parts
         # GEMM's flags; in configuration 2 its flags are the other half's.
         assert _flags_at(scratch, scratch.epoch) == second, f"call {call}"
         assert _flags_at(scratch, scratch.epoch - 1) == (first if second == 0 or config != 0 else 0), f"call {call}"
-        # The ping-pong GEMMs' claim counters (the flags' last words) are back to 0 for the next launch.
-        assert not scratch.flags[-4:].any(), f"call {call}"
+        # The ping-pong GEMMs' claim counters (the flags' first words) are back to 0 for the next launch.
+        assert not scratch.flags[:4].any(), f"call {call}"
 
 
 @_gpu
@@ -716,7 +716,7 @@ def test_split_tail_split_n_ranks_one_gpu(flux_settings, config, world, rows, k,
     for r, scratch in enumerate(scratches):
         assert scratch.epoch == before[r] + 3 * world, f"rank {r}: one epoch per GEMM"
         assert _flags_at(scratch, scratch.epoch) == expected, f"rank {r}"
-        assert not scratch.flags[-4:].any(), f"rank {r}: the claim counters are back to 0"
+        assert not scratch.flags[:4].any(), f"rank {r}: the claim counters are back to 0"
 
 
 @_gpu

@@ -111,7 +111,7 @@ inline void set_tail_split(AllGatherSchedule& schedule, float* partials, uint32_
     return;
   }
   schedule.split_partials = partials;
-  schedule.split_flags = flags;
+  schedule.split_flags = flags + kTailClaimWords;  // the first words are claim counters, no part's (ag_gemm.h)
   schedule.split_epoch = epoch;
   schedule.split_max_parts = parts;
   schedule.split_waves = waves > 1 ? waves : 1;
