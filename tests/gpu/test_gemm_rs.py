@@ -669,13 +669,12 @@ def test_gemm_only_split_tail_split(flux_settings, dtype, m, k, n, parts, waves,
 
 
 @_gpu
-@pytest.mark.parametrize("pdl", ["1", "0"])
 @pytest.mark.parametrize("world,rows,k,n,bands,parts", [
     (2, 1000, 776, 1032, 4, 4),   # 16 clusters per rank, 20 units per GEMM: 4 tail tiles in 4 parts
     (2, 2500, 512, 2048, 32, 3),  # 16 clusters, 80 units: no tail (nothing split), 2 row bands x 8 column chunks
     (4, 300, 264, 1280, 3, 4),    # 7 clusters per rank, 10 units: 3 tail tiles in 2 parts; two relay GEMMs
 ])
-def test_split_tail_split_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, parts, pdl):
+def test_split_tail_split_n_ranks_one_gpu(flux_settings, world, rows, k, n, bands, parts):
     """The split transport with its GEMMs' tails split (settings.tuning.gemm_rs_tail_split): the peer, relay and own
     GEMMs' split tiles beside the band counting, the per-band waits and the source C, every simulated rank with its
     own stream and scratch; the GEMMs run one after another, not as programmatic dependents."""
