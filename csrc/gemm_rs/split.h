@@ -24,7 +24,8 @@ struct SplitTiling {
 // 128x192, cluster 2x1, groups of 8, whose two math warp groups take turns, one's epilogue under the other's MMAs
 // (bf16 only; the cost model's table picks 0 or 2 per shape, GemmRsArgs::split_config).  Tuning builds
 // (-DFLUXINDUCTOR_KERNEL_TUNING) add 1: ping-pong 64x256, cluster 2x1, groups of 16 cluster rows (K-major weights).
-constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}, {128, 192, 2, 8}};
+constexpr SplitTiling kSplitTilings[] = {{128, 256, 2, 8}, {64, 256, 2, 16}, {128, 192, 2, 8}, {128, 160, 2, 8},
+                                         {128, 144, 2, 8}, {128, 128, 2, 8}};
 constexpr int kSplitConfigs = int(sizeof(kSplitTilings) / sizeof(kSplitTilings[0]));
 
 // D [rows, n] (row stride ldd) = beta * C + alpha * (A [rows, k] @ B) + bias; B K-major (the transposed nn.Linear

@@ -65,6 +65,21 @@ using Pingpong128x192Cluster2x1 = TileConfig<             // a split GEMM+RS tun
     cute::Shape<cute::_2, cute::_1, cute::_1>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong,
     cutlass::epilogue::TmaWarpSpecialized>;
+using Pingpong128x160Cluster2x1 = TileConfig<
+    cute::Shape<cute::_128, cute::_160, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized>;
+using Pingpong128x144Cluster2x1 = TileConfig<
+    cute::Shape<cute::_128, cute::_144, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized>;
+using Pingpong128x128Cluster2x1 = TileConfig<
+    cute::Shape<cute::_128, cute::_128, cute::_64>,
+    cute::Shape<cute::_2, cute::_1, cute::_1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized>;
 using Pingpong128x128Cluster1x2 = TileConfig<
     cute::Shape<cute::_128, cute::_128, cute::_64>,
     cute::Shape<cute::_1, cute::_2, cute::_1>,

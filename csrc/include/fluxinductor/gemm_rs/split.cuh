@@ -223,6 +223,12 @@ template <>
 struct SplitTiles<1> : ag_gemm::Pingpong64x256Cluster2x1 {};
 template <>
 struct SplitTiles<2> : ag_gemm::Pingpong128x192Cluster2x1 {};
+template <>
+struct SplitTiles<3> : ag_gemm::Pingpong128x160Cluster2x1 {};
+template <>
+struct SplitTiles<4> : ag_gemm::Pingpong128x144Cluster2x1 {};
+template <>
+struct SplitTiles<5> : ag_gemm::Pingpong128x128Cluster2x1 {};
 
 template <int Config>
 constexpr bool tiling_matches() {
@@ -232,7 +238,8 @@ constexpr bool tiling_matches() {
          cute::size<1>(typename Tiles::TileShape{}) == t.tile_n &&
          cute::size<0>(typename Tiles::ClusterShape{}) == t.cluster_m;
 }
-static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() && kSplitConfigs == 3,
+static_assert(tiling_matches<0>() && tiling_matches<1>() && tiling_matches<2>() && tiling_matches<3>() &&
+              tiling_matches<4>() && tiling_matches<5>() && kSplitConfigs == 6,
               "gemm_rs/split.h's tilings (the launcher's band arithmetic) must be the kernels' tiles");
 static_assert(kMaxMoreSlabs == kMaxKSlabs - 1, "gemm_rs/split.h's slabs must be the mainloop's");
 
@@ -429,6 +436,15 @@ int run_split_kind(SplitGemmParams const& p, void* stream, std::string* error_me
   }
   if (p.config == 2 && p.dtype == 0) {
     return run_split_layout<Kind, bfloat16_t, 2>(p, stream, error_message);
+  }
+  if (p.config == 3 && p.dtype == 0 && p.b_k_major) {
+    return run_split_gemm<Kind<bfloat16_t, 3, cutlass::layout::ColumnMajor>, bfloat16_t>(p, stream, error_message);
+  }
+  if (p.config == 4 && p.dtype == 0 && p.b_k_major) {
+    return run_split_gemm<Kind<bfloat16_t, 4, cutlass::layout::ColumnMajor>, bfloat16_t>(p, stream, error_message);
+  }
+  if (p.config == 5 && p.dtype == 0 && p.b_k_major) {
+    return run_split_gemm<Kind<bfloat16_t, 5, cutlass::layout::ColumnMajor>, bfloat16_t>(p, stream, error_message);
   }
 #if defined(FLUXINDUCTOR_KERNEL_TUNING)
   using KMajor = cutlass::layout::ColumnMajor;  // configuration 1 is built for K-major weights only
