@@ -226,6 +226,10 @@ class PingpongTailSplit : public Base {
     // loads and the next one's first; it stops after the first claim past the units.
     uint32_t published = 0;
     bool exhausted = false;
+    // The claim of entry `published`, issued one entry earlier and not read until now: the atomic's round trip runs
+    // under a unit's loads instead of between them.
+    uint32_t pending = 0;
+    bool has_pending = false;
     auto unit_of = [&](uint32_t i) -> uint32_t {
       if (!dynamic) {
         return first + i * clusters;
@@ -238,13 +242,20 @@ class PingpongTailSplit : public Base {
             if (published >= uint32_t(kRing)) {
               claims::wait(&ring.empty[p], (published / kRing - 1) & 1);
             }
-            uint32_t const unit = atomicAdd(schedule.claim, 1u);
+            uint32_t const unit = has_pending ? pending : atomicAdd(schedule.claim, 1u);
+            exhausted = unit >= units;
+            has_pending = !exhausted;
+            if (has_pending) {
+              pending = atomicAdd(schedule.claim, 1u);
+            }
             for (uint32_t cta = 0; cta < uint32_t(size(ClusterShape{})); ++cta) {
               claims::store(&ring.unit[p], cta, unit);
               claims::arrive(&ring.full[p], cta);
             }
             ++published;
-            exhausted = unit >= units;
+            if (exhausted) {
+              __threadfence();  // this cluster's claims (all read by now) before its count of the clusters done
+            }
             // The last cluster to find the units gone: no claim comes after it, so the counters start at 0 next time.
             if (exhausted && atomicAdd(schedule.claim + 1, 1u) == clusters - 1) {
               atomicExch(schedule.claim, 0u);
