@@ -63,6 +63,12 @@ CUTLASS_DEVICE void arrive(uint64_t const* barrier, uint32_t cta) {
                : "memory");
 }
 
+// One arrival on CTA `cta`'s copy of the barrier with the default semantics (as CUTLASS's pipelines free a stage): a
+// reader's "entry read", whose value it already holds.
+CUTLASS_DEVICE void arrive_freed(uint64_t const* barrier, uint32_t cta) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote_address(barrier, cta)) : "memory");
+}
+
 CUTLASS_DEVICE void store(uint32_t const* word, uint32_t cta, uint32_t value) {
   asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote_address(word, cta)), "r"(value) : "memory");
 }
@@ -78,6 +84,7 @@ class PingpongTailSplit : public Base {
     uint64_t full[kRing];   // per CTA: one arrival, the first CTA's publication
     uint64_t empty[kRing];  // the first CTA's: one arrival per reading warp of every CTA of the cluster
     uint32_t unit[kRing];
+    uint32_t producer_reads;  // the first CTA's: entries its mainloop producer has read
   };
   static constexpr int kClaimOffset = (int(Base::SharedStorageSize) + 15) / 16 * 16;
 
@@ -182,6 +189,8 @@ class PingpongTailSplit : public Base {
         cutlass::arch::ClusterBarrier::init(&ring.full[e], 1);
         cutlass::arch::ClusterBarrier::init(&ring.empty[e], readers);
       }
+      *reinterpret_cast<uint32_t volatile*>(&ring.producer_reads) = 0;
+      __threadfence_block();
       cutlass::arch::fence_barrier_init();
     }
 
@@ -220,56 +229,24 @@ class PingpongTailSplit : public Base {
     }
 
     // The CTA's i-th unit, read by a whole warp (each role walks i = 0, 1, ... and stops at the first past the
-    // units).  Claimed: the cluster's first CTA's mainloop warp claims and publishes entry i first.
-    bool const claims_units = dynamic && is_mainloop_warp && block_rank_in_cluster == 0;
-    // The claimer publishes one entry ahead of its own reads, so a claim's round trip is not between a unit's last
-    // loads and the next one's first; it stops after the first claim past the units.
-    uint32_t published = 0;
-    bool exhausted = false;
-    // The claim of entry `published`, issued one entry earlier and not read until now: the atomic's round trip runs
-    // under a unit's loads instead of between them.
-    uint32_t pending = 0;
-    bool has_pending = false;
+    // units).  Claimed: a warp of its own in the cluster's first CTA (the producer warp group's warp 1) claims each
+    // entry and publishes it, at most two entries past the mainloop producer's reads, so a claim's round trip is off
+    // every path that loads or computes.
+    bool const claimer = dynamic && is_producer && warp_in_group == 1 && block_rank_in_cluster == 0;
+    bool const counts_reads = dynamic && is_mainloop_warp && block_rank_in_cluster == 0;
     auto unit_of = [&](uint32_t i) -> uint32_t {
       if (!dynamic) {
         return first + i * clusters;
       }
       int const e = int(i % kRing);
-      if (claims_units) {
-        if (lane == 0) {
-          while (!exhausted && published <= i + 1) {
-            int const p = int(published % kRing);
-            if (published >= uint32_t(kRing)) {
-              claims::wait(&ring.empty[p], (published / kRing - 1) & 1);
-            }
-            uint32_t const unit = has_pending ? pending : atomicAdd(schedule.claim, 1u);
-            exhausted = unit >= units;
-            has_pending = !exhausted;
-            if (has_pending) {
-              pending = atomicAdd(schedule.claim, 1u);
-            }
-            for (uint32_t cta = 0; cta < uint32_t(size(ClusterShape{})); ++cta) {
-              claims::store(&ring.unit[p], cta, unit);
-              claims::arrive(&ring.full[p], cta);
-            }
-            ++published;
-            if (exhausted) {
-              __threadfence();  // this cluster's claims (all read by now) before its count of the clusters done
-            }
-            // The last cluster to find the units gone: no claim comes after it, so the counters start at 0 next time.
-            if (exhausted && atomicAdd(schedule.claim + 1, 1u) == clusters - 1) {
-              atomicExch(schedule.claim, 0u);
-              atomicExch(schedule.claim + 1, 0u);
-            }
-          }
-        }
-        __syncwarp();
-      }
       claims::wait(&ring.full[e], (i / kRing) & 1);
       uint32_t const unit = *reinterpret_cast<uint32_t const volatile*>(&ring.unit[e]);
       __syncwarp();
       if (lane == 0) {
-        claims::arrive(&ring.empty[e], 0);
+        claims::arrive_freed(&ring.empty[e], 0);
+        if (counts_reads) {
+          *reinterpret_cast<uint32_t volatile*>(&ring.producer_reads) = i + 1;
+        }
       }
       return unit;
     };
@@ -281,11 +258,6 @@ class PingpongTailSplit : public Base {
         for (uint32_t i = 0;; ++i) {
           auto work = scheduler.work_at(unit_of(i));
           if (!work.is_valid()) {
-            // The other CTA's warps arrive on this CTA's barriers: it stays until the last of them, on this entry.
-            if (claims_units && lane == 0) {
-              claims::wait(&ring.empty[i % kRing], (i / kRing) & 1);
-            }
-            __syncwarp();
             break;
           }
           int const count = k_tiles(work);
@@ -304,6 +276,35 @@ class PingpongTailSplit : public Base {
         cutlass::arch::launch_dependent_grids();  // every unit is handed out
 #endif
         collective_mainloop.load_tail(mainloop_pipeline, mainloop_write);
+      } else if (claimer) {
+        if (lane == 0) {
+          uint32_t p = 0;
+          for (;; ++p) {
+            while (*reinterpret_cast<uint32_t const volatile*>(&ring.producer_reads) + 1 < p) {
+              __nanosleep(128);  // off the math warps' issue slots
+            }
+            if (p >= uint32_t(kRing)) {
+              claims::wait(&ring.empty[p % kRing], (p / kRing - 1) & 1);
+            }
+            uint32_t const unit = atomicAdd(schedule.claim, 1u);
+            for (uint32_t cta = 0; cta < uint32_t(size(ClusterShape{})); ++cta) {
+              claims::store(&ring.unit[p % kRing], cta, unit);
+              claims::arrive(&ring.full[p % kRing], cta);
+            }
+            if (unit >= units) {
+              break;
+            }
+          }
+          // The last cluster to find the units gone: no claim comes after it, so the counters start at 0 next time.
+          __threadfence();
+          if (atomicAdd(schedule.claim + 1, 1u) == clusters - 1) {
+            atomicExch(schedule.claim, 0u);
+            atomicExch(schedule.claim + 1, 0u);
+          }
+          // The other CTA's warps arrive on this CTA's barriers: it stays until the last of them, on this entry.
+          claims::wait(&ring.empty[p % kRing], (p / kRing) & 1);
+        }
+        __syncwarp();
       } else if (warp_in_group == kEpilogueWarp && loads_c) {
         cutlass::arch::wait_on_dependent_grids();
         for (uint32_t i = 0;; ++i) {
