@@ -239,7 +239,7 @@ class PingpongTailSplit : public Base {
         return first + i * clusters;
       }
       int const e = int(i % kRing);
-      claims::wait(&ring.full[e], (i / kRing) & 1);
+      cutlass::arch::ClusterBarrier::wait(&ring.full[e], (i / kRing) & 1);  // CUTLASS's pipelines' wait
       uint32_t const unit = *reinterpret_cast<uint32_t const volatile*>(&ring.unit[e]);
       __syncwarp();
       if (lane == 0) {
