@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", required=True, help="per-rank M,K,N;M,K,N")
     p.add_argument("--tail-splits", default="1,4")
-    p.add_argument("--split-config", type=int, default=2)
+    p.add_argument("--split-config", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
