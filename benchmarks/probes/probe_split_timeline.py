@@ -4,10 +4,10 @@
     python3 benchmarks/probes/probe_split_timeline.py --shapes "4096,4096,8192;16384,2048,4096" --out t.json
 
 Per-rank problems (M, K, N): ``gemm_only(split=True)`` runs the peer GEMM over rows [0, M/2) and the own GEMM over
-[M/2, M) as a programmatic dependent.  For each ``--tail-splits`` value (alternated, ``--rounds`` times), 10 calls
-behind a GPU sleep under the profiler; per call, from the peer GEMM's start: its end, the own GEMM's start (when the
-first of the peer's CTAs has left an SM) and the own GEMM's end, medians in µs; beside them cuBLAS's time for the
-whole problem (CUDA events).
+[M/2, M), in configuration 2 as a programmatic dependent (``--split-config``; the tail split is configuration 0's).
+For each ``--tail-splits`` value (alternated, ``--rounds`` times), 10 calls behind a GPU sleep under the profiler; per
+call, from the peer GEMM's start: its end, the own GEMM's start (in configuration 2, when the first of the peer's CTAs
+has left an SM) and the own GEMM's end, medians in µs; beside them cuBLAS's time for the whole problem (CUDA events).
 """
 
 from __future__ import annotations
