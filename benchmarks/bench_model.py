@@ -132,6 +132,7 @@ from harness import (
     cell,
     environment,
     exit_now,
+    output_prefix,
     parse_tuning,
     settle as settle_turns,
     time_iterations,
@@ -846,7 +847,7 @@ def _gain_cell_from(v: dict) -> str:
 
 def build_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output prefix: writes <out>.json")
+    p.add_argument("--out", required=True, help="output prefix: writes <out>.json (a path ending in .json names that file)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
@@ -1022,7 +1023,7 @@ def main(argv=None) -> int:
         "results": [],
         "rounds": [],
     }
-    out_json = os.path.abspath(args.out + ".json")
+    out_json = os.path.abspath(output_prefix(args.out) + ".json")
 
     def log(msg: str) -> None:
         if ctx.rank == 0:

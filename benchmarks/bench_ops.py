@@ -85,6 +85,7 @@ from harness import (
     cell,
     environment,
     exit_now,
+    output_prefix,
     parse_tuning,
     per_rank_summary,
     settle as settle_turns,
@@ -477,7 +478,7 @@ def parse_work(spec: Optional[str], default: Sequence[Tuple[int, int, int]],
 
 def build_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output prefix: writes <out>.json and <out>.png")
+    p.add_argument("--out", required=True, help="output prefix: writes <out>.json and <out>.png (a path ending in .json names the JSON)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
@@ -558,7 +559,7 @@ def main(argv=None) -> int:
         entry = {"op": OP_LABEL[op], "op_key": op, "M": m, "K": k, "N": n, "contenders": {}}
         by_key[(op, (m, k, n))] = entry
         data["results"].append(entry)
-    out_json = os.path.abspath(args.out + ".json")
+    out_json = os.path.abspath(output_prefix(args.out) + ".json")
     tol = TOLERANCE[ctx.dtype]
     data["tolerance"] = tol
 
@@ -572,7 +573,7 @@ def main(argv=None) -> int:
                 derive(entry)
             write_json(out_json, data)
 
-    progress = os.path.abspath(args.out + ".progress")
+    progress = os.path.abspath(output_prefix(args.out) + ".progress")
     if ctx.rank == 0:
         os.makedirs(os.path.dirname(progress), exist_ok=True)
         if os.path.exists(progress):
@@ -653,7 +654,7 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 messages.append(f"tuning table NOT written: {type(e).__name__}: {e}")
         if not args.no_plot:
-            messages.append(try_plot(data, os.path.abspath(args.out + ".png")))
+            messages.append(try_plot(data, os.path.abspath(output_prefix(args.out) + ".png")))
         unavailable = sorted({f"{name}: {rec['error']}" for r in data["results"]
                               for name, rec in r["contenders"].items() if rec.get("error")})
         for line in notes + [f"not measured: {u[:300]}" for u in unavailable] + messages:

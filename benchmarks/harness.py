@@ -48,6 +48,12 @@ def git_sha() -> Tuple[Optional[str], Optional[bool]]:
     return os.environ.get("FLUXINDUCTOR_GIT_SHA") or None, None
 
 
+def output_prefix(out: str) -> str:
+    """An ``--out`` prefix (the scripts write ``<prefix>.json`` and more): a path ending in ``.json`` names the JSON
+    itself, so ``x.json`` writes ``x.json``, not ``x.json.json``."""
+    return out[: -len(".json")] if out.endswith(".json") else out
+
+
 def sanitize(o):
     """``o`` with inf/nan (not JSON) as strings and every dict key a string."""
     if isinstance(o, float) and not math.isfinite(o):

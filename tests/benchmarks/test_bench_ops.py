@@ -25,15 +25,16 @@ UNAVAILABLE_ON_CPU = ("asynctp", "fused", "fused_copy", "fused_split", "fused_sp
 
 
 def _run(tmp_path, world: int, extra=()):
-    out = tmp_path / "ops_cpu"
+    out = tmp_path / "ops_cpu"  # passed as ops_cpu.json, which names the JSON itself (harness.output_prefix)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLUXINDUCTOR_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUXINDUCTOR_GIT_SHA="test-sha",
                FLUXINDUCTOR_TUNING_DIR=str(tmp_path / "tuning"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", SCRIPT,
-           "--device", "cpu", "--quick", "--warmup", "1", "--iters", "3", "--out", str(out),
+           "--device", "cpu", "--quick", "--warmup", "1", "--iters", "3", "--out", str(out) + ".json",
            "--emit-tuning", str(tmp_path / "tuning" / "{device_key}_tp{world}.json"), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"bench_ops failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert not os.path.exists(str(out) + ".json.json")
     with open(str(out) + ".json") as f:
         return json.load(f), proc.stdout, out
 
