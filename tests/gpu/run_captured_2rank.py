@@ -11,7 +11,7 @@ Checks (each rank asserts; a failure exits non-zero):
   * torch.compile(mode="reduce-overhead") of a sequence-parallel block: replays match eager.
 Prints "CAPTURED CHECKS PASSED" on each rank.
 
-    FLUXINDUCTOR_DISPATCH=fused torchrun --nproc-per-node 2 tests/gpu/run_captured_2rank.py [--gemm-rs-push split]
+    torchrun --nproc-per-node 2 tests/gpu/run_captured_2rank.py [--gemm-rs-push split]   (dispatch: fused)
 """
 
 from __future__ import annotations
@@ -140,7 +140,9 @@ def main():
     args = parser.parse_args()
     from fluxinductor import settings
 
-    settings.configure(cuda_graphs=True)  # the kernels run under torch.cuda.graph captures too
+    # The kernels run under torch.cuda.graph captures too, and every call takes them: under `auto` this check's small
+    # shapes would run NCCL then cuBLAS, and the split transport is captured only after an eager split call.
+    settings.configure(cuda_graphs=True, dispatch="fused")
     settings.set_tuning(gemm_rs_push=args.gemm_rs_push)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
