@@ -78,6 +78,8 @@ def check_correctness(group_name, device, rank, world):
         assert not out.isnan().any(), f"case {i}: NaN left in the output"
         assert err <= 1e-2, f"case {i} {(m, k, n, dtype, k_major, with_bias, op)}: rel err {err}"
         log(f"case {i} m={m} k={k} n={n} {dtype} k_major={k_major} bias={with_bias} {op}: rel err {err:.2e}")
+    from fluxinductor.kernels.gemm_rs_split import float_result_reason
+
     # Autocast's fp32 reduction of bf16 (fp16) partials (out_dtype): the fp32 sum of the rounded partials, for every
     # transport asked for; the tolerance is well under one rounding of the result to that dtype.  The split transport
     # writes it for bf16 and an N-major weight at two ranks, its own partial entering the sum unrounded (the others
@@ -95,7 +97,8 @@ def check_correctness(group_name, device, rank, world):
         out = torch.full((m // world, n), float("nan"), dtype=torch.float32, device=device)
         gemm_rs.matmul_reduce_scatter(a, w, bias, op, group_name, out=out, transport=transport)
         gemm_rs.check_error(group_name)
-        own_exact = transport == "split" and not k_major and half == torch.bfloat16 and world == 2
+        # Where the split transport writes the fp32 result itself (gemm_rs_split's rule), its own partial is exact.
+        own_exact = transport == "split" and float_result_reason(world, w, torch.float32) is None
         exact = a.float() @ w.float() + bias.float()
         partials = [torch.empty_like(exact) for _ in range(world)]
         dist.all_gather(partials, exact)

@@ -31,7 +31,7 @@ def test_captured_two_ranks_torchrun(transport):
     """cuda_graphs=True over real symmetric memory: the ops captured in CUDA graphs, replays and eager calls
     between them against fp32 references, and a reduce-overhead compile (tests/gpu/run_captured_2rank.py), with the
     GEMM+RS's stores or split transport."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FLUXINDUCTOR_DISPATCH="fused")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the script sets fused dispatch itself
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            os.path.join(HERE, "run_captured_2rank.py"), "--replays", "200", "--gemm-rs-push", transport]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
