@@ -87,9 +87,6 @@ struct GemmRsArgs {
   // Split transport (copy-engine resources above, K-major weight): one GEMM per segment with CUTLASS's own epilogue,
   // in a ring (csrc/include/fluxinductor/gemm_rs/split.cuh, run_split in gemm_rs.cu).
   // With world 1 (gemm_only), the two GEMMs run with communication off, outbox holding [m/2 or more rows, n] zeros.
-  // Loopback (world 2, rank 0, buffers[1] == buffers[0]; for measurement on one GPU): no handshake, and the copy
-  // stream sends the peer GEMM's rows into this rank's own slot, so the own GEMM waits for them and adds them as it
-  // would a peer's: every kernel, copy, count and wait of the transport, the copies device-local.
   bool split = false;
   const void* bias_scaled = nullptr;  // bias * out_scale (the own rows' GEMM adds it unscaled); null without bias
   bool split_pdl = true;              // launch each GEMM after the first as a programmatic dependent

@@ -508,53 +508,6 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
     return out
 
 
-class _Loopback:
-    """One device's loopback resources: a buffer laid out for two ranks, the copy-engine workspace, the call epoch."""
-
-    def __init__(self, device: torch.device):
-        self.buffer: Optional[Tensor] = None
-        self.copy = CopyEngineWorkspace(device, 2)
-        self.epoch = 0
-
-
-_loopbacks: Dict[int, _Loopback] = {}
-
-
-def split_loopback(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
-                   tail_split: Optional[int] = None, sm_count: int = 0,
-                   split_config_choice: Optional[int] = None) -> Tensor:
-    """The split transport at two ranks, run by this GPU alone (benchmarks): rank 0's call with this rank's own
-    buffer as rank 1's, so the copy stream sends the peer GEMM's rows (a2d's [M/2, M)) band by band into this rank's
-    own slot, and the own GEMM waits for each band and adds it as it would the peer's partial sum.  Every kernel,
-    count, copy and wait of the transport runs, without the handshake; the copies stay on the device.  Returns
-    ``out`` [M/2, N] = a2d[:M/2] @ weight + a2d[M/2:] @ weight (+ 2 bias).  ``tail_split``, ``sm_count`` and
-    ``split_config_choice`` as for :func:`gemm_only`; errors are reported by :func:`check_gemm_only`."""
-    reason = unsupported_reason(a2d, weight, bias, "sum", None) or split_reason(2, weight, bias, out)
-    if reason is None and (a2d.shape[0] < 2 or a2d.shape[0] % 2):
-        reason = "the loopback takes an even M of at least 2 rows"
-    if reason is not None:
-        raise ValueError(f"split_loopback cannot run: {reason}")
-    a2d, bias = _prepare(a2d, bias)
-    m, n = a2d.shape[0], weight.shape[1]
-    if out is None:
-        out = torch.empty((m // 2, n), dtype=a2d.dtype, device=a2d.device)
-    state = _loopbacks.get(a2d.device.index)
-    if state is None:
-        state = _loopbacks[a2d.device.index] = _Loopback(a2d.device)
-    nbytes = buffer_layout(m, n, 2, a2d.dtype)[2]
-    if state.buffer is None or state.buffer.numel() < nbytes:
-        torch.cuda.synchronize(a2d.device)  # the copy stream may still read the old one
-        state.buffer = _symm.persistent(lambda: torch.zeros(nbytes, dtype=torch.uint8, device=a2d.device),
-                                        a2d.device)
-        state.epoch = 0
-    state.epoch += 1  # flags hold epochs compared by signed difference, never reset (1, 2, ... as a group's calls)
-    pointer = state.buffer.data_ptr()
-    launch(a2d, weight, bias, out, m=m, world=2, rank=0, buffers=[pointer, pointer], epoch=state.epoch, sig=0,
-           error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, copy=state.copy, split=True,
-           tail_split=tail_split, split_config=split_config_choice)
-    return out
-
-
 def _gemm_only_error(device: torch.device) -> ErrorWord:
     word = _gemm_only_errors.get(device.index)
     if word is None:

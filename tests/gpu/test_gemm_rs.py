@@ -508,51 +508,6 @@ def test_split_two_ranks_one_gpu(flux_settings, rows, k, n, bands, reduce_op, pd
 
 
 @_gpu
-@pytest.mark.parametrize("config,tail_parts", [("0", "4"), ("0", "1"), ("2", "1")])
-@pytest.mark.parametrize("rows,k,n,k_major,with_bias", [
-    (1000, 264, 520, True, True),    # partial row and column tiles
-    (2048, 512, 1280, False, False),
-])
-def test_split_loopback_one_gpu(flux_settings, config, tail_parts, rows, k, n, k_major, with_bias):
-    """The split transport at two ranks run by one rank alone (gemm_rs.split_loopback, the one-GPU measurement of
-    the transport): its peer GEMM's rows reach its own GEMM through the counts, band copies and flag waits, so the
-    result is the sum of both row halves' products.  Four calls, new data and a poisoned output each (the flags'
-    epochs advance per call, so a stale band would be read as the previous call's)."""
-    from fluxinductor.kernels import gemm_rs
-
-    flux_settings(gemm_rs_split_config=config, gemm_rs_tail_split=tail_parts)
-    for call in range(4):
-        torch.manual_seed(call)
-        a = torch.randn(2 * rows, k, dtype=torch.bfloat16, device="cuda")
-        w = make_weight(k, n, k_major, torch.bfloat16, "cuda")
-        bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if with_bias else None
-        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        gemm_rs.split_loopback(a, w, bias, out=out)
-        gemm_rs.check_gemm_only()
-        ref = a[:rows].float() @ w.float() + a[rows:].float() @ w.float() + (2 * bias.float() if with_bias else 0)
-        assert not out.isnan().any()
-        assert relative_error(out, ref) < 1e-2
-
-
-@_gpu
-def test_shared_buffers_only_for_the_loopback():
-    """Two ranks' buffers at one address are the split transport's loopback; any other call so is refused."""
-    from fluxinductor.kernels import gemm_rs
-
-    m, k, n = 256, 64, 256
-    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    w = make_weight(k, n, True, torch.bfloat16, "cuda")
-    buffer = torch.zeros(gemm_rs.buffer_layout(m, n, 2, torch.bfloat16)[2], dtype=torch.uint8, device="cuda")
-    for copy in (None, gemm_rs.CopyEngineWorkspace(a.device, 2)):
-        with pytest.raises(RuntimeError, match="share a buffer"):
-            gemm_rs.launch(a, w, None, torch.empty((m // 2, n), dtype=torch.bfloat16, device="cuda"), m=m, world=2,
-                           rank=0, buffers=[buffer.data_ptr()] * 2, epoch=1, sig=0,
-                           error_address=gemm_rs.ErrorWord().device, copy=copy)
-    with pytest.raises(ValueError, match="even M"):
-        gemm_rs.split_loopback(a[:255], w, None)
-
-
-@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_major", [True, False])
 def test_split_dtypes_no_bias(dtype, k_major):
