@@ -37,6 +37,9 @@ def main(argv=None) -> int:
                    help="also the split GEMMs and cuBLAS with the weight N-major (as a backward's grad @ W gives it)")
     p.add_argument("--configs", default="",
                    help="comma-separated split configurations to time as well (split<c>_nocomm), e.g. 0,2")
+    p.add_argument("--counted", action="store_true",
+                   help="also each configuration's GEMMs with the first counting its tiles per band, as the peer GEMM "
+                        "does for the copy stream (split<c>_counted)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     split_configs = [int(c) for c in args.configs.split(",") if c]
@@ -66,6 +69,9 @@ def main(argv=None) -> int:
         for c in split_configs:
             fns[f"split{c}_nocomm"] = lambda c=c: gemm_rs.gemm_only(a, w, None, out=out, split=True,
                                                                   split_config_choice=c)
+            if args.counted:
+                fns[f"split{c}_counted"] = lambda c=c: gemm_rs.gemm_only(a, w, None, out=out, split=True,
+                                                                       split_config_choice=c, count_bands=True)
         times = time_round_robin(fns, 3, args.iters, args.rounds)
         ref = torch.mm(a.float(), w.float())
         for name in [f for f in fns if f.startswith("split")]:

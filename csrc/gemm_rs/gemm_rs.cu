@@ -624,7 +624,8 @@ int run_split(GemmRsArgs const& args, cudaStream_t stream) {
 
 // World 1 (gemm_only's split mode, benchmarks): the split transport's two GEMMs with communication off.  Rows
 // [0, m/2) with bias, then rows [m/2, m) with bias and the zeros at args.outbox ([m/2 or more rows, n]) as source C,
-// so out = A @ B + bias at the split transport's GEMM cost (two launches, the second reading C).
+// so out = A @ B + bias at the split transport's GEMM cost (two launches, the second reading C).  With counters, the
+// first GEMM counts its stored tiles per band there as the peer GEMM does (nothing waits for them).
 int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   if (args.m < 2 || args.outbox == nullptr) {
     return fail("the split transport's GEMMs need M >= 2 and a zero source buffer");
@@ -643,6 +644,14 @@ int run_split_nocomm(GemmRsArgs const& args, cudaStream_t stream) {
   first.rows = first_rows;
   first.a = args.a;
   first.d = args.out;
+  if (args.counters != nullptr) {
+    SplitBands const bands = split_bands(first_rows, args.n, args.bands, gemm_rs_split::kSplitTilings[config]);
+    first.band_rows = bands.rows;
+    first.col_chunks = bands.col_chunks;
+    first.chunk_col_tiles = bands.chunk_col_tiles;
+    first.counters = args.counters;
+    first.bands = bands.count();
+  }
   set_tail_split(&first, args, 0);
   if (gemm_rs_split::run_peer_gemm(first, stream, &message) != 0) {
     return fail(message);

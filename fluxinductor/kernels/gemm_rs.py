@@ -94,6 +94,7 @@ def launch(
     copy: Optional[CopyEngineWorkspace] = None,
     split: bool = False,
     split_source: Optional[Tensor] = None,
+    split_counters: Optional[Tensor] = None,
     tail_split: Optional[int] = None,
     split_config: Optional[int] = None,
     capture: bool = False,
@@ -106,7 +107,8 @@ def launch(
     ``copy``: move the peer tiles with the copy engine, with these resources (None: NVLink stores).
     ``split``: the split transport (needs ``copy``; :func:`split_reason` must have returned None).  With world 1
     (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
-    [m - m/2, N]) as its source C.  ``tail_split``: the split transport's most parts per tail tile (default
+    [m - m/2, N]) as its source C, the first counting its tiles per band in ``split_counters`` (int32, at least
+    ``GEMM_RS_MAX_BANDS``) where given, as the peer GEMM does.  ``tail_split``: the split transport's most parts per tail tile (default
     :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
     configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
     ``capture``: a call that CUDA graph replays repeat (the stores or the split transport, no tail split, ``epoch``
@@ -129,7 +131,7 @@ def launch(
         transfer = (copy.outbox_address(m * n * a.element_size()), copy.counters.data_ptr(), bands(),
                     copy.stream.cuda_stream)
     elif world == 1 and split:
-        transfer = (split_source.data_ptr(), 0, 1, 0)
+        transfer = (split_source.data_ptr(), 0 if split_counters is None else split_counters.data_ptr(), bands(), 0)
     else:
         transfer = (0, 0, 0, 0)
         split = False
@@ -464,19 +466,22 @@ _gemm_only_errors: Dict[int, ErrorWord] = {}
 
 
 _split_zeros: Dict[Tuple[int, torch.dtype, int], Tensor] = {}
+_count_scratch: Dict[int, Tensor] = {}  # gemm_only(count_bands=True): counts nothing reads
 
 
 def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optional[Tensor] = None,
               split: bool = False, tail_split: Optional[int] = None, sm_count: int = 0,
               split_config_choice: Optional[int] = None, out_dtype: Optional[torch.dtype] = None,
-              more: Sequence[Tuple[Tensor, Tensor]] = ()) -> Tensor:
+              more: Sequence[Tuple[Tensor, Tensor]] = (), count_bands: bool = False) -> Tensor:
     """a2d @ weight + bias with the same kernel and communication off (benchmarks).  Returns [M, N].
 
     ``split``: the split transport's two GEMMs instead (rows [0, M/2), then rows [M/2, M) reading an [M/2, N] zero
     buffer as their source, as the transport's second GEMM reads the peer's partial); ``tail_split`` and
     ``sm_count`` (CTAs of the persistent grid, 0: every SM) as for :func:`launch`; ``split_config_choice`` as for
     :func:`matmul_reduce_scatter`; ``more``: further terms (a_i [M, K_i], w_i [K_i, N]) of the sum, as K slabs of the
-    split GEMMs (``split``).  A kernel error (a tail split's timed-out wait) is reported by :func:`check_gemm_only`."""
+    split GEMMs (``split``); ``count_bands``: the first GEMM also counts its stored tiles per band as the peer GEMM
+    does for the copy stream (``split``; nothing waits for the counts).  A kernel error (a tail split's timed-out
+    wait) is reported by :func:`check_gemm_only`."""
     if out is not None:
         out_dtype = out.dtype
     reason = unsupported_reason(a2d, weight, bias, "sum", None, out_dtype)
@@ -502,8 +507,15 @@ def gemm_only(a2d: Tensor, weight: Tensor, bias: Optional[Tensor], *, out: Optio
         if zeros is None or zeros.shape[0] < m - m // 2:
             zeros = _split_zeros[key] = _symm.persistent(
                 lambda: torch.zeros((m - m // 2, n), dtype=a2d.dtype, device=a2d.device), a2d.device)
+    counters = None
+    if split and count_bands:
+        counters = _count_scratch.get(a2d.device.index)
+        if counters is None:
+            counters = _count_scratch[a2d.device.index] = _symm.persistent(
+                lambda: torch.zeros(_extension().GEMM_RS_MAX_BANDS, dtype=torch.int32, device=a2d.device), a2d.device)
     launch(a2d, weight, bias, out, m=m, world=1, rank=0, buffers=[], epoch=0, sig=0,
            error_address=_gemm_only_error(a2d.device).device, sm_count=sm_count, split=split, split_source=zeros,
+           split_counters=counters,
            tail_split=tail_split, split_config=split_config_choice, more=_prepare_more(more))
     return out
 

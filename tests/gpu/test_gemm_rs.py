@@ -508,6 +508,27 @@ def test_split_two_ranks_one_gpu(flux_settings, rows, k, n, bands, reduce_op, pd
 
 
 @_gpu
+@pytest.mark.parametrize("config", [0, 2])
+def test_gemm_only_split_counts_bands(config):
+    """gemm_only(split=True, count_bands=True): the same result, and the first GEMM's stored tiles counted (once
+    each, the tail split's parts included) in the counters the peer GEMM would give the copy stream."""
+    from fluxinductor.kernels import gemm_rs
+
+    m, k, n = 2 * 1000, 264, 1288
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = make_weight(k, n, True, torch.bfloat16, "cuda")
+    gemm_rs.gemm_only(a, w, None, split=True, split_config_choice=config, count_bands=True)  # the scratch exists
+    gemm_rs.check_gemm_only()
+    counters = gemm_rs._count_scratch[a.device.index]
+    before = int(counters.sum())
+    out = gemm_rs.gemm_only(a, w, None, split=True, split_config_choice=config, count_bands=True)
+    gemm_rs.check_gemm_only()
+    tile_m, tile_n = (128, 256) if config == 0 else (128, 192)
+    assert int(counters.sum()) - before == -(-(m // 2) // tile_m) * -(-n // tile_n)
+    assert relative_error(out, a.float() @ w.float()) < 1e-2
+
+
+@_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_major", [True, False])
 def test_split_dtypes_no_bias(dtype, k_major):
