@@ -109,8 +109,9 @@ def launch(
     (``gemm_only``) its two GEMMs run with communication off, the second reading ``split_source`` (zeros, at least
     [m - m/2, N]) as its source C, the first counting its tiles per band in ``split_counters`` (int32, at least
     ``GEMM_RS_MAX_BANDS``) where given, as the peer GEMM does.  ``tail_split``: the split transport's most parts per
-    tail tile (default :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``: the split GEMMs'
-    configuration chosen for the call (:func:`resolve_split_config` applies the override and the dtype).
+    tail tile (default :func:`tail_split_parts`; 1 = off; the ping-pong configuration has none).  ``split_config``:
+    the split GEMMs' configuration chosen for the call (:func:`resolve_split_config` applies the override and the
+    dtype).
     ``capture``: a call that CUDA graph replays repeat (the stores or the split transport, no tail split, ``epoch``
     :data:`CAPTURE_EPOCH`): the handshake sets its words back to 0, flags must equal the epoch and failed waits trap;
     the caller zeroes this rank's flags after it.
