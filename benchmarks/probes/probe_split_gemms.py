@@ -7,7 +7,8 @@ Per per-rank problem [M, K] @ [K, N] (default: the TP=2 problems of the shapes w
 as in sweep_kernels.py: cuBLAS on the whole problem and on half its rows (alone and as addmm with a source, which is
 what the split's second GEMM does), AG+GEMM's kernel on half the rows (the split's first GEMM: the same mainloop and
 tile order, no source), and the split's two GEMMs (``gemm_only(split=True)``).  The second GEMM's time is estimated as
-the split's minus the first's.
+the split's minus the first's.  ``--configs`` adds the two GEMMs in given configurations, ``--counted`` each of those
+with the first GEMM counting its tiles per band as the peer GEMM does for the copy stream (``count_bands=True``).
 """
 
 from __future__ import annotations
