@@ -215,7 +215,7 @@ def _sm_budget(world, split):
 
 def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=True, reduce_op="sum", calls=3,
               copy_engine=False, split=False, streams=None, tail_split=None, out_dtype=None, batch_rows=0,
-              slab_ks=(), own_exact=False):
+              slab_ks=(), own_exact=False, measure=None):
     """Run `world` ranks' kernels side by side on one GPU; returns the max relative error over ranks/calls.
     copy_engine: peer tiles go through each rank's outbox and copy stream (settings.tuning.gemm_rs_push="copy").
     split: the split transport (a ring of GEMMs; implies the copy-engine resources), with ``tail_split`` (None: the
@@ -224,7 +224,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
     batch_rows > 0: A is batch-major ([B, S, K] flattened, m = B * S), rank r's result its blocks of batch_rows rows
     ([B, S/world, N]), read in place.  slab_ks: the K of further terms of the reduced sum, K slabs of the split
     GEMMs.  own_exact (with out_dtype): each rank's own partial enters its rows' fp32 sum unrounded (the split
-    transport's fp32 result), the peers' rounded."""
+    transport's fp32 result), the peers' rounded.  measure(out, ref): a rank's error (default relative_error)."""
     from fluxinductor.kernels import gemm_rs
 
     device = torch.device("cuda", 0)
@@ -270,7 +270,7 @@ def _simulate(world, m, k, n, *, dtype=torch.bfloat16, k_major=True, with_bias=T
             refs = [ref.view(-1, world, batch_rows, n).transpose(0, 1).reshape(m, n) for ref in refs]
         for r in range(world):
             assert not outs[r].isnan().any(), f"rank {r} call {call}: unwritten output"
-            worst = max(worst, relative_error(outs[r], refs[r][r * rows:(r + 1) * rows]))
+            worst = max(worst, (measure or relative_error)(outs[r], refs[r][r * rows:(r + 1) * rows]))
     return worst
 
 
