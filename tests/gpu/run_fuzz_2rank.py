@@ -119,6 +119,7 @@ class PathRecorder:
             return
         self.ag_gemm, self.gemm_rs = ag_gemm, gemm_rs
         real_rs, real_ag = gemm_rs.matmul_reduce_scatter, ag_gemm.all_gather_matmul
+        prepare_rs, prepare_ag = gemm_rs.prepare_matmul_reduce_scatter, ag_gemm.prepare_all_gather_matmul
 
         def matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, **kwargs):
             self.events.append(("kernel", self._rs_transport(a2d, weight, bias, group_name, kwargs)))
@@ -128,16 +129,39 @@ class PathRecorder:
             self.events.append(("kernel", self._ag_variant(shard2d, weights, group_name)))
             return real_ag(shard2d, weights, biases, group_name, return_gathered, **kwargs)
 
+        # The dispatcher runs a signature's calls through the function these prepare (its first call and its
+        # replays) wherever they return one, and the two functions above only where they return None.
+        def prepare_matmul_reduce_scatter(a2d, weight, bias, reduce_op, group_name, **kwargs):
+            run = prepare_rs(a2d, weight, bias, reduce_op, group_name, **kwargs)
+            return self._recorded(run, lambda: self._rs_transport(a2d, weight, bias, group_name, kwargs))
+
+        def prepare_all_gather_matmul(shard2d, weights, biases, group_name, return_gathered, *args, **kwargs):
+            run = prepare_ag(shard2d, weights, biases, group_name, return_gathered, *args, **kwargs)
+            return self._recorded(run, lambda: self._ag_variant(shard2d, weights, group_name))
+
         gemm_rs.matmul_reduce_scatter = matmul_reduce_scatter
         ag_gemm.all_gather_matmul = all_gather_matmul
+        gemm_rs.prepare_matmul_reduce_scatter = prepare_matmul_reduce_scatter
+        ag_gemm.prepare_all_gather_matmul = prepare_all_gather_matmul
+
+    def _recorded(self, run, label):
+        """``run`` (a prepared call, or None), recording its kernel (``label()``, taken now) at each call."""
+        if run is None:
+            return None
+        path = label()
+
+        def recorded(*args, **kwargs):
+            self.events.append(("kernel", path))
+            return run(*args, **kwargs)
+
+        return recorded
 
     def _rs_transport(self, a2d, weight, bias, group_name, kwargs) -> str:
         gemm_rs = self.gemm_rs
         mode = gemm_rs.push_mode(kwargs.get("transport", "store"))
         if mode == "split":
             world = dist.get_world_size(_group(group_name))
-            out_dtype = kwargs.get("out_dtype")
-            if gemm_rs.split_reason(world, weight, bias) is not None or out_dtype not in (None, a2d.dtype):
+            if gemm_rs.split_reason(world, weight, bias, None, kwargs.get("out_dtype")) is not None:
                 return "gemm_rs:copy (split declined)"
             return f"gemm_rs:split{gemm_rs.resolve_split_config(a2d.dtype, kwargs.get('split_config_choice'))}"
         return f"gemm_rs:{mode}"
