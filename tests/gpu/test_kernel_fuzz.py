@@ -16,7 +16,8 @@ of the fp32 reference, with no error word and no timed-out wait (5 s).  An fp32 
 must also hold the arithmetic it promises (:func:`fp32_result_error`).
 
 ``pytest tests/gpu/test_kernel_fuzz.py`` runs the first :data:`CASES` seeds of each op.  A campaign:
-``python tests/gpu/test_kernel_fuzz.py --cases 2000 --out fuzz.json`` (every case's draw and outcome in the JSON).
+``python tests/gpu/test_kernel_fuzz.py --cases 2000 --out fuzz.json`` (per op and kind of case, how many passed and
+the worst error; every failed case's draw; ``--per-case``: every case's).
 """
 
 from __future__ import annotations
@@ -238,12 +239,40 @@ def test_kernel_fuzz(op):
     assert sum(r["outcome"] == "passed" for r in results) >= CASES * 3 // 4, "the draw mostly makes refused cases"
 
 
+def kind(result: Dict[str, object]) -> str:
+    """What a case exercises, for the campaign's counts: the transport or the all-gather's path and its options."""
+    if result["op"] == "matmul_reduce_scatter":
+        parts = [result["transport"]]
+        if result["transport"] == "split":
+            parts.append(f"configuration {result['config']}" + (", tail split" if result["tail_split"] > 1 else ""))
+        parts += [label for flag, label in ((result["out_fp32"], "fp32 result"), (result["slab_ks"], "K slabs"),
+                                            (result["batch_rows"], "batch-major")) if flag]
+    else:
+        parts = ["push" + (f", one call ({result['one_call']})" if result["one_call"] else "") if result["push"]
+                 else "pull"]
+        parts += [label for flag, label in ((result["batch_rows"], "batch-major"),
+                                            (result["k_chunks"] > 1, "K chunks")) if flag]
+    return ", ".join(parts)
+
+
+def summarize(results: List[Dict[str, object]]) -> Dict[str, Dict[str, Dict[str, object]]]:
+    """Per op and :func:`kind`: cases passed, refused and failed, and the worst relative error of those that ran."""
+    summary: Dict[str, Dict[str, Dict[str, object]]] = {}
+    for result in results:
+        entry = summary.setdefault(result["op"], {}).setdefault(
+            kind(result), {"passed": 0, "refused": 0, "failed": 0, "worst_error": 0.0})
+        entry[result["outcome"]] += 1
+        entry["worst_error"] = max(entry["worst_error"], result.get("error") or 0.0)
+    return {op: dict(sorted(kinds.items())) for op, kinds in sorted(summary.items())}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=1000, help="cases per op")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--ops", default=",".join(sorted(OPS)))
     parser.add_argument("--out", help="the campaign's JSON")
+    parser.add_argument("--per-case", action="store_true", help="every case's draw and outcome in the JSON")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop starting cases after this long, the time split evenly between the ops")
     args = parser.parse_args()
@@ -267,7 +296,9 @@ def main() -> int:
     report = {"schema": 1, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "git_sha": os.environ.get("FLUXINDUCTOR_GIT_SHA"), "python": platform.python_version(),
               "command": " ".join(sys.argv), "seconds": round(time.time() - started, 1), "summary": summary,
-              "results": results}
+              "kinds": summarize(results), "failed": [r for r in results if r["outcome"] == "failed"]}
+    if args.per_case:
+        report["results"] = results
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
