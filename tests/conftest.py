@@ -72,5 +72,5 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook 
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is available on this machine")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker: every test under tests/gpu/ has "gpu" keywords
             item.add_marker(skip_gpu)
