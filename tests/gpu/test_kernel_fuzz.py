@@ -184,7 +184,8 @@ def _all_gather_refusal(spec: Dict[str, object]) -> Optional[str]:
 def run_all_gather(spec: Dict[str, object]) -> Dict[str, object]:
     """Run one AG+GEMM case: {"refused": reason} or {"error": the worst relative error}; raises on a failed call or an
     output or gathered A that is wrong."""
-    from test_ag_gemm import _check_ranks, relative_error, run_ranks_on_one_gpu
+    from test_ag_gemm import _check_ranks, run_ranks_on_one_gpu
+    from test_gemm_rs import relative_error
 
     why = _all_gather_refusal(spec)
     if why is not None:

@@ -170,7 +170,7 @@ def test_gpu_fuzz_records_prepared_kernel_calls(monkeypatch):
     """tests/gpu/run_fuzz_2rank.py's path recorder counts the kernel calls the dispatcher makes through the function
     the kernel module prepared (a signature's first call and its replays), not only direct calls, and a call the
     module did not prepare for stays the direct call's to record."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
     import run_fuzz_2rank
 
     from fluxinductor import dispatch, ops
