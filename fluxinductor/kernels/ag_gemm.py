@@ -123,6 +123,17 @@ def unsupported_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Seque
         world = _group_size(group_name)
     except Exception as e:  # noqa: BLE001 - any failure to resolve the group means "not here"
         return f"cannot resolve process group {group_name!r} ({e})"
+    reason = _shapes_reason(shard2d, weights, biases, world)
+    if reason is not None:
+        return reason
+    if symm.capturing():
+        return capture_reason(shard2d, weights, group_name, world)
+    return None
+
+
+def _shapes_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                   world: int) -> Optional[str]:
+    """Why the kernels cannot take these operands' shapes gathered from ``world`` ranks (None: they can)."""
     if shard2d.shape[0] == 0:
         return "empty shard"
     m, k = world * shard2d.shape[0], shard2d.shape[1]
@@ -131,8 +142,6 @@ def unsupported_reason(shard2d: Tensor, weights: Sequence[Tensor], biases: Seque
         why = _kernel_reason(m, k, k, 256, weight, bias, 256, weight.shape[1])
         if why is not None:
             return why
-    if symm.capturing():
-        return capture_reason(shard2d, weights, group_name, world)
     return None
 
 

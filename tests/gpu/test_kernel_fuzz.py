@@ -166,14 +166,13 @@ def _all_gather_refusal(spec: Dict[str, object]) -> Optional[str]:
     from fluxinductor.kernels import ag_gemm
     from test_gemm_rs import make_weight
 
-    dtype, m, k = DTYPES[spec["dtype"]], spec["world"] * spec["shard_rows"], spec["k"]
+    dtype, k = DTYPES[spec["dtype"]], spec["k"]
     shard = torch.empty(spec["shard_rows"], k, dtype=dtype, device="cuda")
     # the simulation's weights alternate layouts: K-major first
     weights = [make_weight(k, n, i % 2 == 0, dtype, "cuda") for i, n in enumerate(spec["ns"])]
     biases = [torch.empty(n, dtype=dtype, device="cuda") if spec["bias"] else None for n in spec["ns"]]
-    why = ag_gemm._operand_reason(shard, weights, biases)
-    for w, b in zip(weights, biases):
-        why = why or ag_gemm._kernel_reason(m, k, k, 256, w, b, 256, w.shape[1])
+    why = ag_gemm._operand_reason(shard, weights, biases) or ag_gemm._shapes_reason(shard, weights, biases,
+                                                                                     spec["world"])
     if why is None and spec["push"] and not ag_gemm.use_push(shard, weights):
         why = "the shard's rows are not whole tiles of every launch (the call pulls)"
     if why is None and spec["batch_rows"]:

@@ -98,6 +98,36 @@ def test_a_case_is_rebuilt_from_its_seed():
     assert all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
 
 
+def test_gpu_fuzz_records_prepared_kernel_calls(monkeypatch):
+    """tests/gpu/run_fuzz_2rank.py's path recorder counts the kernel calls the dispatcher makes through the function
+    the kernel module prepared (a signature's first call and its replays), not only direct calls, and a call the
+    module did not prepare for stays the direct call's to record."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+    import run_fuzz_2rank
+
+    from fluxinductor import dispatch, ops
+    from fluxinductor.kernels import ag_gemm, gemm_rs
+
+    for module, name in ((dispatch, "record_fallback"), (ops, "record_fallback"), (gemm_rs, "matmul_reduce_scatter"),
+                         (ag_gemm, "all_gather_matmul")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # the recorder replaces them: restored after
+    ran = []
+    monkeypatch.setattr(gemm_rs, "prepare_matmul_reduce_scatter",
+                        lambda *args, transport, **kwargs: (lambda: ran.append("rs")) if transport == "split" else None)
+    monkeypatch.setattr(ag_gemm, "prepare_all_gather_matmul", lambda *args, **kwargs: lambda: ran.append("ag"))
+    monkeypatch.setattr(run_fuzz_2rank.PathRecorder, "_rs_transport", lambda self, *args: "gemm_rs:split0")
+    monkeypatch.setattr(run_fuzz_2rank.PathRecorder, "_ag_variant", lambda self, *args: "ag_gemm:push/v0")
+    recorder = run_fuzz_2rank.PathRecorder()
+    rs = gemm_rs.prepare_matmul_reduce_scatter(None, None, None, "sum", "group", transport="split")
+    rs()
+    rs()  # a replay
+    assert gemm_rs.prepare_matmul_reduce_scatter(None, None, None, "sum", "group", transport="store") is None
+    ag_gemm.prepare_all_gather_matmul(None, [], [], "group", False)()
+    assert ran == ["rs", "rs", "ag"]
+    assert recorder.events == [("kernel", "gemm_rs:split0")] * 2 + [("kernel", "ag_gemm:push/v0")]
+    assert recorder.path() == "gemm_rs:split0+ag_gemm:push/v0"
+
+
 def _git_sha() -> str:
     import subprocess
 
@@ -165,32 +195,3 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def test_gpu_fuzz_records_prepared_kernel_calls(monkeypatch):
-    """tests/gpu/run_fuzz_2rank.py's path recorder counts the kernel calls the dispatcher makes through the function
-    the kernel module prepared (a signature's first call and its replays), not only direct calls, and a call the
-    module did not prepare for stays the direct call's to record."""
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
-    import run_fuzz_2rank
-
-    from fluxinductor import dispatch, ops
-    from fluxinductor.kernels import ag_gemm, gemm_rs
-
-    for module, name in ((dispatch, "record_fallback"), (ops, "record_fallback"), (gemm_rs, "matmul_reduce_scatter"),
-                         (ag_gemm, "all_gather_matmul")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # the recorder replaces them: restored after
-    ran = []
-    monkeypatch.setattr(gemm_rs, "prepare_matmul_reduce_scatter",
-                        lambda *args, transport, **kwargs: (lambda: ran.append("rs")) if transport == "split" else None)
-    monkeypatch.setattr(ag_gemm, "prepare_all_gather_matmul", lambda *args, **kwargs: lambda: ran.append("ag"))
-    monkeypatch.setattr(run_fuzz_2rank.PathRecorder, "_rs_transport", lambda self, *args: "gemm_rs:split0")
-    monkeypatch.setattr(run_fuzz_2rank.PathRecorder, "_ag_variant", lambda self, *args: "ag_gemm:push/v0")
-    recorder = run_fuzz_2rank.PathRecorder()
-    rs = gemm_rs.prepare_matmul_reduce_scatter(None, None, None, "sum", "group", transport="split")
-    rs()
-    rs()  # a replay
-    assert gemm_rs.prepare_matmul_reduce_scatter(None, None, None, "sum", "group", transport="store") is None
-    ag_gemm.prepare_all_gather_matmul(None, [], [], "group", False)()
-    assert ran == ["rs", "rs", "ag"]
-    assert recorder.events == [("kernel", "gemm_rs:split0")] * 2 + [("kernel", "ag_gemm:push/v0")]
-    assert recorder.path() == "gemm_rs:split0+ag_gemm:push/v0"
